@@ -1,0 +1,36 @@
+# Every target builds what it needs on a fresh machine: system packages (Java 17, PostgreSQL 15)
+# through apt when absent, then a virtualenv with the project installed.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export SPARK_LOCAL_IP ?= 127.0.0.1
+
+.PHONY: test demo lint bench-receive system-deps venv clean
+
+system-deps:
+	@bash .ci/system-deps
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q pgcdc_dagster_tests
+
+demo: $(STAMP)
+	$(VENV)/bin/pgcdc demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks
+	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks
+
+bench-receive: $(STAMP)
+	$(PY) benchmarks/receive.py
+
+clean:
+	rm -rf $(VENV) .pgcdc

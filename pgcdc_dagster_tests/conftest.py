@@ -1,0 +1,67 @@
+"""Shared fixtures: one source and one target throwaway cluster for the whole test session.
+
+Clusters are real PostgreSQL servers (never mocks). They are shared across tests for speed;
+each test that needs isolation gets its own database on them (``source_db`` / ``target_db``),
+so slots, publications and tables of one test never leak into another.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, temporary_cluster
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def source_cluster() -> Iterator[LocalCluster]:
+    cluster = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-test-source-")
+    with cluster:
+        yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def target_cluster() -> Iterator[LocalCluster]:
+    cluster = temporary_cluster(prefix="pgcdc-test-target-")
+    with cluster:
+        yield cluster
+    cluster.destroy()
+
+
+def _fresh_database(cluster: LocalCluster, label: str) -> Iterator[str]:
+    name = f"{label}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield cluster.dsn(name)
+    finally:
+        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            # Slots pin a database: drop this database's slots before the database.
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE database = %s AND NOT active",
+                (name,),
+            )
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+@pytest.fixture
+def source_dsn(source_cluster: LocalCluster) -> Iterator[str]:
+    """A fresh database on the logical source cluster."""
+    yield from _fresh_database(source_cluster, "src")
+
+
+@pytest.fixture
+def target_dsn(target_cluster: LocalCluster) -> Iterator[str]:
+    """A fresh database on the target cluster."""
+    yield from _fresh_database(target_cluster, "tgt")
