@@ -140,8 +140,17 @@ class LocalCluster:
                 self.port = free_port()
             self._write_settings()
             started = self._run(
-                [str(bindir / "pg_ctl"), "-D", str(self.datadir), "-l", str(self.logfile),
-                 "-w", "-t", "60", "start"]
+                [
+                    str(bindir / "pg_ctl"),
+                    "-D",
+                    str(self.datadir),
+                    "-l",
+                    str(self.logfile),
+                    "-w",
+                    "-t",
+                    "60",
+                    "start",
+                ]
             )
             if started.returncode == 0:
                 break
@@ -157,8 +166,16 @@ class LocalCluster:
         return self
 
     def _initdb(self, bindir: Path) -> None:
-        args = [str(bindir / "initdb"), "-D", str(self.datadir), "-U", self.superuser,
-                "--encoding=UTF8", "--locale=C", "--no-sync"]
+        args = [
+            str(bindir / "initdb"),
+            "-D",
+            str(self.datadir),
+            "-U",
+            self.superuser,
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        ]
         pwfile: Path | None = None
         if self.password is not None:
             pwfile = self.directory / ".pwfile"
@@ -220,7 +237,10 @@ class LocalCluster:
 
 
 def temporary_cluster(
-    settings: Mapping[str, str] | None = None, *, password: str | None = None, prefix: str = "pgcdc-"
+    settings: Mapping[str, str] | None = None,
+    *,
+    password: str | None = None,
+    prefix: str = "pgcdc-",
 ) -> LocalCluster:
     """A cluster in a fresh temporary directory (not started)."""
     directory = Path(tempfile.mkdtemp(prefix=prefix))

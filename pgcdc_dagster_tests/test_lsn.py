@@ -14,10 +14,16 @@ def test_compares_and_subtracts_as_numbers():
     assert Lsn("0/10") > Lsn("0/9")
     assert Lsn("1/0") - Lsn("0/FFFFFFFF") == 1
     assert Lsn("0/100") + 16 == Lsn("0/110")
-    assert sorted([Lsn("1/0"), Lsn("0/FF"), Lsn("0/100")]) == [Lsn("0/FF"), Lsn("0/100"), Lsn("1/0")]
+    assert sorted([Lsn("1/0"), Lsn("0/FF"), Lsn("0/100")]) == [
+        Lsn("0/FF"),
+        Lsn("0/100"),
+        Lsn("1/0"),
+    ]
 
 
-@pytest.mark.parametrize("bad", ["", "0", "0/", "/1", "0/1/2", "G/1", "123456789/0", "0x1/2", " / "])
+@pytest.mark.parametrize(
+    "bad", ["", "0", "0/", "/1", "0/1/2", "G/1", "123456789/0", "0x1/2", " / "]
+)
 def test_rejects_malformed_text(bad):
     with pytest.raises(LsnError, match="not an LSN"):
         Lsn(bad)
