@@ -65,3 +65,13 @@ def source_dsn(source_cluster: LocalCluster) -> Iterator[str]:
 def target_dsn(target_cluster: LocalCluster) -> Iterator[str]:
     """A fresh database on the target cluster."""
     yield from _fresh_database(target_cluster, "tgt")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession for the whole test session (a cold start costs seconds)."""
+    from pgcdc_dagster.spark_session import get_spark
+
+    session = get_spark(master="local[2]")
+    yield session
+    session.stop()
