@@ -1,0 +1,469 @@
+"""The source's replication slot and publication: the durable record of what has been stored.
+
+The slot's ``confirmed_flush_lsn`` is the one source of truth for "changes up to here are safely
+stored downstream"; the source keeps every WAL record after the slot's ``restart_lsn`` until the
+slot moves. The publication names the tables whose changes pgoutput sends through the slot.
+
+How a replication starts::
+
+    replication=database connection            ordinary connection(s)
+    CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')
+        -> consistent_point C, snapshot S      BEGIN ISOLATION LEVEL REPEATABLE READ;
+    (stays open and idle)                      SET TRANSACTION SNAPSHOT 'S';  -- sees commits <= C
+                                               COPY every table ... COMMIT
+    close()                                    slot then streams every commit after C
+
+The snapshot and the slot meet exactly at ``consistent_point``: a transaction is either in the
+snapshot or in the slot's stream, never both and never neither. That only holds while the
+exported snapshot is importable, i.e. while the exporting walsender connection sends nothing
+more: :class:`ExportedSnapshotSlot` therefore never touches its connection until ``close()``.
+
+Invariants kept here:
+
+- The slot never moves backwards (:func:`advance_slot` refuses silently, returning where it is):
+  moving it back is impossible anyway, and asking for it means the caller's idea of progress is
+  stale, not that data should be re-read.
+- An invalidated slot (WAL removed, or a recovery conflict) is reported as an error every time it
+  is read: its stream has a gap that no amount of retrying fills; the only fix is a new slot and a
+  new base snapshot.
+- Slot names are restricted to ``[a-z0-9_]{1,63}`` (PostgreSQL's own rule) and checked before any
+  server sees them: replication connections take no bound parameters, so the name is spliced in
+  (through psycopg.sql) rather than bound.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import psycopg
+from psycopg import errors, sql
+
+from pgcdc_dagster.connect import connect
+from pgcdc_dagster.identifiers import TableName, quote_if_needed
+from pgcdc_dagster.lsn import Lsn, lsn_or_none
+from pgcdc_dagster.preflight import user_tables
+
+__all__ = [
+    "CreatedSlot",
+    "ExportedSnapshotSlot",
+    "SlotError",
+    "SlotInfo",
+    "advance_slot",
+    "create_slot_with_snapshot",
+    "drop_slot",
+    "ensure_publication",
+    "publication_tables",
+    "read_slot",
+]
+
+_SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+
+# Newest syntax first (PostgreSQL 15+), then the one older servers understand. On a
+# replication connection with autocommit both return the snapshot name.
+_CREATE_SLOT_SYNTAXES = (
+    "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput (SNAPSHOT 'export')",
+    "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput EXPORT_SNAPSHOT",
+)
+
+
+class SlotError(RuntimeError):
+    """A slot or publication is missing, unusable or in use; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """One row of ``pg_replication_slots`` for a logical slot, as typed values.
+
+    ``retained_wal_bytes`` is how much WAL the slot forces the source to keep
+    (``pg_current_wal_flush_lsn() - restart_lsn``, computed by the server so both ends of the
+    subtraction come from the same moment). ``safe_wal_size`` is how many more bytes may be
+    written before the slot risks invalidation; ``None`` when ``max_slot_wal_keep_size`` is
+    unlimited.
+    """
+
+    name: str
+    plugin: str
+    database: str
+    active: bool
+    restart_lsn: Lsn | None
+    confirmed_flush_lsn: Lsn | None
+    wal_status: str | None
+    safe_wal_size: int | None
+    retained_wal_bytes: int | None
+
+
+@dataclass(frozen=True)
+class CreatedSlot:
+    """A freshly created slot: its stream starts after ``consistent_point``, and
+    ``snapshot_name`` is the snapshot that holds exactly the commits up to it."""
+
+    name: str
+    consistent_point: Lsn
+    snapshot_name: str
+
+
+class ExportedSnapshotSlot:
+    """A created slot plus the idle replication connection that keeps its snapshot importable.
+
+    Use as a context manager around the base copy: import :attr:`slot`'s ``snapshot_name`` in
+    other connections (``SET TRANSACTION SNAPSHOT``) before leaving the block. Nothing may be sent
+    on the replication connection meanwhile (any command ends the export), so this object has no
+    method but :meth:`close`. Closing ends the export, not the slot: the slot is permanent and
+    keeps retaining WAL from ``consistent_point`` until it is advanced or dropped — a failed copy
+    must :func:`drop_slot` before retrying.
+    """
+
+    slot: CreatedSlot
+
+    def __init__(self, conn: psycopg.Connection[Any], slot: CreatedSlot) -> None:
+        self._conn = conn
+        self.slot = slot
+
+    @property
+    def closed(self) -> bool:
+        return self._conn.closed
+
+    def close(self) -> None:
+        """End the export; idempotent."""
+        self._conn.close()
+
+    def __enter__(self) -> ExportedSnapshotSlot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "exporting"
+        return f"ExportedSnapshotSlot({self.slot!r}, {state})"
+
+
+def _checked_slot_name(slot_name: str) -> str:
+    if not _SLOT_NAME.match(slot_name):
+        raise SlotError(
+            f"{slot_name!r} is not a valid replication slot name: use 1 to 63 characters of "
+            "lower-case letters, digits and underscores, for example 'pgcdc_orders'"
+        )
+    return slot_name
+
+
+def _server_message(exc: psycopg.Error) -> str:
+    return (exc.diag.message_primary or str(exc)).strip()
+
+
+def _redo_hint(slot_name: str) -> str:
+    return (
+        f"drop it (SELECT pg_drop_replication_slot('{slot_name}')) and re-take the base "
+        "snapshot (run pgcdc snapshot), which creates the slot anew"
+    )
+
+
+def create_slot_with_snapshot(dsn: str, slot_name: str) -> ExportedSnapshotSlot:
+    """Create the logical slot ``slot_name`` (pgoutput) and export the snapshot it starts from.
+
+    The returned object owns the replication connection; keep it open (and use it only as a
+    context manager) until every connection of the base copy has imported the snapshot.
+    """
+    _checked_slot_name(slot_name)
+    conn = connect(dsn, role="source", replication=True)
+    try:
+        row = _create_slot(conn, slot_name)
+    except BaseException:
+        conn.close()
+        raise
+    return ExportedSnapshotSlot(conn, row)
+
+
+def _create_slot(
+    conn: psycopg.Connection[Any],
+    slot_name: str,
+    syntaxes: Iterable[str] = _CREATE_SLOT_SYNTAXES,
+) -> CreatedSlot:
+    """Run ``CREATE_REPLICATION_SLOT`` with the first syntax the server accepts."""
+    _checked_slot_name(slot_name)
+    last_syntax_error: psycopg.Error | None = None
+    for syntax in syntaxes:
+        try:
+            cur = conn.execute(sql.SQL(syntax).format(slot=sql.Identifier(slot_name)))
+        except errors.SyntaxError as exc:
+            last_syntax_error = exc
+            continue
+        except errors.DuplicateObject:
+            raise SlotError(
+                f"replication slot {slot_name} already exists on the source: a new slot needs a "
+                "new base snapshot, so either keep using the existing one or "
+                f"{_redo_hint(slot_name)}"
+            ) from None
+        except errors.ConfigurationLimitExceeded as exc:
+            raise SlotError(
+                f"cannot create replication slot {slot_name}: {_server_message(exc)}: drop an "
+                "unused slot (SELECT pg_drop_replication_slot(name)) or raise "
+                "max_replication_slots / max_wal_senders and restart the source"
+            ) from None
+        except errors.ObjectNotInPrerequisiteState as exc:
+            raise SlotError(
+                f"cannot create replication slot {slot_name}: {_server_message(exc)}: run "
+                "ALTER SYSTEM SET wal_level = logical on the source and restart it"
+            ) from None
+        row = cur.fetchone()
+        names = [column.name for column in cur.description or []]
+        if row is None or "snapshot_name" not in names:
+            raise SlotError(f"CREATE_REPLICATION_SLOT {slot_name} returned no snapshot")
+        fields = dict(zip(names, row, strict=True))
+        if not fields["snapshot_name"]:
+            raise SlotError(
+                f"replication slot {slot_name} was created but no snapshot was exported "
+                "(the connection must be a replication=database connection in autocommit): "
+                f"{_redo_hint(slot_name)}"
+            )
+        return CreatedSlot(
+            name=str(fields["slot_name"]),
+            consistent_point=Lsn(str(fields["consistent_point"])),
+            snapshot_name=str(fields["snapshot_name"]),
+        )
+    raise SlotError(
+        f"the source rejected every known CREATE_REPLICATION_SLOT syntax for {slot_name} "
+        f"({last_syntax_error}): logical replication with pgoutput needs PostgreSQL 10 or later"
+    )
+
+
+_READ_SLOT = """
+SELECT s.slot_name, s.slot_type, s.plugin, s.database, s.active,
+       s.restart_lsn::text, s.confirmed_flush_lsn::text, s.wal_status, s.safe_wal_size,
+       pg_wal_lsn_diff(
+           CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                ELSE pg_current_wal_flush_lsn() END,
+           s.restart_lsn)::bigint,
+       -- Columns of newer servers, read through jsonb so one query fits every version.
+       (to_jsonb(s) ->> 'conflicting')::boolean,
+       to_jsonb(s) ->> 'invalidation_reason'
+FROM pg_replication_slots s
+WHERE s.slot_name = %s
+"""
+
+
+def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
+    """The slot's current state; :class:`SlotError` if it is missing, physical or invalidated.
+
+    An invalidated slot can never be used again, whatever its other columns say, so it is an
+    error here rather than a status for every caller to remember to check.
+    """
+    _checked_slot_name(slot_name)
+    with conn.transaction():
+        row = conn.execute(_READ_SLOT, (slot_name,)).fetchone()
+    if row is None:
+        raise SlotError(
+            f"replication slot {slot_name} does not exist on the source: create it with "
+            "create_slot_with_snapshot (run pgcdc snapshot), which also takes the base snapshot "
+            "its changes continue from"
+        )
+    (name, slot_type, plugin, database, active, restart, confirmed, wal_status, safe_size) = row[:9]
+    retained, conflicting, invalidation_reason = row[9:]
+    if slot_type != "logical":
+        raise SlotError(
+            f"replication slot {slot_name} is a {slot_type} slot, not a logical one: it belongs "
+            "to something else (a standby?); choose another slot name"
+        )
+    if wal_status == "lost" or conflicting or invalidation_reason:
+        reason = invalidation_reason or (
+            "the WAL it still needed was removed" if wal_status == "lost" else "recovery conflict"
+        )
+        raise SlotError(
+            f"replication slot {slot_name} is invalidated ({reason}; wal_status {wal_status}): "
+            "changes after its last confirmed position are gone from the source, so the target "
+            f"can no longer be kept in step; {_redo_hint(slot_name)}"
+        )
+    return SlotInfo(
+        name=name,
+        plugin=plugin,
+        database=database,
+        active=active,
+        restart_lsn=lsn_or_none(restart),
+        confirmed_flush_lsn=lsn_or_none(confirmed),
+        wal_status=wal_status,
+        safe_wal_size=safe_size,
+        retained_wal_bytes=retained,
+    )
+
+
+def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
+    """Confirm everything up to ``to`` as stored, letting the source free the WAL before it.
+
+    Never moves backwards: when ``to`` is at or before the confirmed position, nothing happens.
+    The server also never moves past its own flush position, so the result can be below ``to``.
+    Returns the confirmed position afterwards. ``to`` must be a transaction boundary (a
+    COMMIT's end LSN): a point inside a COMMIT record marks that transaction as consumed.
+    The server writes the new position to disk at its next checkpoint; after a crash the slot
+    may come back at an earlier position, so consumers must tolerate re-reading a range.
+    """
+    current = read_slot(conn, slot_name).confirmed_flush_lsn
+    if current is not None and to <= current:
+        return current
+    try:
+        with conn.transaction():
+            row = conn.execute(
+                "SELECT end_lsn::text FROM pg_replication_slot_advance(%s, %s::pg_lsn)",
+                (slot_name, str(Lsn(to))),
+            ).fetchone()
+    except errors.ObjectNotInPrerequisiteState:
+        # Someone else moved the slot past `to` since we read it: that is "nothing to do".
+        after = read_slot(conn, slot_name).confirmed_flush_lsn
+        if after is not None and to <= after:
+            return after
+        raise
+    except errors.ObjectInUse as exc:
+        raise SlotError(
+            f"cannot advance replication slot {slot_name}: {_server_message(exc)}: a consumer is "
+            "streaming from it; stop that consumer (or wait for it) and retry"
+        ) from None
+    assert row is not None
+    return Lsn(row[0])
+
+
+def drop_slot(conn: psycopg.Connection[Any], slot_name: str, *, missing_ok: bool = True) -> None:
+    """Drop the slot, releasing the WAL it retains. The stream's position is lost with it: the
+    next replication needs a new slot and a new base snapshot."""
+    _checked_slot_name(slot_name)
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot_name,))
+    except errors.UndefinedObject:
+        if missing_ok:
+            return
+        raise SlotError(
+            f"replication slot {slot_name} does not exist on the source, so it cannot be dropped: "
+            "check the slot name (SELECT slot_name FROM pg_replication_slots)"
+        ) from None
+    except errors.ObjectInUse as exc:
+        raise SlotError(
+            f"cannot drop replication slot {slot_name}: {_server_message(exc)}: stop the consumer "
+            "streaming from it (or SELECT pg_terminate_backend(active_pid) FROM "
+            f"pg_replication_slots WHERE slot_name = '{slot_name}') and retry"
+        ) from None
+
+
+def publication_tables(conn: psycopg.Connection[Any], name: str) -> list[TableName]:
+    """The tables whose changes ``name`` publishes, sorted; partitions published through their
+    root (``publish_via_partition_root``) appear as the root only."""
+    with conn.transaction():
+        exists = conn.execute("SELECT 1 FROM pg_publication WHERE pubname = %s", (name,))
+        if exists.fetchone() is None:
+            raise SlotError(
+                f"publication {name} does not exist in database {conn.info.dbname}: create it "
+                "with ensure_publication (run pgcdc snapshot)"
+            )
+        rows = conn.execute(
+            "SELECT schemaname, tablename FROM pg_publication_tables WHERE pubname = %s", (name,)
+        ).fetchall()
+    return sorted(TableName(schema, table) for schema, table in rows)
+
+
+def ensure_publication(
+    conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName] | None
+) -> list[TableName]:
+    """Make publication ``name`` publish at least ``tables`` (``None``: every user table, as
+    :func:`pgcdc_dagster.preflight.user_tables` resolves them) and return what it publishes.
+
+    A new publication lists its tables explicitly (``FOR TABLE``), even for ``None``: the set of
+    published tables then equals the set the base snapshot copies, and a table created later is
+    not silently half-replicated (its changes streamed, its existing rows never copied).
+    ``publish_via_partition_root`` is on, so a partitioned table's changes arrive under the
+    root's name whatever partition they land in. An existing publication is only ever extended:
+    missing tables are added, nothing is removed.
+    """
+    with conn.transaction():
+        wanted = sorted(set(tables)) if tables is not None else user_tables(conn)
+        row = conn.execute(
+            "SELECT puballtables, pubviaroot, pubinsert AND pubupdate AND pubdelete "
+            "FROM pg_publication WHERE pubname = %s",
+            (name,),
+        ).fetchone()
+        if row is None:
+            statement = sql.SQL("CREATE PUBLICATION {}").format(sql.Identifier(name))
+            if wanted:
+                statement += sql.SQL(" FOR TABLE {}").format(
+                    sql.SQL(", ").join(table.sql for table in wanted)
+                )
+            statement += sql.SQL(" WITH (publish_via_partition_root = true)")
+            _run_publication_ddl(conn, name, statement)
+        else:
+            all_tables, via_root, publishes_all_kinds = row
+            if not publishes_all_kinds:
+                raise SlotError(
+                    f"publication {name} does not publish every kind of change, so the target "
+                    f"would drift: run ALTER PUBLICATION {quote_if_needed(name)} "
+                    "SET (publish = 'insert, update, delete, truncate')"
+                )
+            if not via_root:
+                _run_publication_ddl(
+                    conn,
+                    name,
+                    sql.SQL("ALTER PUBLICATION {} SET (publish_via_partition_root = true)").format(
+                        sql.Identifier(name)
+                    ),
+                )
+            missing = [] if all_tables else _uncovered(conn, name, wanted)
+            if missing:
+                _run_publication_ddl(
+                    conn,
+                    name,
+                    sql.SQL("ALTER PUBLICATION {} ADD TABLE {}").format(
+                        sql.Identifier(name), sql.SQL(", ").join(table.sql for table in missing)
+                    ),
+                )
+        return publication_tables(conn, name)
+
+
+def _uncovered(
+    conn: psycopg.Connection[Any], name: str, wanted: Sequence[TableName]
+) -> list[TableName]:
+    """The tables of ``wanted`` whose changes ``name`` does not publish, neither directly nor
+    through a published ancestor (partition root)."""
+    if not wanted:
+        return []
+    rows = conn.execute(
+        """
+        SELECT w.schema, w.name
+        FROM unnest(%s::text[], %s::text[]) AS w(schema, name)
+        WHERE NOT EXISTS (
+            SELECT 1
+            FROM pg_class wc
+            JOIN pg_namespace wn ON wn.oid = wc.relnamespace
+            CROSS JOIN LATERAL (
+                SELECT wc.oid UNION SELECT relid FROM pg_partition_ancestors(wc.oid)
+            ) AS a(relid)
+            JOIN pg_class c ON c.oid = a.relid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            JOIN pg_publication_tables p
+              ON p.pubname = %s AND p.schemaname = n.nspname AND p.tablename = c.relname
+            WHERE wn.nspname = w.schema AND wc.relname = w.name)
+        """,
+        ([t.schema for t in wanted], [t.name for t in wanted], name),
+    ).fetchall()
+    return sorted(TableName(schema, table) for schema, table in rows)
+
+
+def _run_publication_ddl(conn: psycopg.Connection[Any], name: str, statement: sql.Composed) -> None:
+    try:
+        with conn.transaction():
+            conn.execute(statement)
+    except errors.InsufficientPrivilege as exc:
+        raise SlotError(
+            f"cannot set up publication {name}: {_server_message(exc)}: the source role must own "
+            "the published tables and may create in the database; run as the tables' owner, or "
+            f"have an administrator run: {statement.as_string(conn)}"
+        ) from None
+    except errors.UndefinedTable as exc:
+        raise SlotError(
+            f"cannot set up publication {name}: {_server_message(exc)}: check the table list "
+            "(run the source preflight check, which names every missing table)"
+        ) from None
