@@ -42,29 +42,33 @@ The safe point (what the slot may be advanced to)
 from __future__ import annotations
 
 import gc
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from .connect import connect
 from .lsn import Lsn, LsnRange
-from .pgoutput import (
-    Begin,
-    Commit,
-    Delete,
-    Insert,
-    Message,
-    Origin,
-    Relation,
-    Truncate,
-    Type,
-    Update,
-    decode,
+from .pgoutput import Message, Relation, Truncate, Type, decode
+from .pgoutput_batch import (
+    KIND_BEGIN,
+    KIND_COMMIT,
+    KIND_DELETE,
+    KIND_INSERT,
+    KIND_UPDATE,
+    ChangeBlock,
+    MessageBatch,
+    decode_begin_commit,
+    decode_changes,
+    text_lists,
 )
 from .slot import advance_slot, read_slot
 from .store import CHANGE_SCHEMA, OutputStore, RangeWriter, iter_batches
@@ -269,165 +273,150 @@ def _stream_peek(
                     f"{exc.diag.message_primary}: create the publication {publication} "
                     "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
                 ) from None
-            while rows := cur.fetchmany(fetch_rows):
-                decoder.feed(rows)
+            _overlap(lambda: cur.fetchmany(fetch_rows), decoder.feed)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
+@dataclass
+class _OpenTxn:
+    xid: int
+    first_lsn: int
+    final_lsn: int
+    position: int
+    """Batch position of its Begin; -1 when it began in an earlier batch."""
+
+
+def _overlap(fetch: Callable[[], list[Any]], consume: Callable[[list[Any]], None]) -> None:
+    """Fetch the next batch on a thread while this one is decoded.
+
+    The fetch mostly waits on the socket (GIL released) and decoding is mostly NumPy/Arrow,
+    so the two overlap: measured ~0.55 of the raw read rate serial, see benchmarks/receive.py.
+    """
+    batches: queue.Queue[list[Any] | BaseException | None] = queue.Queue(maxsize=2)
+
+    def producer() -> None:
+        try:
+            while rows := fetch():
+                batches.put(rows)
+            batches.put(None)
+        except BaseException as exc:  # handed to the consumer, re-raised there
+            batches.put(exc)
+
+    thread = threading.Thread(target=producer, name="pgcdc-receive-fetch", daemon=True)
+    thread.start()
+    try:
+        while (item := batches.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            consume(item)
+    finally:
+        # On a decode error, let the producer finish its current fetch and stop.
+        while thread.is_alive():
+            try:
+                batches.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        thread.join()
+
+
 class _RangeDecoder:
-    """Turns the peek's rows into column buffers of whole transactions and writes them."""
+    """Turns the peek's rows into whole transactions of Arrow rows and writes them.
+
+    Per batch: the hot messages are decoded at once (:mod:`.pgoutput_batch`), rare ones one by
+    one; then a short loop over Begin/Commit positions decides which transaction each change
+    belongs to and whether that transaction is stored (its COMMIT ends in the range), skipped
+    (ended at or before the range start) or a straddler (no COMMIT at or before ``endpos``).
+    Rows of the transaction still open at the end of a batch wait in ``pending`` (spilled to
+    disk past ``spill_rows``) until its COMMIT arrives.
+    """
 
     def __init__(self, rng: LsnRange, writer: RangeWriter, spill_rows: int) -> None:
         self.range = rng
         self.writer = writer
         self.spill_rows = spill_rows
-        self.relations: dict[int, tuple[int, Relation]] = {}
+        self.relations: dict[int, int] = {}
+        self.versions: list[tuple[Relation, np.ndarray]] = []
         self.relations_meta: list[dict[str, Any]] = []
         self.types: dict[int, str] = {}
-        # Row columns of the open transaction and of committed rows not yet written.
-        self.lsn: list[int] = []
-        self.seq: list[int] = []
-        self.action: list[str] = []
-        self.schema: list[str] = []
-        self.table: list[str] = []
-        self.relver: list[int] = []
-        self.key: list[list[bytes | None] | None] = []
-        self.new_row: list[list[bytes | None] | None] = []
-        self.toast: list[list[str] | None] = []
-        self.flags: list[int] = []
-        # Transaction-level columns, extended at COMMIT to the committed row count.
-        self.end_lsn: list[int] = []
-        self.commit_lsn: list[int] = []
-        self.xid: list[int] = []
-        self.commit_ts: list[int] = []
-        self.begin: Begin | None = None
-        self.begin_lsn = 0
-        self.txn_seq = 0
+        self.open: _OpenTxn | None = None
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
         self.spills: list[Path] = []
         self.straddlers: list[Straddler] = []
         self.counts = {"I": 0, "U": 0, "D": 0, "T": 0}
         self.transactions = 0
-        self.changes = 0
         self.messages = 0
         self.wire_bytes = 0
         self.last_end: int | None = None
         self.last_xid: int | None = None
         self.last_ts: int | None = None
 
+    # -- per batch ---------------------------------------------------------------------------
+
     def feed(self, rows: list[tuple[int, bytes]]) -> None:
-        for row_lsn, data in rows:
-            self.wire_bytes += len(data)
-            msg = decode(data)
-            cls = type(msg)
-            if cls is Insert:
-                version, rel = self.relations[msg.relid]  # type: ignore[union-attr]
-                new = msg.new.values  # type: ignore[union-attr]
-                self._change(
-                    row_lsn,
-                    "I",
-                    version,
-                    rel,
-                    [new[i] for i in rel.key_indexes],
-                    new,
-                    msg.new.unchanged_toast,
-                    0,
-                )  # type: ignore[union-attr]
-            elif cls is Update:
-                version, rel = self.relations[msg.relid]  # type: ignore[union-attr]
-                new_t = msg.new  # type: ignore[union-attr]
-                old_t = msg.old or new_t  # type: ignore[union-attr]
-                toast = new_t.unchanged_toast
-                if msg.old is not None and msg.old.unchanged_toast:  # type: ignore[union-attr]
-                    toast = tuple(sorted(set(toast) | set(msg.old.unchanged_toast)))  # type: ignore[union-attr]
-                key = [old_t.values[i] for i in rel.key_indexes]
-                self._change(row_lsn, "U", version, rel, key, new_t.values, toast, 0)
-            elif cls is Delete:
-                version, rel = self.relations[msg.relid]  # type: ignore[union-attr]
-                old_t = msg.old  # type: ignore[union-attr]
-                key = [old_t.values[i] for i in rel.key_indexes]
-                self._change(row_lsn, "D", version, rel, key, None, old_t.unchanged_toast, 0)
-            elif cls is Begin:
-                self._begin(row_lsn, msg)  # type: ignore[arg-type]
-            elif cls is Commit:
-                self._commit(msg)  # type: ignore[arg-type]
-            elif cls is Relation:
-                self._relation(msg)  # type: ignore[arg-type]
-            elif cls is Truncate:
-                for relid in msg.relids:  # type: ignore[union-attr]
-                    version, rel = self.relations[relid]
-                    self._change(row_lsn, "T", version, rel, None, None, (), msg.options)  # type: ignore[union-attr]
-            elif cls is Type:
-                self.types[msg.oid] = f"{msg.namespace}.{msg.name}"  # type: ignore[union-attr]
-            elif cls is Message:
+        lsns = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        batch = MessageBatch.from_messages([r[1] for r in rows])
+        self.wire_bytes += int(batch.ends[-1]) if len(rows) else 0
+        changes = decode_changes(batch)
+        relver = np.zeros(len(changes.index), np.int32)
+        truncates = self._walk_rare_messages(batch, lsns, changes, relver)
+        table = self._change_rows(batch, lsns, changes, relver)
+        if truncates:
+            table = _merge_in_order(table, truncates)
+        self._assign_transactions(batch, lsns, table)
+
+    def _walk_rare_messages(
+        self, batch: MessageBatch, lsns: np.ndarray, changes: ChangeBlock, relver: np.ndarray
+    ) -> list[tuple[int, int, int, int]]:
+        """Relation/Type/Truncate/Message/Origin in order, versioning changes in between."""
+        kinds = batch.kinds
+        hot = np.isin(kinds, _HOT_KINDS)
+        rare = np.flatnonzero(~hot)
+        truncates: list[tuple[int, int, int, int]] = []
+        done = 0
+        for position in [*rare.tolist(), len(kinds)]:
+            upto = int(np.searchsorted(changes.index, position))
+            if upto > done:
+                self._version_changes(changes.relid[done:upto], relver[done:upto])
+                done = upto
+            if position == len(kinds):
+                break
+            start, end = int(batch.starts[position]), int(batch.ends[position])
+            msg = decode(batch.buf[start:end].tobytes())
+            if isinstance(msg, Relation):
+                self._relation(msg)
+            elif isinstance(msg, Truncate):
+                for relid in msg.relids:
+                    version = self._version_of(relid)
+                    truncates.append((position, int(lsns[position]), version, msg.options))
+            elif isinstance(msg, Type):
+                self.types[msg.oid] = f"{msg.namespace}.{msg.name}"
+            elif isinstance(msg, Message):
                 self.messages += 1
-            elif cls is Origin:
-                pass  # the origin of a transaction replicated into the source: not ours to track
+            # Origin: a transaction replicated into the source from elsewhere; nothing to keep.
+        return truncates
 
-    def _change(
-        self,
-        row_lsn: int,
-        action: str,
-        version: int,
-        rel: Relation,
-        key: list[bytes | None] | None,
-        new: list[bytes | None] | None,
-        toast: tuple[int, ...],
-        flags: int,
-    ) -> None:
-        self.lsn.append(row_lsn)
-        self.seq.append(self.txn_seq)
-        self.txn_seq += 1
-        self.action.append(action)
-        self.schema.append(rel.namespace)
-        self.table.append(rel.name)
-        self.relver.append(version)
-        self.key.append(key)
-        self.new_row.append(new)
-        self.toast.append([rel.columns[i].name for i in toast] if toast else None)
-        self.flags.append(flags)
-        if len(self.lsn) - len(self.end_lsn) >= self.spill_rows:
-            self._spill_open_transaction()
+    def _version_changes(self, relids: np.ndarray, out: np.ndarray) -> None:
+        for relid in np.unique(relids).tolist():
+            out[relids == relid] = self._version_of(relid)
 
-    def _begin(self, row_lsn: int, begin: Begin) -> None:
-        if self.begin is not None:
-            # The previous transaction's COMMIT lies after endpos: it was a straddler.
-            self._defer_open_transaction()
-        self.begin = begin
-        self.begin_lsn = row_lsn
-        self.txn_seq = 0
-
-    def _commit(self, commit: Commit) -> None:
-        begin = self.begin
-        if begin is None:
-            return
-        self.begin = None
-        if not self.range.holds_commit(commit.end_lsn):
-            # Ends at or before the range start: stored by the previous range already.
-            self._drop_open_rows()
-            return
-        n_open = len(self.lsn) - len(self.end_lsn)
-        for spill in self.spills:
-            for batch in iter_batches(spill):
-                self._write(self._with_commit(batch, begin, commit))
-            spill.unlink()
-        self.spills.clear()
-        self.end_lsn.extend([commit.end_lsn] * n_open)
-        self.commit_lsn.extend([commit.commit_lsn] * n_open)
-        self.xid.extend([begin.xid] * n_open)
-        self.commit_ts.extend([commit.commit_ts_us] * n_open)
-        self.transactions += 1
-        self.last_end, self.last_xid, self.last_ts = commit.end_lsn, begin.xid, commit.commit_ts_us
-        if len(self.end_lsn) >= self.writer.row_group_rows:
-            self._write_committed_prefix()
+    def _version_of(self, relid: int) -> int:
+        try:
+            return self.relations[relid]
+        except KeyError:
+            raise ReceiveError(
+                f"change for relation oid {relid} arrived before its Relation message: the "
+                "slot's output is not pgoutput protocol 1 as expected"
+            ) from None
 
     def _relation(self, rel: Relation) -> None:
         cached = self.relations.get(rel.relid)
-        if cached is not None and cached[1] == rel:
+        if cached is not None and self.versions[cached][0] == rel:
             return
-        version = len(self.relations_meta)
-        self.relations[rel.relid] = (version, rel)
+        self.relations[rel.relid] = len(self.versions)
+        self.versions.append((rel, np.array(rel.key_indexes, dtype=np.int64)))
         self.relations_meta.append(
             {
                 "relid": rel.relid,
@@ -441,97 +430,217 @@ class _RangeDecoder:
             }
         )
 
-    def _defer_open_transaction(self) -> None:
-        begin = self.begin
-        assert begin is not None
-        if self.begin_lsn < self.range.end:
-            self.straddlers.append(Straddler(begin.xid, self.begin_lsn, begin.final_lsn))
-        self._drop_open_rows()
-        self.begin = None
+    def _change_rows(
+        self, batch: MessageBatch, lsns: np.ndarray, changes: ChangeBlock, relver: np.ndarray
+    ) -> pa.Table:
+        """Insert/Update/Delete rows of the batch, without transaction fields yet."""
+        n = len(changes.index)
+        key_width = max((len(k) for _, k in self.versions), default=0)
+        key_starts = np.zeros((n, key_width), np.int64)
+        key_lengths = np.zeros((n, key_width), np.int64)
+        key_kinds = np.zeros((n, key_width), np.uint8)
+        key_count = np.zeros(n, np.int64)
+        src = changes.key_source
+        for version in np.unique(relver).tolist() if n else []:
+            rows = np.flatnonzero(relver == version)
+            idx = self.versions[version][1]
+            k = len(idx)
+            key_starts[rows, :k] = src.starts[rows][:, idx]
+            key_lengths[rows, :k] = src.lengths[rows][:, idx]
+            key_kinds[rows, :k] = src.kinds[rows][:, idx]
+            key_count[rows] = k
+        keys = text_lists(batch, key_starts, key_lengths, key_kinds, key_count)
+        new_rows = text_lists(
+            batch,
+            changes.new.starts,
+            changes.new.lengths,
+            changes.new.kinds,
+            changes.new.ncols,
+            row_valid=changes.has_new,
+        )
+        toast = self._unchanged_toast(changes, relver)
+        action = (
+            pa.array(changes.action.view("S1").astype("U1"), pa.string())
+            if n
+            else pa.array([], pa.string())
+        )
+        return pa.table(
+            {
+                "msg_idx": pa.array(changes.index, pa.int64()),
+                "lsn": pa.array(lsns[changes.index], pa.int64()),
+                "action": action,
+                "relation_version": pa.array(relver, pa.int32()),
+                "key": keys,
+                "new_row": new_rows,
+                "unchanged_toast": toast,
+                "flags": pa.array(np.zeros(n, np.int8), pa.int8()),
+            }
+        )
 
-    def _drop_open_rows(self) -> None:
-        keep = len(self.end_lsn)
-        for column in self._row_columns():
-            del column[keep:]
+    def _unchanged_toast(self, changes: ChangeBlock, relver: np.ndarray) -> pa.Array:
+        marked = (changes.new.kinds == _UNCHANGED).any(axis=1)
+        if changes.old_kinds.size:
+            marked |= (changes.old_kinds == _UNCHANGED).any(axis=1)
+        names: list[list[str] | None] = [None] * len(relver)
+        for row in np.flatnonzero(marked).tolist():
+            cols = np.flatnonzero(
+                (changes.new.kinds[row] == _UNCHANGED) | (changes.old_kinds[row] == _UNCHANGED)
+            )
+            rel = self.versions[int(relver[row])][0]
+            names[row] = [rel.columns[c].name for c in cols.tolist()]
+        return pa.array(names, pa.list_(pa.string()))
+
+    def _assign_transactions(self, batch: MessageBatch, lsns: np.ndarray, table: pa.Table) -> None:
+        ctl = decode_begin_commit(batch)
+        completed: list[tuple[int, int, int, int, int, int]] = []
+        carried_committed = False
+        for position, kind, lsn_field, end_lsn, ts, xid in zip(
+            ctl.index.tolist(),
+            ctl.kind.tolist(),
+            ctl.final_or_commit_lsn.tolist(),
+            ctl.end_lsn.tolist(),
+            ctl.ts_us.tolist(),
+            ctl.xid.tolist(),
+            strict=True,
+        ):
+            if kind == KIND_BEGIN:
+                if self.open is not None:
+                    self._straddler(self.open)
+                self.open = _OpenTxn(xid, int(lsns[position]), lsn_field, position)
+                continue
+            txn = self.open
+            if txn is None:
+                continue
+            self.open = None
+            if txn.position < 0:
+                carried_committed = True
+            if not self.range.holds_commit(end_lsn):
+                self._drop_pending()  # ended at or before the range start: stored already
+                continue
+            completed.append((txn.position, position, end_lsn, lsn_field, txn.xid, ts))
+            self.transactions += 1
+            self.last_end, self.last_xid, self.last_ts = end_lsn, txn.xid, ts
+        msg_idx = table.column("msg_idx").to_numpy()
+        if completed:
+            starts = np.array([c[0] for c in completed], np.int64)
+            commits = np.array([c[1] for c in completed], np.int64)
+            which = np.searchsorted(commits, msg_idx)
+            inside = which < len(completed)
+            inside[inside] &= starts[which[inside]] < msg_idx[inside]
+            rows = np.flatnonzero(inside)
+            txn_of_row = which[rows]
+            carried_offset = 0
+            if carried_committed and completed[0][0] < 0:
+                carried_offset = self._flush_pending(completed[0])
+            if len(rows):
+                rows_table = table.take(pa.array(rows))
+                self._write_completed(rows_table, txn_of_row, completed, carried_offset)
+        else:
+            inside = np.zeros(len(msg_idx), bool)
+        if self.open is not None:
+            open_rows = np.flatnonzero(msg_idx > self.open.position)
+            if len(open_rows):
+                chunk = table.take(pa.array(open_rows))
+                seq = np.arange(len(open_rows), dtype=np.int32) + self.pending_rows
+                self._add_pending(chunk, seq)
+            self.open.position = -1
+
+    def _write_completed(
+        self,
+        rows: pa.Table,
+        txn_of_row: np.ndarray,
+        completed: list[tuple[int, int, int, int, int, int]],
+        carried_offset: int,
+    ) -> None:
+        first = np.r_[True, txn_of_row[1:] != txn_of_row[:-1]]
+        run_start = np.maximum.accumulate(np.where(first, np.arange(len(txn_of_row)), 0))
+        seq = np.arange(len(txn_of_row)) - run_start
+        if completed[0][0] < 0:
+            seq[txn_of_row == 0] += carried_offset
+        fields = np.array([c[2:] for c in completed], np.int64)[txn_of_row]
+        self._write(self._with_transaction(rows, seq.astype(np.int32), fields))
+
+    def _flush_pending(self, txn: tuple[int, int, int, int, int, int]) -> int:
+        """The transaction open across batches committed: write its parked rows first.
+        Returns how many there were (the sequence number its next row continues from)."""
+        fields = np.array(txn[2:], np.int64)
+        for spill in self.spills:
+            for batch in iter_batches(spill):
+                self._write_parked(batch, fields)
+            spill.unlink()
+        for batch in self.pending:
+            self._write_parked(batch, fields)
+        parked = self.pending_rows
+        self.spills.clear()
+        self.pending.clear()
+        self.pending_rows = 0
+        return parked
+
+    def _write_parked(self, batch: pa.RecordBatch, fields: np.ndarray) -> None:
+        rows = pa.Table.from_batches([batch])
+        seq = rows.column("seq").to_numpy()
+        rows = rows.drop_columns(["seq"])
+        self._write(self._with_transaction(rows, seq, np.broadcast_to(fields, (len(seq), 4))))
+
+    def _add_pending(self, chunk: pa.Table, seq: np.ndarray) -> None:
+        chunk = chunk.append_column("seq", pa.array(seq, pa.int32()))
+        self.pending.extend(chunk.to_batches())
+        self.pending_rows += chunk.num_rows
+        if sum(b.num_rows for b in self.pending) >= self.spill_rows:
+            path = self.writer.spill_path()
+            table = pa.Table.from_batches(self.pending)
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as ipc:
+                ipc.write_table(table)
+            self.spills.append(path)
+            self.pending.clear()
+
+    def _straddler(self, txn: _OpenTxn) -> None:
+        if txn.first_lsn < self.range.end:
+            self.straddlers.append(Straddler(txn.xid, txn.first_lsn, txn.final_lsn))
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
         for spill in self.spills:
             spill.unlink(missing_ok=True)
         self.spills.clear()
+        self.pending.clear()
+        self.pending_rows = 0
 
-    def _row_columns(self) -> list[list[Any]]:
-        return [
-            self.lsn, self.seq, self.action, self.schema, self.table, self.relver,
-            self.key, self.new_row, self.toast, self.flags,
-        ]  # fmt: skip
-
-    def _spill_open_transaction(self) -> None:
-        """Bound memory on huge transactions: park the open transaction's rows on disk."""
-        if self.end_lsn:
-            self._write_committed_prefix()
-        batch = self._batch(0, len(self.lsn), with_commit=False)
-        path = self.writer.spill_path()
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as ipc:
-            ipc.write_batch(batch)
-        self.spills.append(path)
-        for column in self._row_columns():
-            column.clear()
-
-    def _write(self, batch: pa.RecordBatch) -> None:
-        for entry in pc.value_counts(batch.column(6)).to_pylist():
-            self.counts[entry["values"]] += entry["counts"]
-        self.writer.write(batch)
-
-    def _write_committed_prefix(self) -> None:
-        n = len(self.end_lsn)
-        if n == 0:
-            return
-        self._write(self._batch(0, n, with_commit=True))
-        for column in self._row_columns():
-            del column[:n]
-        for column in (self.end_lsn, self.commit_lsn, self.xid, self.commit_ts):
-            column.clear()
-
-    def _batch(self, lo: int, hi: int, *, with_commit: bool) -> pa.RecordBatch:
-        n = hi - lo
-        zeros = pa.nulls(n, pa.int64()) if not with_commit else None
-        text_list = pa.list_(pa.binary())
-        string_list = pa.list_(pa.string())
-        arrays = [
-            pa.array(self.end_lsn[lo:hi], pa.int64()) if with_commit else zeros,
-            pa.array(self.commit_lsn[lo:hi], pa.int64()) if with_commit else zeros,
-            pa.array(self.lsn[lo:hi], pa.int64()),
-            pa.array(self.xid[lo:hi], pa.int64()) if with_commit else zeros,
-            pa.array(self.commit_ts[lo:hi], pa.int64()).cast(pa.timestamp("us", tz="UTC"))
-            if with_commit
-            else pa.nulls(n, pa.timestamp("us", tz="UTC")),
-            pa.array(self.seq[lo:hi], pa.int32()),
-            pa.array(self.action[lo:hi], pa.string()),
-            pa.array(self.schema[lo:hi], pa.string()),
-            pa.array(self.table[lo:hi], pa.string()),
-            pa.array(self.relver[lo:hi], pa.int32()),
-            _text_lists(self.key[lo:hi], text_list, string_list),
-            _text_lists(self.new_row[lo:hi], text_list, string_list),
-            pa.array(self.toast[lo:hi], string_list),
-            pa.array(self.flags[lo:hi], pa.int8()),
-        ]
-        schema = CHANGE_SCHEMA if with_commit else _nullable(CHANGE_SCHEMA)
-        return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-    @staticmethod
-    def _with_commit(batch: pa.RecordBatch, begin: Begin, commit: Commit) -> pa.RecordBatch:
-        n = batch.num_rows
-        columns = batch.columns[:]
-        columns[0] = pa.array([commit.end_lsn] * n, pa.int64())
-        columns[1] = pa.array([commit.commit_lsn] * n, pa.int64())
-        columns[3] = pa.array([begin.xid] * n, pa.int64())
-        columns[4] = pa.array([commit.commit_ts_us] * n, pa.int64()).cast(
-            pa.timestamp("us", tz="UTC")
+    def _with_transaction(self, rows: pa.Table, seq: np.ndarray, fields: np.ndarray) -> pa.Table:
+        """Rows in store order with their transaction columns (end_lsn, commit_lsn, xid, ts)
+        and the relation's schema and table names."""
+        version = rows.column("relation_version")
+        schemas = pa.array([rel.namespace for rel, _ in self.versions], pa.string())
+        tables = pa.array([rel.name for rel, _ in self.versions], pa.string())
+        return pa.table(
+            {
+                "commit_end_lsn": pa.array(fields[:, 0], pa.int64()),
+                "commit_lsn": pa.array(fields[:, 1], pa.int64()),
+                "lsn": rows.column("lsn"),
+                "xid": pa.array(fields[:, 2], pa.int64()),
+                "commit_ts": pa.array(fields[:, 3], pa.int64()).cast(pa.timestamp("us", tz="UTC")),
+                "seq": pa.array(seq, pa.int32()),
+                "action": rows.column("action"),
+                "schema_name": pc.take(schemas, version),
+                "table_name": pc.take(tables, version),
+                "relation_version": version,
+                "key": rows.column("key"),
+                "new_row": rows.column("new_row"),
+                "unchanged_toast": rows.column("unchanged_toast"),
+                "flags": rows.column("flags"),
+            },
+            schema=CHANGE_SCHEMA,
         )
-        return pa.RecordBatch.from_arrays(columns, schema=CHANGE_SCHEMA)
+
+    def _write(self, rows: pa.Table) -> None:
+        for entry in pc.value_counts(rows.column("action")).to_pylist():
+            self.counts[entry["values"]] += entry["counts"]
+        self.writer.write(rows)
 
     def finish(self, seconds: float) -> ReceiveResult:
-        if self.begin is not None:
-            self._defer_open_transaction()
-        self._write_committed_prefix()
+        if self.open is not None:
+            self._straddler(self.open)
+            self.open = None
         end = int(self.range.end)
         point = max(safe_point(end, self.straddlers), self.last_end or 0)
         return ReceiveResult(
@@ -556,16 +665,38 @@ class _RangeDecoder:
         )
 
 
-def _text_lists(values: list[Any], text_list: pa.DataType, string_list: pa.DataType) -> pa.Array:
-    """Lists of raw text values as ``list<string>`` (UTF-8 validated in bulk)."""
-    try:
-        return pa.array(values, text_list).cast(string_list)
-    except pa.ArrowInvalid as exc:
-        raise ReceiveError(
-            "a decoded value is not valid UTF-8: the source database must use the UTF8 "
-            f"encoding ({exc})"
-        ) from None
+_HOT_KINDS = np.array([KIND_BEGIN, KIND_COMMIT, KIND_INSERT, KIND_UPDATE, KIND_DELETE], np.uint8)
+_UNCHANGED = ord("u")
+_ROW_SCHEMA = pa.schema(
+    [
+        ("msg_idx", pa.int64()),
+        ("lsn", pa.int64()),
+        ("action", pa.string()),
+        ("relation_version", pa.int32()),
+        ("key", pa.list_(pa.string())),
+        ("new_row", pa.list_(pa.string())),
+        ("unchanged_toast", pa.list_(pa.string())),
+        ("flags", pa.int8()),
+    ]
+)
 
 
-def _nullable(schema: pa.Schema) -> pa.Schema:
-    return pa.schema([f.with_nullable(True) for f in schema])
+def _merge_in_order(table: pa.Table, truncates: list[tuple[int, int, int, int]]) -> pa.Table:
+    """Slot TRUNCATE rows (one per truncated table) in among the change rows, by position."""
+    n = len(truncates)
+    extra = pa.table(
+        {
+            "msg_idx": pa.array([t[0] for t in truncates], pa.int64()),
+            "lsn": pa.array([t[1] for t in truncates], pa.int64()),
+            "action": pa.array(["T"] * n, pa.string()),
+            "relation_version": pa.array([t[2] for t in truncates], pa.int32()),
+            "key": pa.nulls(n, pa.list_(pa.string())),
+            "new_row": pa.nulls(n, pa.list_(pa.string())),
+            "unchanged_toast": pa.nulls(n, pa.list_(pa.string())),
+            "flags": pa.array([t[3] for t in truncates], pa.int8()),
+        },
+        schema=_ROW_SCHEMA,
+    )
+    merged = pa.concat_tables([table.cast(_ROW_SCHEMA), extra])
+    order = np.argsort(merged.column("msg_idx").to_numpy(), kind="stable")
+    return merged.take(pa.array(order))
