@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from .lsn import Lsn, LsnRange
 
 MANIFEST = "_RANGE.json"
+CHAIN = "_CHAIN.json"
 FORMAT_VERSION = 1
 
 CHANGE_SCHEMA = pa.schema(
@@ -124,6 +125,40 @@ class OutputStore:
 
     def writer(self, rng: LsnRange) -> RangeWriter:
         return RangeWriter(self, rng)
+
+    # -- the chain: where the current base snapshot's ranges begin ---------------------------
+
+    def record_chain(self, slot: str, consistent_point: Lsn, snapshot_name: str) -> None:
+        """Start a new chain of ranges at a base snapshot's consistent point.
+
+        Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
+        new consistent point, since a new slot starts at the WAL position of its creation.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        chain = {"slot": slot, "consistent_point": str(consistent_point), "snapshot": snapshot_name}
+        tmp = self.root / f".{CHAIN}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(chain, indent=1, sort_keys=True))
+        _fsync_path(tmp)
+        os.replace(tmp, self.root / CHAIN)
+        _fsync_path(self.root)
+
+    def chain(self) -> dict[str, str] | None:
+        path = self.root / CHAIN
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def consistent_point(self) -> Lsn:
+        chain = self.chain()
+        if chain is None:
+            raise StoreError(
+                f"no base snapshot recorded in the output store {self.root}: take one first "
+                "(pgcdc snapshot, or materialise base_snapshot)"
+            )
+        return Lsn.parse(chain["consistent_point"])
+
+    def chain_ranges(self) -> list[LsnRange]:
+        """Stored ranges of the current chain, in LSN order."""
+        start = self.consistent_point()
+        return [r for r in self.ranges() if r.start >= start]
 
 
 class RangeWriter:
