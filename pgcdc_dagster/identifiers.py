@@ -76,7 +76,6 @@ def _split_qualified(text: str) -> list[str]:
                 raise ValueError(f"{text!r} has an empty name part")
             parts.append(word.lower())
             i = j
-            continue
         if i < n:
             if text[i] != ".":
                 raise ValueError(f"{text!r}: expected '.' after a quoted identifier")

@@ -41,6 +41,7 @@ The safe point (what the slot may be advanced to)
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import queue
 import threading
@@ -314,10 +315,8 @@ def _overlap(fetch: Callable[[], list[Any]], consume: Callable[[list[Any]], None
     finally:
         # On a decode error, let the producer finish its current fetch and stop.
         while thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 batches.get(timeout=0.1)
-            except queue.Empty:
-                pass
         thread.join()
 
 

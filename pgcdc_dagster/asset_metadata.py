@@ -1,0 +1,135 @@
+"""Engine results as Dagster metadata: one place, so assets, cutover and the CLI agree.
+
+LSNs are text in ``X/Y`` form: they overflow the UI's 32-bit integers. No field here ever
+carries a connection string.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dagster import MetadataValue, TableColumn, TableRecord, TableSchema
+
+if TYPE_CHECKING:
+    from .apply import ApplyResult
+    from .identifiers import TableName
+    from .pipeline import TableComparison
+    from .receive import ReceiveResult
+    from .snapshot import BaseSnapshotResult
+
+_INT32 = 2**31 - 1
+
+
+def number(value: int) -> Any:
+    """An int the UI can show: 32-bit ints as ints, larger ones as text."""
+    return (
+        MetadataValue.int(value) if -_INT32 <= value <= _INT32 else MetadataValue.text(str(value))
+    )
+
+
+def text(value: object) -> MetadataValue:
+    return MetadataValue.text("" if value is None else str(value))
+
+
+def receive_metadata(result: ReceiveResult, lag_bytes: int | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "start_lsn": text(result.start_lsn),
+        "endpos": text(result.endpos),
+        "transform_lsn": text(result.transform_lsn or "none (no transaction in range)"),
+        "safe_point": text(result.safe_point),
+        "last_xid": number(result.last_xid) if result.last_xid is not None else text("none"),
+        "endpos_outcome": text(result.endpos_outcome),
+        "transactions": number(result.transactions),
+        "changes": number(result.changes),
+        "inserts": number(result.inserts),
+        "updates": number(result.updates),
+        "deletes": number(result.deletes),
+        "truncates": number(result.truncates),
+        "deferred_transactions": number(len(result.straddlers)),
+        "bytes": number(result.bytes),
+        "seconds": MetadataValue.float(float(result.seconds)),
+        "already_stored": MetadataValue.bool(result.already_stored),
+    }
+    if lag_bytes is not None:
+        meta["source_lag_bytes"] = number(lag_bytes)
+    return meta
+
+
+def apply_metadata(
+    table: TableName, received: ReceiveResult, applied: ApplyResult, lag_bytes: int | None
+) -> dict[str, Any]:
+    counts = applied.table_counts(table)
+    meta = {
+        **receive_metadata(received, lag_bytes),
+        "replay_lsn": text(applied.replay_lsn or "none"),
+        "apply_status": text(applied.status),
+        "table_inserted": number(counts.get("inserted", 0)),
+        "table_updated": number(counts.get("updated", 0)),
+        "table_deleted": number(counts.get("deleted", 0)),
+        "table_truncated": number(counts.get("truncated", 0)),
+        "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
+        "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
+    }
+    added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
+    if added:
+        meta["added_columns"] = text(", ".join(added))
+    return meta
+
+
+def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
+    records = [
+        TableRecord(
+            {
+                "table": str(t.table),
+                "rows": t.rows,
+                "bytes": t.bytes,
+                "seconds": round(float(t.seconds), 3),
+            }
+        )
+        for t in result.tables
+    ]
+    schema = TableSchema(
+        columns=[
+            TableColumn("table", "string"),
+            TableColumn("rows", "int"),
+            TableColumn("bytes", "int"),
+            TableColumn("seconds", "float"),
+        ]
+    )
+    return {
+        "slot": text(result.slot_name),
+        "snapshot_name": text(result.snapshot_name),
+        "consistent_point": text(result.consistent_point),
+        "origin": text(result.origin_name),
+        "tables": MetadataValue.table(records, schema=schema),
+        "rows": number(result.rows),
+        "seconds": MetadataValue.float(round(float(result.seconds), 3)),
+        "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
+    }
+
+
+def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
+    records = [
+        TableRecord(
+            {
+                "table": str(c.table),
+                "source_rows": c.source_rows,
+                "target_rows": c.target_rows,
+                "equal": c.equal,
+            }
+        )
+        for c in comparisons
+    ]
+    schema = TableSchema(
+        columns=[
+            TableColumn("table", "string"),
+            TableColumn("source_rows", "int"),
+            TableColumn("target_rows", "int"),
+            TableColumn("equal", "bool"),
+        ]
+    )
+    differing = [str(c.table) for c in comparisons if not c.equal]
+    return {
+        "tables": MetadataValue.table(records, schema=schema),
+        "differing_tables": text(", ".join(differing) or "none"),
+    }

@@ -1,0 +1,332 @@
+"""``pgcdc demo``: the embedded default, end to end, on throwaway local clusters.
+
+Starts a source, a target and a Dagster-storage PostgreSQL under ``.pgcdc/``, loads sample data
+(pgbench plus tables with TOASTed values, a table without primary key under REPLICA IDENTITY
+FULL, and odd identifiers), takes the base snapshot, then runs a write workload while the
+Dagster daemon's slot sensor catches up range by range; stops the workload, cuts over and
+verifies. The report is measured, nothing in it is fixed in advance.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from .lsn import Lsn
+from .pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, find_bindir
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_SCHEMA = """
+CREATE TABLE documents (id bigserial PRIMARY KEY, title text NOT NULL, body text);
+ALTER TABLE documents ALTER COLUMN body SET STORAGE EXTERNAL;
+INSERT INTO documents (title, body)
+SELECT 'doc ' || g, repeat(md5(g::text), 400) FROM generate_series(1, 200) g;
+CREATE TABLE events_log (at timestamptz NOT NULL DEFAULT now(), kind text, payload jsonb);
+ALTER TABLE events_log REPLICA IDENTITY FULL;
+INSERT INTO events_log (kind, payload)
+SELECT 'seed', jsonb_build_object('n', g) FROM generate_series(1, 100) g;
+CREATE SCHEMA "Sales Dept";
+CREATE TABLE "Sales Dept"."Order" ("Id" int PRIMARY KEY, "select" text, amount numeric(12,2));
+INSERT INTO "Sales Dept"."Order" SELECT g, 'item ' || g, g * 1.5 FROM generate_series(1, 500) g;
+CREATE TABLE demo_probe (id bigint PRIMARY KEY, written_at timestamptz NOT NULL);
+"""
+
+
+@dataclass
+class DemoClusters:
+    source: LocalCluster
+    target: LocalCluster
+    storage: LocalCluster
+
+    def stop(self) -> None:
+        for cluster in (self.source, self.target, self.storage):
+            cluster.stop()
+
+
+@dataclass
+class Measurements:
+    lag: list[tuple[float, int]] = field(default_factory=list)
+    freshness_s: list[float] = field(default_factory=list)
+    probes_sent: int = 0
+
+
+def start_clusters(base: Path) -> DemoClusters:
+    """Fresh clusters every time: the demo owns ``.pgcdc/`` and starts from nothing."""
+    for name in ("source", "target", "storage"):
+        old = LocalCluster(directory=base / name)
+        old.stop()
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    password = secrets.token_urlsafe(12)
+    source = LocalCluster(base / "source", LOGICAL_SOURCE_SETTINGS, password=password).start()
+    target = LocalCluster(base / "target", password=password).start()
+    storage = LocalCluster(base / "storage").start()
+    return DemoClusters(source, target, storage)
+
+
+def demo_environment(base: Path, clusters: DemoClusters) -> dict[str, str]:
+    home = base / "dagster_home"
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    storage_url = f"postgresql://postgres@127.0.0.1:{clusters.storage.port}/postgres"
+    return {
+        "PGCDC_SOURCE_DSN": clusters.source.dsn(),
+        "PGCDC_TARGET_DSN": clusters.target.dsn(),
+        "PGCDC_STORE": str(base / "store"),
+        "PGCDC_RANGE_MAX_BYTES": str(8 * 1024 * 1024),
+        "PGCDC_SENSOR_INTERVAL": "1",
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": storage_url,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
+
+
+def load_sample_data(cluster: LocalCluster) -> None:
+    pgbench(cluster, "-i", "-q", "-s", "1")
+    with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+        conn.execute(SAMPLE_SCHEMA)
+
+
+def pgbench(cluster: LocalCluster, *args: str) -> subprocess.Popen[bytes] | None:
+    cmd = [str(find_bindir() / "pgbench"), "-h", "127.0.0.1", "-p", str(cluster.port)]
+    cmd += ["-U", cluster.superuser, *args, "postgres"]
+    env = {**os.environ, "PGPASSWORD": cluster.password or ""}
+    if "-i" in args:
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+        return None
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+
+def side_workload(dsn: str, stop: threading.Event) -> None:
+    """Writes pgbench does not make: TOAST-preserving updates, FULL-identity deletes, odd names."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            with conn.transaction():
+                conn.execute(
+                    "UPDATE documents SET title = title || '.' WHERE id = %s", (i % 200 + 1,)
+                )
+                conn.execute(
+                    "INSERT INTO events_log (kind, payload) VALUES ('tick', jsonb_build_object('i', %s::int))",
+                    (i,),
+                )
+                conn.execute(
+                    """UPDATE "Sales Dept"."Order" SET amount = amount + 1 WHERE "Id" = %s""",
+                    (i % 500 + 1,),
+                )
+            if i % 10 == 0:
+                conn.execute(
+                    "DELETE FROM events_log WHERE ctid = (SELECT ctid FROM events_log "
+                    "WHERE kind = 'tick' LIMIT 1)"
+                )
+            time.sleep(0.05)
+
+
+def probe_freshness(
+    source_dsn: str, target_dsn: str, stop: threading.Event, out: Measurements
+) -> None:
+    """Write a probe row each second; time until it is visible on the target."""
+    with (
+        psycopg.connect(source_dsn, autocommit=True) as src,
+        psycopg.connect(target_dsn, autocommit=True) as tgt,
+    ):
+        probe = 0
+        while not stop.is_set():
+            probe += 1
+            src.execute("INSERT INTO demo_probe VALUES (%s, now())", (probe,))
+            sent = time.monotonic()
+            out.probes_sent += 1
+            while not stop.is_set() and time.monotonic() - sent < 120:
+                if tgt.execute("SELECT 1 FROM demo_probe WHERE id = %s", (probe,)).fetchone():
+                    out.freshness_s.append(time.monotonic() - sent)
+                    break
+                time.sleep(0.1)
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - sent)))
+
+
+def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measurements) -> None:
+    from .config import ReplicationSettings
+    from .pipeline import source_positions
+
+    settings = ReplicationSettings.from_env(settings_env)
+    started = time.monotonic()
+    while not stop.is_set():
+        try:
+            out.lag.append((time.monotonic() - started, source_positions(settings).lag_bytes))
+        except Exception:  # a sample lost to a busy server is just a gap in the series
+            pass
+        time.sleep(1)
+
+
+def run_demo(*, ui: bool = False, seconds: float = 20.0, tps: int = 300) -> int:
+    from . import cli, pipeline
+    from .config import ReplicationSettings
+
+    base = (Path.cwd() / ".pgcdc").resolve()
+    started = time.monotonic()
+    print(f"starting source, target and Dagster-storage clusters under {base} ...")
+    clusters = start_clusters(base)
+    env = demo_environment(base, clusters)
+    os.environ.update(env)
+    daemon: subprocess.Popen[bytes] | None = None
+    try:
+        load_sample_data(clusters.source)
+        settings = ReplicationSettings.from_env()
+        print("taking the base snapshot (Dagster run of job 'snapshot') ...")
+        cli.run_job("snapshot")
+        consistent_point = pipeline.store_of(settings).consistent_point()
+        print(f"  consistent point {consistent_point}")
+
+        daemon = start_dagster_process(base, "dagster-daemon", ["run"])
+        print(
+            f"workload: pgbench at {tps} tps for {seconds:.0f} s plus side writes; the daemon's "
+            "slot sensor catches up ..."
+        )
+        measurements = Measurements()
+        stop = threading.Event()
+        threads = [
+            threading.Thread(target=side_workload, args=(settings.source_dsn, stop)),
+            threading.Thread(
+                target=probe_freshness,
+                args=(settings.source_dsn, settings.target_dsn, stop, measurements),
+            ),
+            threading.Thread(target=sample_lag, args=(env, stop, measurements)),
+        ]
+        for thread in threads:
+            thread.start()
+        bench = pgbench(
+            clusters.source, "-n", "-c", "2", "-j", "2", "-T", str(int(seconds)), "-R", str(tps)
+        )
+        assert bench is not None
+        bench.wait()
+        stop.set()
+        for thread in threads:
+            thread.join()
+        workload_end = pipeline.resolve_endpos(settings, "current")
+
+        instance = cli.dagster_instance()
+        wait_caught_up(settings, workload_end, timeout_s=180)
+        cli.wait_for_catchup_runs(instance, 120)
+        stop_process(daemon)
+        daemon = None
+
+        print(
+            "cutover (Dagster run of job 'cutover_job'): catch up to the flush LSN, sync "
+            "sequences, verify ..."
+        )
+        result = cli.run_job("cutover_job")
+        cutover = cli._materialization_metadata(result, "cutover")
+        comparisons = pipeline.compare_tables(settings, pipeline.replicated_tables(settings))
+        print_report(settings, measurements, cutover, comparisons, time.monotonic() - started)
+        if ui:
+            serve_ui(base)
+        return 0 if all(c.equal for c in comparisons) else 1
+    finally:
+        if daemon is not None:
+            stop_process(daemon)
+        if not ui:
+            clusters.stop()
+
+
+def wait_caught_up(settings: object, endpos: Lsn, timeout_s: float) -> None:
+    from . import pipeline
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        chain = pipeline.store_of(settings).chain_ranges()  # type: ignore[arg-type]
+        if chain and chain[-1].end >= endpos:
+            return
+        time.sleep(1)
+
+
+def start_dagster_process(base: Path, tool: str, args: list[str]) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).parent / tool
+    log = open(base / f"{tool}.log", "ab")  # noqa: SIM115 - lives as long as the process
+    return subprocess.Popen(
+        [str(exe), *args, "-w", str(REPO / "workspace.yaml")],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def print_report(settings, measurements, cutover, comparisons, elapsed) -> None:  # type: ignore[no-untyped-def]
+    from . import pipeline
+
+    store = pipeline.store_of(settings)
+    ranges = store.chain_ranges()
+    manifests = [store.get(r).manifest["result"] for r in ranges]  # type: ignore[union-attr]
+    changes = sum(m["changes"] for m in manifests)
+    txns = sum(m["transactions"] for m in manifests)
+    receive_s = sum(m["seconds"] for m in manifests)
+    outcomes: dict[str, int] = {}
+    for m in manifests:
+        outcomes[m["endpos_outcome"]] = outcomes.get(m["endpos_outcome"], 0) + 1
+    fresh = sorted(measurements.freshness_s)
+    print("\n=== pgcdc demo report ===")
+    print(f"ranges received and applied : {len(ranges)} ({outcomes})")
+    print(f"transactions / changes      : {txns} / {changes}")
+    if receive_s:
+        print(
+            f"receive throughput          : {changes / receive_s:,.0f} changes/s over {receive_s:.2f} s"
+        )
+    if fresh:
+        p95 = fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))]
+        print(
+            f"freshness (commit->target)  : median {statistics.median(fresh):.2f} s, "
+            f"p95 {p95:.2f} s over {len(fresh)} of {measurements.probes_sent} probes"
+        )
+    if measurements.lag:
+        peak = max(lag for _, lag in measurements.lag)
+        series = " ".join(
+            f"{lag // 1024}k" for _, lag in measurements.lag[:: max(1, len(measurements.lag) // 12)]
+        )
+        print(f"slot lag over time (bytes)  : {series} (peak {peak // 1024} KiB)")
+    print(
+        f"cutover                     : endpos {cutover.get('endpos')}, outcome "
+        f"{cutover.get('endpos_outcome')}, {cutover.get('ranges')} range(s)"
+    )
+    bad = [str(c.table) for c in comparisons if not c.equal]
+    rows = sum(c.target_rows for c in comparisons)
+    print(
+        f"verification                : {len(comparisons) - len(bad)}/{len(comparisons)} tables "
+        f"equal ({rows} rows){' DIFFER: ' + ', '.join(bad) if bad else ''}"
+    )
+    print(f"total demo time             : {elapsed:.1f} s")
+
+
+def serve_ui(base: Path) -> None:
+    daemon = start_dagster_process(base, "dagster-daemon", ["run"])
+    web = start_dagster_process(base, "dagster-webserver", ["-h", "127.0.0.1", "-p", "3000"])
+    print(
+        f"\nDagster UI: http://127.0.0.1:3000 (Ctrl-C to stop; clusters keep running under {base})"
+    )
+    try:
+        web.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_process(web)
+        stop_process(daemon)

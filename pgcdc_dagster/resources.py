@@ -1,0 +1,104 @@
+"""Resources: connection strings through ``EnvVar`` (never stored in run config), settings."""
+
+from typing import Any
+
+from dagster import ConfigurableResource, EnvVar
+from dagster_pyspark import LazyPySparkResource
+
+from .config import (
+    DEFAULT_PUBLICATION,
+    DEFAULT_RANGE_MAX_BYTES,
+    DEFAULT_SLOT,
+    DEFAULT_STORE,
+    ENV_PUBLICATION,
+    ENV_RANGE_MAX_BYTES,
+    ENV_SLOT,
+    ENV_SOURCE_DSN,
+    ENV_SPARK_MASTER,
+    ENV_SPARK_REMOTE,
+    ENV_STORE,
+    ENV_TABLES,
+    ENV_TARGET_DSN,
+    ReplicationSettings,
+    parse_tables,
+)
+
+
+class PostgresResource(ConfigurableResource):
+    """A PostgreSQL server by libpq conninfo; the value comes from an environment variable."""
+
+    dsn: str
+
+
+class ReplicationResource(ConfigurableResource):
+    """Slot, publication, table selection and range size."""
+
+    slot: str = DEFAULT_SLOT
+    publication: str = DEFAULT_PUBLICATION
+    tables: str = ""
+    """Comma list of ``schema.table``; empty means every user table."""
+    range_max_bytes: int = DEFAULT_RANGE_MAX_BYTES
+
+
+class OutputStoreResource(ConfigurableResource):
+    """Where decoded ranges live (a local path; ``s3a://``/``hdfs://`` go to Spark as is)."""
+
+    path: str = DEFAULT_STORE
+
+
+class SparkResource(LazyPySparkResource):
+    """dagster-pyspark's lazy session, built by :func:`pgcdc_dagster.spark_session.get_spark`
+    so a run starts at most one session, and only when a step needs Spark."""
+
+    master: str = ""
+    remote: str = ""
+
+    def _init_session(self) -> None:
+        if self._spark_session is None:
+            from .spark_session import get_spark
+
+            session = get_spark(master=self.master or None, remote=self.remote or None)
+            for key, value in self.spark_config.items():
+                session.conf.set(key, value)
+            self._spark_session = session
+
+
+def settings_of(
+    source: PostgresResource,
+    target: PostgresResource,
+    replication: ReplicationResource,
+    store: OutputStoreResource,
+    spark: SparkResource | None = None,
+) -> ReplicationSettings:
+    return ReplicationSettings(
+        source_dsn=source.dsn,
+        target_dsn=target.dsn,
+        slot=replication.slot,
+        publication=replication.publication,
+        tables=parse_tables(replication.tables),
+        store=store.path,
+        spark_master=(spark.master or None) if spark else None,
+        spark_remote=(spark.remote or None) if spark else None,
+        range_max_bytes=replication.range_max_bytes,
+    )
+
+
+def default_resources(env: dict[str, str]) -> dict[str, Any]:
+    """Resources from the environment. The DSNs stay ``EnvVar``s: Dagster resolves them at run
+    time and shows only the variable's name, never its value."""
+    return {
+        "source": PostgresResource(dsn=EnvVar(ENV_SOURCE_DSN)),
+        "target": PostgresResource(dsn=EnvVar(ENV_TARGET_DSN)),
+        "replication": ReplicationResource(
+            slot=env.get(ENV_SLOT) or DEFAULT_SLOT,
+            publication=env.get(ENV_PUBLICATION) or DEFAULT_PUBLICATION,
+            tables=env.get(ENV_TABLES) or "",
+            range_max_bytes=int(env.get(ENV_RANGE_MAX_BYTES) or DEFAULT_RANGE_MAX_BYTES),
+        ),
+        "store": OutputStoreResource(path=env.get(ENV_STORE) or DEFAULT_STORE),
+        "spark": SparkResource(
+            spark_config={},
+            master=env.get(ENV_SPARK_MASTER) or "",
+            remote=env.get(ENV_SPARK_REMOTE) or "",
+        ),
+    }
