@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +25,12 @@ from pathlib import Path
 import psycopg
 
 from pgcdc_dagster.lsn import Lsn
-from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, find_bindir, temporary_cluster
+from pgcdc_dagster.demo import pgbench
+from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.receive import receive
 from pgcdc_dagster.store import OutputStore
 
 PUBLICATION = "bench_pub"
-
-
-def pgbench(cluster, *args: str) -> None:
-    cmd = [str(find_bindir() / "pgbench"), "-h", "127.0.0.1", "-p", str(cluster.port)]
-    cmd += ["-U", "postgres", *args, "postgres"]
-    subprocess.run(cmd, check=True, capture_output=True)
 
 
 def raw_read(dsn: str, slot: str, endpos: Lsn) -> tuple[float, int, int]:
@@ -83,7 +77,8 @@ def main() -> None:
                 conn.execute(
                     "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, str(start))
                 )
-        pgbench(cluster, "-n", "-c", "4", "-j", "2", "-t", str(args.transactions))
+        workload = pgbench(cluster, "-n", "-c", "4", "-j", "2", "-t", str(args.transactions))
+        assert workload is not None and workload.wait() == 0
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CHECKPOINT")
             endpos = Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])

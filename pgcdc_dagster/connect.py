@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 
 class ConnectError(RuntimeError):
@@ -64,3 +64,69 @@ def connect(
         raise ConnectError(
             f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
         ) from None
+
+
+# -- libpq command-line tools (pg_dump, psql, pgbench) ---------------------------------------
+
+_LIBPQ_ENVIRONMENT = {
+    "host": "PGHOST",
+    "hostaddr": "PGHOSTADDR",
+    "port": "PGPORT",
+    "dbname": "PGDATABASE",
+    "user": "PGUSER",
+    "password": "PGPASSWORD",
+    "passfile": "PGPASSFILE",
+    "service": "PGSERVICE",
+    "options": "PGOPTIONS",
+    "application_name": "PGAPPNAME",
+    "client_encoding": "PGCLIENTENCODING",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+    "sslmode": "PGSSLMODE",
+    "requiressl": "PGREQUIRESSL",
+    "sslcompression": "PGSSLCOMPRESSION",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcrl": "PGSSLCRL",
+    "sslcrldir": "PGSSLCRLDIR",
+    "sslsni": "PGSSLSNI",
+    "requirepeer": "PGREQUIREPEER",
+    "ssl_min_protocol_version": "PGSSLMINPROTOCOLVERSION",
+    "ssl_max_protocol_version": "PGSSLMAXPROTOCOLVERSION",
+    "gssencmode": "PGGSSENCMODE",
+    "krbsrvname": "PGKRBSRVNAME",
+    "gsslib": "PGGSSLIB",
+    "target_session_attrs": "PGTARGETSESSIONATTRS",
+    "channel_binding": "PGCHANNELBINDING",
+    "require_auth": "PGREQUIREAUTH",
+    "load_balance_hosts": "PGLOADBALANCEHOSTS",
+}
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def libpq_tool_environment(dsn: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the extra arguments that make a libpq tool connect as ``dsn`` does.
+
+    Everything with a ``PG*`` variable goes into the environment; the rare parameter without one
+    (keepalives, say) goes into a ``--dbname`` conninfo, which is safe because no secret lacks a
+    variable except ``sslpassword``, which is refused.
+    """
+    params = {key: str(value) for key, value in conninfo_to_dict(dsn).items() if value is not None}
+    env = {"PGAPPNAME": "pgcdc_dagster"}
+    leftover: dict[str, str] = {}
+    for key, value in params.items():
+        if key in _LIBPQ_ENVIRONMENT:
+            env[_LIBPQ_ENVIRONMENT[key]] = value
+        elif key in _SECRET_PARAMETERS:
+            raise ConnectError(
+                f"connection parameter {key} of {describe_dsn(dsn)} cannot be handed to a libpq "
+                "tool (pg_dump, psql, pgbench) without showing it on its command line: use a "
+                "client key without a passphrase, or a service file (PGSERVICEFILE)"
+            )
+        else:
+            leftover[key] = value
+    if not leftover:
+        return env, []
+    if "dbname" in params:
+        leftover["dbname"] = params["dbname"]
+    return env, [f"--dbname={make_conninfo(**leftover)}"]

@@ -9,6 +9,7 @@ verifies. The report is measured, nothing in it is fixed in advance.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import psycopg
 
+from .connect import libpq_tool_environment
 from .lsn import Lsn
 from .pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, find_bindir
 
@@ -99,9 +101,9 @@ def load_sample_data(cluster: LocalCluster) -> None:
 
 
 def pgbench(cluster: LocalCluster, *args: str) -> subprocess.Popen[bytes] | None:
-    cmd = [str(find_bindir() / "pgbench"), "-h", "127.0.0.1", "-p", str(cluster.port)]
-    cmd += ["-U", cluster.superuser, *args, "postgres"]
-    env = {**os.environ, "PGPASSWORD": cluster.password or ""}
+    tool_env, extra = libpq_tool_environment(cluster.dsn())
+    cmd = [str(find_bindir() / "pgbench"), *args, *extra]
+    env = {**os.environ, **tool_env}
     if "-i" in args:
         subprocess.run(cmd, check=True, capture_output=True, env=env)
         return None
@@ -119,7 +121,8 @@ def side_workload(dsn: str, stop: threading.Event) -> None:
                     "UPDATE documents SET title = title || '.' WHERE id = %s", (i % 200 + 1,)
                 )
                 conn.execute(
-                    "INSERT INTO events_log (kind, payload) VALUES ('tick', jsonb_build_object('i', %s::int))",
+                    "INSERT INTO events_log (kind, payload) "
+                    "VALUES ('tick', jsonb_build_object('i', %s::int))",
                     (i,),
                 )
                 conn.execute(
@@ -163,10 +166,9 @@ def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measure
     settings = ReplicationSettings.from_env(settings_env)
     started = time.monotonic()
     while not stop.is_set():
-        try:
+        # A sample lost to a busy server is just a gap in the series.
+        with contextlib.suppress(Exception):
             out.lag.append((time.monotonic() - started, source_positions(settings).lag_bytes))
-        except Exception:  # a sample lost to a busy server is just a gap in the series
-            pass
         time.sleep(1)
 
 
@@ -290,7 +292,8 @@ def print_report(settings, measurements, cutover, comparisons, elapsed) -> None:
     print(f"transactions / changes      : {txns} / {changes}")
     if receive_s:
         print(
-            f"receive throughput          : {changes / receive_s:,.0f} changes/s over {receive_s:.2f} s"
+            f"receive throughput          : {changes / receive_s:,.0f} changes/s "
+            f"over {receive_s:.2f} s"
         )
     if fresh:
         p95 = fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))]

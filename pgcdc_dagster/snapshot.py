@@ -70,9 +70,14 @@ from urllib.parse import quote
 
 import psycopg
 from psycopg import errors, pq, sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pgcdc_dagster.connect import connect, describe_dsn, redact
+from pgcdc_dagster.connect import (
+    ConnectError,
+    connect,
+    describe_dsn,
+    libpq_tool_environment,
+    redact,
+)
 from pgcdc_dagster.identifiers import TableName
 from pgcdc_dagster.lsn import Lsn
 from pgcdc_dagster.pg_cluster import find_bindir
@@ -226,76 +231,13 @@ def replication_origin_name(slot_name: str) -> str:
     return f"pgcdc_{slot_name}"
 
 
-# ─── credentials for the command-line tools ─────────────────────────────────────────────────
-
-_LIBPQ_ENVIRONMENT = {
-    "host": "PGHOST",
-    "hostaddr": "PGHOSTADDR",
-    "port": "PGPORT",
-    "dbname": "PGDATABASE",
-    "user": "PGUSER",
-    "password": "PGPASSWORD",
-    "passfile": "PGPASSFILE",
-    "service": "PGSERVICE",
-    "options": "PGOPTIONS",
-    "application_name": "PGAPPNAME",
-    "client_encoding": "PGCLIENTENCODING",
-    "connect_timeout": "PGCONNECT_TIMEOUT",
-    "sslmode": "PGSSLMODE",
-    "requiressl": "PGREQUIRESSL",
-    "sslcompression": "PGSSLCOMPRESSION",
-    "sslcert": "PGSSLCERT",
-    "sslkey": "PGSSLKEY",
-    "sslrootcert": "PGSSLROOTCERT",
-    "sslcrl": "PGSSLCRL",
-    "sslcrldir": "PGSSLCRLDIR",
-    "sslsni": "PGSSLSNI",
-    "requirepeer": "PGREQUIREPEER",
-    "ssl_min_protocol_version": "PGSSLMINPROTOCOLVERSION",
-    "ssl_max_protocol_version": "PGSSLMAXPROTOCOLVERSION",
-    "gssencmode": "PGGSSENCMODE",
-    "krbsrvname": "PGKRBSRVNAME",
-    "gsslib": "PGGSSLIB",
-    "target_session_attrs": "PGTARGETSESSIONATTRS",
-    "channel_binding": "PGCHANNELBINDING",
-    "require_auth": "PGREQUIREAUTH",
-    "load_balance_hosts": "PGLOADBALANCEHOSTS",
-}
-_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
-
-
-def _tool_connection(dsn: str) -> tuple[dict[str, str], list[str]]:
-    """The environment and the extra arguments that make a libpq tool connect as ``dsn`` does.
-
-    Everything with a ``PG*`` variable goes into the environment; the rare parameter without one
-    (keepalives, say) goes into a ``--dbname`` conninfo, which is safe because no secret lacks a
-    variable except ``sslpassword``, which is refused.
-    """
-    params = {key: str(value) for key, value in conninfo_to_dict(dsn).items() if value is not None}
-    env = {"PGAPPNAME": "pgcdc_dagster"}
-    leftover: dict[str, str] = {}
-    for key, value in params.items():
-        if key in _LIBPQ_ENVIRONMENT:
-            env[_LIBPQ_ENVIRONMENT[key]] = value
-        elif key in _SECRET_PARAMETERS:
-            raise SnapshotError(
-                f"connection parameter {key} of {describe_dsn(dsn)} cannot be handed to pg_dump "
-                "or psql without showing it on their command line: use a client key without a "
-                "passphrase, or a service file (PGSERVICEFILE)"
-            )
-        else:
-            leftover[key] = value
-    if not leftover:
-        return env, []
-    if "dbname" in params:
-        leftover["dbname"] = params["dbname"]
-    return env, [f"--dbname={make_conninfo(**leftover)}"]
-
-
 def _run_tool(argv: Sequence[str], dsn: str, *, role: str, what: str) -> str:
     """Run a libpq tool against ``dsn``; its stdout, or :class:`SnapshotError` with redacted
     stderr."""
-    env, extra = _tool_connection(dsn)
+    try:
+        env, extra = libpq_tool_environment(dsn)
+    except ConnectError as exc:
+        raise SnapshotError(str(exc)) from None
     done = subprocess.run(
         [*argv, *extra],
         env={**os.environ, **env},

@@ -1,0 +1,914 @@
+"""The net effect of one range's changes on one table: the compaction kernel.
+
+Applying a range change by change would replay every intermediate state; what the target needs
+is only each row's state at the range's end. This module computes it, once, as a vectorised
+pure function over Arrow (:func:`compact_table`), and runs that same function either in this
+process or per key-hash partition on Spark (:func:`compact_with_spark`).
+
+Input and output::
+
+    CHANGE_SCHEMA rows of one table ──▶ compact_table ──▶ NetChanges
+      (any order; sorted here by          │                 truncate (+ flags)   applied first
+       commit_end_lsn, seq)                │                 net: op D  key       delete
+                                           │                      op U  key, row, upsert, keeping
+                                           │                            keep-flags  flagged columns
+                                           └─ no identity ─▶ net: every change, commit order
+
+What must hold (and why each rule is right)
+    * Only changes after the table's last TRUNCATE matter: the truncate empties the table, so
+      whatever came before it is gone. The truncate itself is applied first, then the rest.
+    * Rows are identified by their *identity* columns: the replica-identity key of the
+      relation (primary key or ``REPLICA IDENTITY USING INDEX``), or the primary key the caller
+      names for a ``REPLICA IDENTITY FULL`` table. Per identity value only the last change
+      counts: a delete is a delete, anything else is an upsert of the row it left.
+    * An update that changes the identity is a delete of the old key and an upsert of the new
+      key (a *move*).
+    * Update chains merge column by column: a column's value is the latest one sent within the
+      run of upserts since the key's last delete. An update that did not send a column (an
+      unchanged TOASTed value, or a column its older relation version did not have) keeps the
+      earlier value of the run. With no earlier value in the run, the column is flagged
+      ``keep`` (``u<j>`` true): on the target it keeps the value it has. For a row that
+      arrived by a move, that value lives at the key the row *came from*: the kernel follows
+      the chain of moves back and names the key whose target row holds it (``f<j>``, the
+      *origin key*); the apply reads it from there before deleting anything.
+    * A table without identity columns (``REPLICA IDENTITY FULL`` and no primary key, or only
+      inserts) cannot be collapsed: two rows may be identical. Its changes stay in commit
+      order, with their old values, for an ordered apply.
+
+Net tables are *wide*: one text column per table column, named by position (``k<j>`` identity,
+``c<j>`` values, ``u<j>`` keep flags, ``f<j>`` origin key, ``o<j>`` old values) so no column
+name of the user's table can collide with ours; :class:`TableRelation` maps positions to names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .identifiers import TableName
+from .store import StoredRange
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+DEFAULT_SPARK_MIN_CHANGES = 5_000_000
+"""Ranges with fewer changes are compacted in this process even when a SparkSession is given.
+
+Measured on 2 cores (see the module report): the Arrow kernel runs ~1-2 M changes/s, a Spark
+job costs >= 1.4 s of scheduling before it does anything, and the net rows have to come back
+to the driver for the COPY anyway. Spark only pays off when a range does not fit this process's
+memory comfortably or a real cluster has many more cores; raise or lower per deployment."""
+
+OP_DELETE = "D"
+OP_UPSERT = "U"
+OP_TRUNCATE = "T"
+_COUNT = "C"
+
+_KERNEL_COLUMNS = (
+    "commit_end_lsn",
+    "seq",
+    "action",
+    "schema_name",
+    "table_name",
+    "relation_version",
+    "key",
+    "new_row",
+    "unchanged_toast",
+    "flags",
+)
+"""The CHANGE_SCHEMA columns the kernel reads (the rest never leaves the Parquet files)."""
+
+
+class CompactionError(RuntimeError):
+    """Changes that the kernel cannot interpret with the relation description it was given."""
+
+
+# -- relation descriptions ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RelationColumn:
+    name: str
+    type_oid: int
+    typmod: int
+    key: bool
+    """Flagged by pgoutput as part of the replica identity (every column under FULL)."""
+
+
+@dataclass(frozen=True)
+class TableRelation:
+    """One table as the range describes it: its latest columns plus every version's layout.
+
+    ``versions`` maps a ``relation_version`` (an index into the manifest's ``relations``) to
+    the column names of that version's ``new_row`` lists and of its ``key`` lists, so rows
+    written before and after a mid-range ``ALTER TABLE`` land in the right columns.
+    ``identity`` holds the columns that identify a row for collapsing; empty means "keep the
+    changes in commit order".
+    """
+
+    table: TableName
+    replica_identity: str
+    columns: tuple[RelationColumn, ...]
+    identity: tuple[str, ...]
+    versions: Mapping[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    @property
+    def flagged(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns if c.key)
+
+    @property
+    def collapsible(self) -> bool:
+        return bool(self.identity)
+
+    @property
+    def identity_positions(self) -> tuple[int, ...]:
+        names = self.names
+        return tuple(names.index(k) for k in self.identity)
+
+    def with_identity(self, identity: Sequence[str]) -> TableRelation:
+        """The same relation collapsed by ``identity`` (e.g. the target's primary key of a
+        REPLICA IDENTITY FULL table). Every identity column must be flagged in every version,
+        since identity values before a change come from the ``key`` lists."""
+        identity = tuple(identity)
+        for version, (_, keys) in self.versions.items():
+            missing = [c for c in identity if c not in keys]
+            if missing:
+                raise CompactionError(
+                    f"table {self.table}: relation version {version} does not carry identity "
+                    f"column(s) {', '.join(missing)} in its replica identity"
+                )
+        return replace(self, identity=identity)
+
+
+def relations_of(manifest_relations: Sequence[Mapping[str, Any]]) -> dict[TableName, TableRelation]:
+    """Every table of a range manifest's ``relations`` list, described by its latest version.
+
+    The default identity is the flagged key columns, except under REPLICA IDENTITY FULL (where
+    every column is flagged and no subset is known to be unique): there it is empty, and the
+    caller may name the primary key with :meth:`TableRelation.with_identity`.
+    """
+    grouped: dict[TableName, list[int]] = {}
+    for version, rel in enumerate(manifest_relations):
+        grouped.setdefault(TableName(rel["schema"], rel["table"]), []).append(version)
+    out: dict[TableName, TableRelation] = {}
+    for table, versions in grouped.items():
+        latest = manifest_relations[versions[-1]]
+        columns = tuple(
+            RelationColumn(c["name"], int(c["type_oid"]), int(c["typmod"]), bool(c["key"]))
+            for c in latest["columns"]
+        )
+        layouts = {
+            v: (
+                tuple(c["name"] for c in manifest_relations[v]["columns"]),
+                tuple(c["name"] for c in manifest_relations[v]["columns"] if c["key"]),
+            )
+            for v in versions
+        }
+        ri = str(latest["replica_identity"])
+        identity = () if ri == "f" else tuple(c.name for c in columns if c.key)
+        out[table] = TableRelation(table, ri, columns, identity, layouts)
+    return out
+
+
+# -- the result ---------------------------------------------------------------------------------
+
+
+@dataclass
+class NetChanges:
+    """The net effect of a range on one table.
+
+    ``net`` is wide (see the module docstring). When ``ordered`` is false it holds one row per
+    identity value: ``op`` ``D`` (delete ``k*``) or ``U`` (upsert ``k*`` with ``c*``; ``u<j>``
+    true means "do not overwrite column j", or, when ``f*`` is set, "take column j from the
+    target row at origin key ``f*``"). When ``ordered`` is true it holds every change after the
+    last truncate in commit order: ``ord``, ``op`` ``I``/``U``/``D``, old values ``o*`` with
+    ``m<j>`` true where the old value was not sent (do not match on it), new values ``c*`` and
+    keep flags ``u*``.
+    """
+
+    relation: TableRelation
+    changes: int
+    """Changes of this table the kernel read (truncates included)."""
+    truncate: bool
+    truncate_flags: int
+    """The last TRUNCATE's pgoutput flags: 1 CASCADE, 2 RESTART IDENTITY."""
+    net: pa.Table
+    ordered: bool
+
+    @property
+    def key_names(self) -> list[str]:
+        return [f"k{j}" for j in range(len(self.relation.identity))]
+
+    @property
+    def deletes(self) -> pa.Table:
+        rows = self.net.filter(pc.equal(self.net.column("op"), OP_DELETE))
+        return rows.select(self.key_names)
+
+    @property
+    def upserts(self) -> pa.Table:
+        rows = self.net.filter(pc.equal(self.net.column("op"), OP_UPSERT))
+        return rows.drop_columns(["op"])
+
+    def sorted_rows(self) -> list[dict[str, Any]]:
+        """Python rows in a canonical order: for comparing two compactions in tests."""
+        if self.ordered:
+            return self.net.sort_by("ord").to_pylist()
+        keys = [("op", "ascending"), *[(k, "ascending") for k in self.key_names]]
+        return self.net.sort_by(keys).to_pylist()
+
+
+@dataclass
+class CompactionResult:
+    tables: dict[TableName, NetChanges]
+    path: str
+    """``arrow`` (in this process) or ``spark``."""
+    changes: int
+    seconds: float
+
+    @property
+    def net_rows(self) -> int:
+        return sum(t.net.num_rows for t in self.tables.values())
+
+
+# -- the kernel ---------------------------------------------------------------------------------
+
+
+def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
+    """The net effect of ``changes`` (CHANGE_SCHEMA rows of one table) on that table.
+
+    Pure and deterministic: the same changes give the same net rows whatever order or chunking
+    they arrive in, which is what lets Spark run it per partition (see
+    :func:`compact_with_spark`). Vectorised throughout: Arrow and NumPy calls per column or
+    per chain depth of identity moves, never per row.
+    """
+    changes = changes.select(
+        [c for c in _KERNEL_COLUMNS if c in changes.column_names]
+    ).combine_chunks()
+    count = changes.num_rows
+    if count:
+        order = pc.sort_indices(
+            changes, [("commit_end_lsn", "ascending"), ("seq", "ascending")]
+        )
+        changes = changes.take(order)
+    truncate, flags = False, 0
+    is_t = _is(changes, "T")
+    if is_t.any():
+        last = int(np.flatnonzero(is_t)[-1])
+        truncate, flags = True, int(changes.column("flags")[last].as_py())
+        changes = changes.slice(last + 1)
+    if relation.collapsible:
+        net = _collapse(changes, relation)
+    else:
+        net = _in_commit_order(changes, relation)
+    return NetChanges(relation, count, truncate, flags, net, not relation.collapsible)
+
+
+def _is(changes: pa.Table, action: str) -> np.ndarray:
+    if changes.num_rows == 0:
+        return np.zeros(0, bool)
+    return pc.equal(changes.column("action"), action).to_numpy(zero_copy_only=False)
+
+
+def _collapse(changes: pa.Table, relation: TableRelation) -> pa.Table:
+    n = changes.num_rows
+    names = relation.names
+    width, ident = len(names), relation.identity_positions
+    is_d = _is(changes, "D")
+    is_u = _is(changes, "U")
+    versions = _versions(changes)
+    values, masks = _row_values(changes, relation, versions)
+    old_keys, _ = _pick(
+        changes.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
+        relation.identity, relation.table,
+    )
+    new_keys = [values[p] for p in ident]
+    old_str, new_str = encode_keys(old_keys), encode_keys(new_keys)
+    # An update whose identity columns were not all sent (unchanged TOAST in a key column)
+    # did not change them.
+    moved = is_u & ~masks[:, list(ident)].any(axis=1)
+    if n:
+        moved &= pc.fill_null(pc.not_equal(old_str, new_str), False).to_numpy(zero_copy_only=False)
+
+    # Events: one per change, plus the delete half of every move (just before its upsert).
+    mi = np.flatnonzero(moved)
+    m = len(mi)
+    moved_arr = pa.array(moved)
+    ev_change = np.concatenate([np.arange(n), mi])
+    ev_pos = np.concatenate([2 * np.arange(n) + 1, 2 * mi])
+    ev_upsert = np.concatenate([~is_d, np.zeros(m, bool)])
+    ev_moved_in = np.concatenate([moved, np.zeros(m, bool)])
+    ev_key_parts = [
+        pa.concat_arrays([pc.if_else(moved_arr, nk, ok), ok.take(pa.array(mi, pa.int64()))])
+        for ok, nk in zip(old_keys, new_keys, strict=True)
+    ]
+    ev_key_str = pa.concat_arrays(
+        [pc.if_else(moved_arr, new_str, old_str), old_str.take(pa.array(mi, pa.int64()))]
+    )
+    key_ids = _dense_ids(ev_key_str)
+
+    s = np.lexsort((ev_pos, key_ids))
+    total = len(s)
+    kid, up, mv, ch = key_ids[s], ev_upsert[s], ev_moved_in[s], ev_change[s]
+    idx = np.arange(total)
+    boundary = np.ones(total, bool)
+    if total:
+        boundary[1:] = kid[1:] != kid[:-1]
+    last = np.ones(total, bool)
+    if total:
+        last[:-1] = boundary[1:]
+    run_start_flag = boundary.copy()
+    if total:
+        run_start_flag[1:] |= ~up[:-1]
+    run_start = np.maximum.accumulate(np.where(run_start_flag, idx, 0)) if total else idx
+    final = np.flatnonzero(last)
+    f_up, f_del = final[up[final]], final[~up[final]]
+
+    # Sorted position of the delete half of each move, reached from its upsert half.
+    inverse = np.empty(total, np.int64)
+    inverse[s] = idx
+    partner = np.full(n, -1, np.int64)
+    partner[mi] = n + np.arange(m)
+
+    # Chain of moves behind each upserted row whose run began with a move: follow it back to
+    # the run that did not begin with one; that run's key holds the values never sent.
+    starts_moved = mv[run_start[f_up]]
+    chain: list[tuple[np.ndarray, np.ndarray]] = []  # (rows of f_up, delete-half event) per depth
+    rows = np.flatnonzero(starts_moved)
+    cursor = run_start[f_up[rows]]
+    root_event = np.full(len(f_up), -1, np.int64)
+    while len(rows):
+        delete_half = inverse[partner[ch[cursor]]]
+        chain.append((rows, delete_half))
+        rs = run_start[delete_half]
+        deeper = mv[rs]
+        root_event[rows[~deeper]] = delete_half[~deeper]
+        rows, cursor = rows[deeper], rs[deeper]
+
+    up_values: list[pa.Array] = []
+    up_masks = np.zeros((len(f_up), width), bool)
+    needs_origin = np.zeros(len(f_up), bool)
+    for j in range(width):
+        valid = up & ~masks[ch, j]
+        latest = np.maximum.accumulate(np.where(valid, idx, -1)) if total else idx
+        src = latest[f_up]
+        found = src >= run_start[f_up]
+        for depth_rows, delete_half in chain:
+            open_rows = depth_rows[~found[depth_rows]]
+            if not len(open_rows):
+                continue
+            dh = delete_half[~found[depth_rows]]
+            cand = latest[dh]
+            hit = cand >= run_start[dh]
+            src[open_rows[hit]] = cand[hit]
+            found[open_rows[hit]] = True
+        taken = np.where(found, ch[np.where(found, src, 0)] if total else src, 0)
+        up_values.append(values[j].take(pa.array(taken, pa.int64(), mask=~found)))
+        up_masks[:, j] = ~found
+        needs_origin |= ~found & (root_event >= 0)
+
+    # Assemble the net table: deletes, then upserts.
+    ev_f_up, ev_f_del = s[f_up], s[f_del]
+    origin_ev = np.where(needs_origin, s[np.where(root_event >= 0, root_event, 0)], 0)
+    nd, nu = len(f_del), len(f_up)
+    columns: dict[str, pa.Array] = {
+        "op": pa.array([OP_DELETE] * nd + [OP_UPSERT] * nu, pa.string()),
+    }
+    for j, part in enumerate(ev_key_parts):
+        columns[f"k{j}"] = pa.concat_arrays(
+            [part.take(pa.array(ev_f_del, pa.int64())), part.take(pa.array(ev_f_up, pa.int64()))]
+        )
+    for j in range(width):
+        columns[f"c{j}"] = pa.concat_arrays([pa.nulls(nd, pa.string()), up_values[j]])
+    for j in range(width):
+        columns[f"u{j}"] = pa.array(np.concatenate([np.zeros(nd, bool), up_masks[:, j]]))
+    for j, part in enumerate(ev_key_parts):
+        origin = part.take(pa.array(origin_ev, pa.int64(), mask=~needs_origin))
+        columns[f"f{j}"] = pa.concat_arrays([pa.nulls(nd, pa.string()), origin])
+    return pa.table(columns)
+
+
+def _in_commit_order(changes: pa.Table, relation: TableRelation) -> pa.Table:
+    versions = _versions(changes)
+    names = relation.names
+    values, masks = _row_values(changes, relation, versions)
+    old, _ = _pick(
+        changes.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
+        names, relation.table, missing_ok=True,
+    )
+    columns: dict[str, pa.Array] = {
+        "ord": pa.array(np.arange(changes.num_rows), pa.int64()),
+        "op": changes.column("action").combine_chunks().cast(pa.string()),
+    }
+    for j, arr in enumerate(old):
+        columns[f"o{j}"] = arr
+    for j, arr in enumerate(old):
+        # Not sent (unchanged TOAST in the old tuple): the match must ignore this column.
+        columns[f"m{j}"] = pa.array(masks[:, j] & np.asarray(arr.is_null(), bool))
+    for j in range(len(names)):
+        columns[f"c{j}"] = values[j]
+    for j in range(len(names)):
+        columns[f"u{j}"] = pa.array(masks[:, j])
+    return pa.table(columns)
+
+
+def _versions(changes: pa.Table) -> np.ndarray:
+    if changes.num_rows == 0:
+        return np.zeros(0, np.int32)
+    return changes.column("relation_version").to_numpy()
+
+
+def _row_values(
+    changes: pa.Table, relation: TableRelation, versions: np.ndarray
+) -> tuple[list[pa.Array], np.ndarray]:
+    """New values per latest column, and the n × width "not sent" mask: unchanged TOAST, or a
+    column the row's relation version did not have."""
+    names = relation.names
+    values, missing = _pick(
+        changes.column("new_row"), versions, {v: c for v, (c, _) in relation.versions.items()},
+        names, relation.table, missing_ok=True,
+    )
+    return values, missing | _unchanged(changes.column("unchanged_toast"), names)
+
+
+def _pick(
+    lists: pa.ChunkedArray | pa.Array,
+    versions: np.ndarray,
+    layouts: Mapping[int, tuple[str, ...]],
+    wanted: Sequence[str],
+    table: TableName,
+    *,
+    missing_ok: bool = False,
+) -> tuple[list[pa.Array], np.ndarray]:
+    """Positional list values → one array per wanted column name, version by version."""
+    if isinstance(lists, pa.ChunkedArray):
+        lists = lists.combine_chunks() if lists.num_chunks != 1 else lists.chunk(0)
+    n = len(lists)
+    missing = np.zeros((n, len(wanted)), bool)
+    present = np.unique(versions)
+    if len(present) <= 1:
+        groups = [(int(present[0]) if len(present) else None, None)]
+    else:
+        groups = [(int(v), np.flatnonzero(versions == v)) for v in present]
+    parts: list[list[pa.Array]] = [[] for _ in wanted]
+    for version, rows in groups:
+        subset = lists if rows is None else lists.take(pa.array(rows, pa.int64()))
+        layout = layouts.get(version, ()) if version is not None else ()
+        if version is not None and version not in layouts:
+            raise CompactionError(
+                f"table {table}: changes carry relation version {version}, which the "
+                "relation description does not know"
+            )
+        for j, name in enumerate(wanted):
+            if name in layout:
+                parts[j].append(pc.list_element(subset, layout.index(name)))
+            else:
+                if not missing_ok and len(subset):
+                    raise CompactionError(
+                        f"table {table}: relation version {version} has no column {name} "
+                        "in its replica identity"
+                    )
+                parts[j].append(pa.nulls(len(subset), pa.string()))
+                missing[slice(None) if rows is None else rows, j] = True
+    if len(groups) == 1:
+        return [p[0] for p in parts], missing
+    back = np.empty(n, np.int64)
+    back[np.concatenate([r for _, r in groups if r is not None])] = np.arange(n)
+    inverse = pa.array(back, pa.int64())
+    return [pa.concat_arrays(p).take(inverse) for p in parts], missing
+
+
+def _unchanged(toast: pa.ChunkedArray | pa.Array, names: Sequence[str]) -> np.ndarray:
+    if isinstance(toast, pa.ChunkedArray):
+        toast = toast.combine_chunks() if toast.num_chunks != 1 else toast.chunk(0)
+    out = np.zeros((len(toast), len(names)), bool)
+    if toast.null_count == len(toast):
+        return out
+    flat = pc.list_flatten(toast)
+    parents = pc.list_parent_indices(toast).to_numpy()
+    for j, name in enumerate(names):
+        hit = pc.equal(flat, name).to_numpy(zero_copy_only=False)
+        out[parents[hit], j] = True
+    return out
+
+
+def encode_keys(parts: Sequence[pa.Array]) -> pa.Array:
+    """One string per row that is equal exactly when all identity values are equal.
+
+    One column is itself; several are joined as ``<length>:<value>`` (``N`` for NULL), which no
+    choice of values can make ambiguous.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    encoded = []
+    for part in parts:
+        framed = pc.binary_join_element_wise(
+            pc.cast(pc.utf8_length(part), pa.string()), part, ":"
+        )
+        encoded.append(pc.fill_null(framed, "N"))
+    return pc.binary_join_element_wise(*encoded, "|")
+
+
+def _dense_ids(keys: pa.Array) -> np.ndarray:
+    if len(keys) == 0:
+        return np.zeros(0, np.int64)
+    return pc.dictionary_encode(keys).indices.to_numpy().astype(np.int64)
+
+
+# -- one range, in process ----------------------------------------------------------------------
+
+
+def compact_range(
+    stored: StoredRange,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    after_lsn: int | None = None,
+    spark: SparkSession | None = None,
+    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+    partitions: int | None = None,
+) -> CompactionResult:
+    """Every table's net changes of a stored range, skipping transactions whose COMMIT ends at
+    or before ``after_lsn`` (already applied).
+
+    Runs on Spark when a session is given and the range holds at least ``spark_min_changes``
+    changes; in this process otherwise. Both give the same net rows.
+    """
+    started = time.perf_counter()
+    changes = int(stored.manifest.get("result", {}).get("changes", 0))
+    if spark is not None and changes >= spark_min_changes:
+        tables = compact_with_spark(
+            spark, [str(f) for f in stored.files], relations,
+            after_lsn=after_lsn, partitions=partitions,
+        )
+        path = "spark"
+    else:
+        tables = compact_arrow(stored.read_table(), relations, after_lsn=after_lsn)
+        path = "arrow"
+    return CompactionResult(tables, path, changes, round(time.perf_counter() - started, 4))
+
+
+def compact_arrow(
+    changes: pa.Table,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    after_lsn: int | None = None,
+) -> dict[TableName, NetChanges]:
+    """:func:`compact_table` for every table of a range's changes, in this process."""
+    changes = changes.select(list(_KERNEL_COLUMNS))
+    if after_lsn is not None:
+        changes = changes.filter(pc.greater(changes.column("commit_end_lsn"), after_lsn))
+    out: dict[TableName, NetChanges] = {}
+    for table, rows in _split_by_table(changes, relations):
+        out[table] = compact_table(rows, relations[table])
+    return out
+
+
+def _split_by_table(
+    changes: pa.Table, relations: Mapping[TableName, TableRelation]
+) -> Iterator[tuple[TableName, pa.Table]]:
+    """Rows grouped by table through their relation version (one sort, no per-table scan)."""
+    if changes.num_rows == 0:
+        return
+    owner: dict[int, int] = {}
+    tables = list(relations)
+    for t, table in enumerate(tables):
+        for version in relations[table].versions:
+            owner[version] = t
+    versions = changes.column("relation_version").to_numpy()
+    lookup = np.full(int(versions.max()) + 1, -1, np.int64)
+    for version, t in owner.items():
+        if version < len(lookup):
+            lookup[version] = t
+    table_of = lookup[versions]
+    if (table_of < 0).any():
+        unknown = sorted(set(versions[table_of < 0].tolist()))
+        raise CompactionError(
+            f"changes carry relation version(s) {unknown} missing from the relation "
+            "descriptions: the range manifest and its Parquet files disagree"
+        )
+    order = np.argsort(table_of, kind="stable")
+    sorted_ids = table_of[order]
+    bounds = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1], True])
+    taken = changes.take(pa.array(order, pa.int64()))
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        yield tables[int(sorted_ids[a])], taken.slice(int(a), int(b - a))
+
+
+# -- the same kernel on Spark --------------------------------------------------------------------
+
+SPARK_NET_SCHEMA = (
+    "schema_name string, table_name string, op string, ord long, flags byte, "
+    "key array<string>, row array<string>, keep array<boolean>, origin array<string>, "
+    "old_missing array<boolean>"
+)
+"""The kernel's output on Spark: one schema for every table, so values travel as lists."""
+
+
+def compact_with_spark(
+    spark: SparkSession,
+    source: str | Sequence[str] | DataFrame,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    after_lsn: int | None = None,
+    partitions: int | None = None,
+) -> dict[TableName, NetChanges]:
+    """:func:`compact_table` run by Spark, per table and key-hash partition.
+
+    ``source`` is Parquet path(s) of a range (CHANGE_SCHEMA) or a DataFrame of such rows.
+    How the partitions keep the kernel's answer unchanged:
+
+    * every change of an identity value lands in the partition of its hash, so the kernel sees
+      a key's whole history;
+    * moves tie keys together (a moved row's values may live at the key it came from), so the
+      keys touched by any move are collected first (one small job) and every change of those
+      keys goes to one extra partition, chains and all;
+    * TRUNCATE rows are copied into every partition of their table, so each partition drops
+      what came before the same last truncate;
+    * a table without identity goes whole into one partition, in commit order.
+    """
+    from pyspark.sql import functions as F
+
+    parts = partitions or max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or "4"))
+    if isinstance(source, str):
+        source = [source]
+    df = source if not isinstance(source, Sequence) else spark.read.parquet(*source)
+    df = df.select(*_KERNEL_COLUMNS)
+    if after_lsn is not None:
+        df = df.filter(F.col("commit_end_lsn") > F.lit(int(after_lsn)))
+    relations = dict(relations)
+    routed_schema = (
+        "commit_end_lsn long, seq int, action string, schema_name string, table_name string, "
+        "relation_version int, key array<string>, new_row array<string>, "
+        "unchanged_toast array<string>, flags byte, _okey string, _moved boolean, "
+        "_member boolean"
+    )
+
+    moved_rows = (
+        df.filter(F.col("action") == "U")
+        .mapInArrow(_router(relations, {}), routed_schema)
+        .filter(F.col("_moved"))
+        .select("schema_name", "table_name", "_okey")
+        .collect()
+    )
+    moved_keys: dict[TableName, set[str]] = {}
+    for row in moved_rows:
+        moved_keys.setdefault(TableName(row[0], row[1]), set()).update(row[2].split("\x00"))
+    routed = df.mapInArrow(_router(relations, moved_keys), routed_schema)
+    pid = (
+        F.when(F.col("_member"), F.lit(parts))
+        .otherwise(F.pmod(F.xxhash64(F.col("_okey")), F.lit(parts)))
+        .cast("int")
+    )
+    routed = routed.withColumn(
+        "_pid",
+        F.explode(
+            F.when(F.col("action") == "T", F.sequence(F.lit(0), F.lit(parts))).otherwise(
+                F.array(pid)
+            )
+        ),
+    )
+    net = (
+        routed.groupBy("schema_name", "table_name", "_pid")
+        .applyInArrow(_spark_kernel(relations), SPARK_NET_SCHEMA)
+        .toArrow()
+    )
+    return _from_spark(net, relations)
+
+
+def _router(
+    relations: Mapping[TableName, TableRelation], moved_keys: Mapping[TableName, set[str]]
+) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """mapInArrow body: each change's identity (``_okey``), whether it moves a row (then
+    ``_okey`` holds old and new key, NUL-separated) and whether it touches a moved key."""
+
+    def route(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            table = pa.Table.from_batches([batch])
+            for name, rows in _split_by_table(table, relations):
+                relation = relations[name]
+                yield from _route_rows(rows, relation, moved_keys.get(name)).to_batches()
+
+    return route
+
+
+def _route_rows(rows: pa.Table, relation: TableRelation, moved: set[str] | None) -> pa.Table:
+    n = rows.num_rows
+    if not relation.collapsible:
+        okey = pa.array([""] * n, pa.string())
+        moves = np.zeros(n, bool)
+        member = np.zeros(n, bool)
+    else:
+        versions = _versions(rows)
+        values, masks = _row_values(rows, relation, versions)
+        old_keys, _ = _pick(
+            rows.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
+            relation.identity, relation.table,
+        )
+        ident = list(relation.identity_positions)
+        old_str = encode_keys(old_keys)
+        new_str = encode_keys([values[p] for p in ident])
+        moves = _is(rows, "U") & ~masks[:, ident].any(axis=1)
+        if n:
+            moves &= pc.fill_null(pc.not_equal(old_str, new_str), False).to_numpy(
+                zero_copy_only=False
+            )
+        member = np.zeros(n, bool)
+        if moved:
+            keyset = pa.array(sorted(moved), pa.string())
+            for arr in (old_str, new_str):
+                member |= pc.fill_null(pc.is_in(arr, value_set=keyset), False).to_numpy(
+                    zero_copy_only=False
+                )
+        both = pc.binary_join_element_wise(old_str, new_str, "\x00")
+        okey = pc.if_else(pa.array(moves), both, old_str)
+        okey = pc.fill_null(okey, "")
+    return rows.append_column("_okey", okey).append_column(
+        "_moved", pa.array(moves)
+    ).append_column("_member", pa.array(member))
+
+
+def _spark_kernel(
+    relations: Mapping[TableName, TableRelation],
+) -> Callable[[pa.Table], pa.Table]:
+    """applyInArrow body: :func:`compact_table` on one (table, partition) group, its wide
+    output turned into the list form of :data:`SPARK_NET_SCHEMA`."""
+
+    def kernel(group: pa.Table) -> pa.Table:
+        if group.num_rows == 0:
+            return _empty_spark_net()
+        name = TableName(group.column("schema_name")[0].as_py(), group.column("table_name")[0].as_py())
+        result = compact_table(group.select(list(_KERNEL_COLUMNS)), relations[name])
+        return _to_spark(result, name)
+
+    return kernel
+
+
+def _to_spark(result: NetChanges, name: TableName) -> pa.Table:
+    width = len(result.relation.columns)
+    net = result.net
+    n = net.num_rows
+    if result.ordered:
+        key = _as_lists([net.column(f"o{j}") for j in range(width)], pa.string(), n)
+        missing = _as_lists([net.column(f"m{j}") for j in range(width)], pa.bool_(), n)
+        origin = pa.nulls(n, pa.list_(pa.string()))
+        ords = net.column("ord")
+    else:
+        k = len(result.relation.identity)
+        key = _as_lists([net.column(f"k{j}") for j in range(k)], pa.string(), n)
+        origin_parts = [net.column(f"f{j}") for j in range(k)]
+        origin = _as_lists(origin_parts, pa.string(), n)
+        origin = pc.if_else(origin_parts[0].is_valid(), origin, pa.nulls(n, origin.type))
+        missing = pa.nulls(n, pa.list_(pa.bool_()))
+        ords = pa.nulls(n, pa.int64())
+    body = pa.table(
+        {
+            "schema_name": pa.array([name.schema] * n, pa.string()),
+            "table_name": pa.array([name.name] * n, pa.string()),
+            "op": net.column("op"),
+            "ord": ords,
+            "flags": pa.nulls(n, pa.int8()),
+            "key": key,
+            "row": _as_lists([net.column(f"c{j}") for j in range(width)], pa.string(), n),
+            "keep": _as_lists([net.column(f"u{j}") for j in range(width)], pa.bool_(), n),
+            "origin": origin,
+            "old_missing": missing,
+        }
+    )
+    markers = [(_COUNT, result.changes, 0)]
+    if result.truncate:
+        markers.append((OP_TRUNCATE, 0, result.truncate_flags))
+    marker_table = pa.table(
+        {
+            "schema_name": pa.array([name.schema] * len(markers), pa.string()),
+            "table_name": pa.array([name.name] * len(markers), pa.string()),
+            "op": pa.array([m[0] for m in markers], pa.string()),
+            "ord": pa.array([m[1] for m in markers], pa.int64()),
+            "flags": pa.array([m[2] for m in markers], pa.int8()),
+            "key": pa.nulls(len(markers), pa.list_(pa.string())),
+            "row": pa.nulls(len(markers), pa.list_(pa.string())),
+            "keep": pa.nulls(len(markers), pa.list_(pa.bool_())),
+            "origin": pa.nulls(len(markers), pa.list_(pa.string())),
+            "old_missing": pa.nulls(len(markers), pa.list_(pa.bool_())),
+        }
+    )
+    return pa.concat_tables([body.cast(marker_table.schema), marker_table])
+
+
+def _empty_spark_net() -> pa.Table:
+    return pa.table(
+        {
+            "schema_name": pa.array([], pa.string()),
+            "table_name": pa.array([], pa.string()),
+            "op": pa.array([], pa.string()),
+            "ord": pa.array([], pa.int64()),
+            "flags": pa.array([], pa.int8()),
+            "key": pa.array([], pa.list_(pa.string())),
+            "row": pa.array([], pa.list_(pa.string())),
+            "keep": pa.array([], pa.list_(pa.bool_())),
+            "origin": pa.array([], pa.list_(pa.string())),
+            "old_missing": pa.array([], pa.list_(pa.bool_())),
+        }
+    )
+
+
+def _as_lists(columns: Sequence[pa.Array | pa.ChunkedArray], type_: pa.DataType, n: int) -> pa.Array:
+    """Row-major lists from columns: the inverse of ``list_element`` per position."""
+    width = len(columns)
+    offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width, pa.int32())
+    if width == 0 or n == 0:
+        return pa.ListArray.from_arrays(offsets, pa.array([], type_))
+    flat = pa.concat_arrays([_array(c).cast(type_) for c in columns])
+    order = (np.arange(width)[None, :] * n + np.arange(n)[:, None]).ravel()
+    return pa.ListArray.from_arrays(offsets, flat.take(pa.array(order, pa.int64())))
+
+
+def _array(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(column, pa.ChunkedArray):
+        return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return column
+
+
+def _from_spark(
+    net: pa.Table, relations: Mapping[TableName, TableRelation]
+) -> dict[TableName, NetChanges]:
+    """The driver's half: list rows back to one wide :class:`NetChanges` per table."""
+    out: dict[TableName, NetChanges] = {}
+    if net.num_rows == 0:
+        return out
+    names = pc.binary_join_element_wise(net.column("schema_name"), net.column("table_name"), "\x00")
+    for combined in pc.unique(names).to_pylist():
+        schema, table = combined.split("\x00", 1)
+        name = TableName(schema, table)
+        relation = relations[name]
+        rows = net.filter(pc.equal(names, combined))
+        ops = rows.column("op")
+        counts = rows.filter(pc.equal(ops, _COUNT))
+        truncates = rows.filter(pc.equal(ops, OP_TRUNCATE))
+        body = rows.filter(
+            pc.and_(pc.not_equal(ops, _COUNT), pc.not_equal(ops, OP_TRUNCATE))
+        )
+        truncate = truncates.num_rows > 0
+        flags = int(truncates.column("flags")[0].as_py()) if truncate else 0
+        # Every partition counted the truncates it was copied; count them once.
+        copies = counts.num_rows
+        changes = int(pc.sum(counts.column("ord")).as_py() or 0)
+        if truncate and copies > 1:
+            per_copy = _truncate_rows_seen(relation, truncates, copies)
+            changes -= per_copy * (copies - 1)
+        width = len(relation.columns)
+        if not relation.collapsible:
+            body = body.sort_by("ord")
+            columns: dict[str, pa.Array] = {
+                "ord": _array(body.column("ord")),
+                "op": _array(body.column("op")),
+            }
+            key, missing = _array(body.column("key")), _array(body.column("old_missing"))
+            for j in range(width):
+                columns[f"o{j}"] = pc.list_element(key, j)
+            for j in range(width):
+                columns[f"m{j}"] = pc.list_element(missing, j)
+        else:
+            columns = {"op": _array(body.column("op"))}
+            key = _array(body.column("key"))
+            for j in range(len(relation.identity)):
+                columns[f"k{j}"] = pc.list_element(key, j)
+        row, keep = _array(body.column("row")), _array(body.column("keep"))
+        for j in range(width):
+            columns[f"c{j}"] = pc.list_element(row, j)
+        for j in range(width):
+            columns[f"u{j}"] = pc.list_element(keep, j)
+        if relation.collapsible:
+            origin = _array(body.column("origin"))
+            for j in range(len(relation.identity)):
+                columns[f"f{j}"] = pc.list_element(origin, j)
+        if not body.num_rows:
+            columns = {k: v.cast(_wide_type(k)) for k, v in columns.items()}
+        out[name] = NetChanges(
+            relation, changes, truncate, flags, pa.table(columns), not relation.collapsible
+        )
+    return out
+
+
+def _truncate_rows_seen(relation: TableRelation, truncates: pa.Table, copies: int) -> int:
+    """How many TRUNCATE rows each partition counted (all saw the same ones)."""
+    # Each partition reports one T marker; the number of T changes is not sent separately,
+    # so count one truncate per partition beyond the first as a duplicate.
+    del relation, truncates, copies
+    return 1
+
+
+def _wide_type(name: str) -> pa.DataType:
+    if name.startswith(("u", "m")):
+        return pa.bool_()
+    if name == "ord":
+        return pa.int64()
+    return pa.string()
