@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psycopg
 
-from pgcdc_dagster.lsn import Lsn
 from pgcdc_dagster.demo import pgbench
+from pgcdc_dagster.lsn import Lsn
 from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.receive import receive
 from pgcdc_dagster.store import OutputStore
