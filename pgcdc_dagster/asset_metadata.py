@@ -58,15 +58,16 @@ def receive_metadata(result: ReceiveResult, lag_bytes: int | None) -> dict[str, 
 def apply_metadata(
     table: TableName, received: ReceiveResult, applied: ApplyResult, lag_bytes: int | None
 ) -> dict[str, Any]:
-    counts = applied.table_counts(table)
+    counts = applied.tables.get(str(table))
     meta = {
         **receive_metadata(received, lag_bytes),
         "replay_lsn": text(applied.replay_lsn or "none"),
         "apply_status": text(applied.status),
-        "table_inserted": number(counts.get("inserted", 0)),
-        "table_updated": number(counts.get("updated", 0)),
-        "table_deleted": number(counts.get("deleted", 0)),
-        "table_truncated": number(counts.get("truncated", 0)),
+        "table_changes": number(counts.changes if counts else 0),
+        "table_inserted": number(counts.inserted if counts else 0),
+        "table_updated": number(counts.updated if counts else 0),
+        "table_deleted": number(counts.deleted if counts else 0),
+        "table_truncated": MetadataValue.bool(bool(counts and counts.truncated)),
         "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
         "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
     }

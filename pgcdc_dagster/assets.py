@@ -226,7 +226,9 @@ def _target_tables(tables: Sequence[TableName]) -> Any:
                 received = ReceiveResult.from_manifest(
                     pipeline.stored_range(settings, rng).manifest
                 )
-                applied = pipeline.apply_stored_range(settings, rng, spark=spark)
+                applied = pipeline.apply_stored_range(
+                    settings, rng, spark=lambda: spark.spark_session
+                )
             lag = _lag(settings)
         except Exception as exc:
             if _is_engine_error(exc):
@@ -299,7 +301,9 @@ def _cutover(tables: Sequence[TableName]) -> Any:
                     target_lsn,
                     registered=registered_ranges(context.instance),
                     register=lambda key: context.instance.add_dynamic_partitions(LSN_RANGES, [key]),
-                    run_range=lambda rng: pipeline.run_range_in_process(settings, rng, spark),
+                    run_range=lambda rng: pipeline.run_range_in_process(
+                        settings, rng, lambda: spark.spark_session
+                    ),
                 )
             )
             sequences = sync_sequences(settings.source_dsn, settings.target_dsn)

@@ -222,7 +222,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _materialization_metadata(result: Any, key: str) -> dict[str, Any]:
     for event in result.get_asset_materialization_events():
-        mat = event.asset_materialization
+        mat = event.step_materialization_data.materialization
         if mat.asset_key.to_user_string() == key:
             return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
     return {}

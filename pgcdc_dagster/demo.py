@@ -81,7 +81,7 @@ def demo_environment(base: Path, clusters: DemoClusters) -> dict[str, str]:
     home = base / "dagster_home"
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    storage_url = f"postgresql://postgres@127.0.0.1:{clusters.storage.port}/postgres"
+    storage_url = f"postgresql+psycopg2://postgres@127.0.0.1:{clusters.storage.port}/postgres"
     return {
         "PGCDC_SOURCE_DSN": clusters.source.dsn(),
         "PGCDC_TARGET_DSN": clusters.target.dsn(),

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 T = TypeVar("T")
+SparkProvider = Any
+"""A SparkSession, a callable returning one (started lazily), or ``None`` (in-process only)."""
 
 
 class RangeOrderError(RuntimeError):
@@ -178,16 +180,19 @@ def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
 
 
 def apply_stored_range(
-    settings: ReplicationSettings, rng: LsnRange, spark: SparkSession | None = None
+    settings: ReplicationSettings, rng: LsnRange, spark: SparkProvider = None
 ) -> ApplyResult:
+    """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
+    returns one) only for ranges large enough to be worth a Spark job."""
     from .apply import apply_range
+    from .compaction import DEFAULT_SPARK_MIN_CHANGES
 
+    stored = stored_range(settings, rng)
+    session = None
+    if spark is not None and stored.manifest["result"]["changes"] >= DEFAULT_SPARK_MIN_CHANGES:
+        session = spark() if callable(spark) else spark
     return apply_range(
-        settings.target_dsn,
-        stored_range(settings, rng),
-        settings.origin,
-        spark=spark,
-        store=store_of(settings),
+        settings.target_dsn, stored, settings.origin, spark=session, store=store_of(settings)
     )
 
 
