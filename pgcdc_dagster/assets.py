@@ -362,6 +362,7 @@ def _lag(settings: pipeline.ReplicationSettings) -> int | None:
 
 def _is_engine_error(exc: Exception) -> bool:
     from .apply import ApplyError
+    from .preflight import PreflightError
     from .snapshot import SnapshotError
 
-    return isinstance(exc, (*ENGINE_ERRORS, ApplyError, SnapshotError))
+    return isinstance(exc, (*ENGINE_ERRORS, ApplyError, SnapshotError, PreflightError))

@@ -17,6 +17,9 @@ from typing import Any
 from .config import ReplicationSettings, SettingsError
 from .lsn import LsnRange
 
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+"""Runs started here log to the instance (and the UI) in full; the terminal gets warnings."""
+
 
 class CliError(RuntimeError):
     """A failure to report as one line and a non-zero exit."""
@@ -45,7 +48,7 @@ def run_job(name: str, *, partition_key: str | None = None, run_config: dict | N
     result = job.execute_in_process(
         instance=dagster_instance(),
         partition_key=partition_key,
-        run_config=run_config or {},
+        run_config={**QUIET, **(run_config or {})},
         raise_on_error=False,
     )
     if not result.success:
@@ -59,7 +62,10 @@ def _failure_text(result: Any) -> str:
             data = event.step_failure_data
             if data.user_failure_data and data.user_failure_data.description:
                 return str(data.user_failure_data.description)
-            return data.error.message.strip().splitlines()[0] if data.error else "step failed"
+            error = data.error
+            while error is not None and error.cause is not None:
+                error = error.cause
+            return error.message.strip() if error is not None else "step failed"
     return "see the run in the Dagster UI"
 
 
@@ -250,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser("demo", help="the embedded default: local clusters, workload, cutover")
     p.add_argument("--ui", action="store_true", help="leave the webserver running afterwards")
-    p.add_argument("--seconds", type=float, default=20.0, help="workload duration")
+    p.add_argument("--seconds", type=float, default=30.0, help="workload duration")
     p.add_argument("--tps", type=int, default=300, help="workload transactions per second")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 from dagster import (
     AssetSelection,
     Definitions,
+    PreviewWarning,
     define_asset_job,
     definitions,
     in_process_executor,
@@ -141,6 +143,10 @@ def defs() -> Definitions:
     else:
         tables, error = resolve_tables(dict(os.environ))
     payload = {"tables": [[t.schema, t.name] for t in tables], "error": error}
-    return build_definitions(tables, error).with_reconstruction_metadata(
-        {TABLES_METADATA_KEY: json.dumps(payload)}
-    )
+    with warnings.catch_warnings():
+        # Reconstruction metadata is Dagster's documented way to cache load-time state; it is
+        # marked preview, which would warn on every load of the code location.
+        warnings.simplefilter("ignore", category=PreviewWarning)
+        return build_definitions(tables, error).with_reconstruction_metadata(
+            {TABLES_METADATA_KEY: json.dumps(payload)}
+        )

@@ -30,6 +30,7 @@ from .pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, find_bindir
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_SCHEMA = """
+ALTER TABLE pgbench_history REPLICA IDENTITY FULL;
 CREATE TABLE documents (id bigserial PRIMARY KEY, title text NOT NULL, body text);
 ALTER TABLE documents ALTER COLUMN body SET STORAGE EXTERNAL;
 INSERT INTO documents (title, body)
@@ -138,25 +139,35 @@ def side_workload(dsn: str, stop: threading.Event) -> None:
 
 
 def probe_freshness(
-    source_dsn: str, target_dsn: str, stop: threading.Event, out: Measurements
+    source_dsn: str,
+    target_dsn: str,
+    writing: threading.Event,
+    stop: threading.Event,
+    out: Measurements,
 ) -> None:
-    """Write a probe row each second; time until it is visible on the target."""
+    """A probe row each second while ``writing``; each probe's time until the target has it."""
+    sent_at: dict[int, float] = {}
+    last_sent = 0.0
+    seen = 0
     with (
         psycopg.connect(source_dsn, autocommit=True) as src,
         psycopg.connect(target_dsn, autocommit=True) as tgt,
     ):
-        probe = 0
         while not stop.is_set():
-            probe += 1
-            src.execute("INSERT INTO demo_probe VALUES (%s, now())", (probe,))
-            sent = time.monotonic()
-            out.probes_sent += 1
-            while not stop.is_set() and time.monotonic() - sent < 120:
-                if tgt.execute("SELECT 1 FROM demo_probe WHERE id = %s", (probe,)).fetchone():
-                    out.freshness_s.append(time.monotonic() - sent)
-                    break
-                time.sleep(0.1)
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - sent)))
+            now = time.monotonic()
+            if writing.is_set() and now - last_sent >= 1.0:
+                probe = len(sent_at) + 1
+                src.execute("INSERT INTO demo_probe VALUES (%s, now())", (probe,))
+                sent_at[probe] = last_sent = time.monotonic()
+                out.probes_sent += 1
+            rows = tgt.execute("SELECT id FROM demo_probe WHERE id > %s", (seen,)).fetchall()
+            arrived = time.monotonic()
+            for (probe,) in rows:
+                out.freshness_s.append(arrived - sent_at[probe])
+                seen = max(seen, probe)
+            if not writing.is_set() and seen >= len(sent_at):
+                return
+            time.sleep(0.2)
 
 
 def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measurements) -> None:
@@ -172,7 +183,7 @@ def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measure
         time.sleep(1)
 
 
-def run_demo(*, ui: bool = False, seconds: float = 20.0, tps: int = 300) -> int:
+def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
     from . import cli, pipeline
     from .config import ReplicationSettings
 
@@ -197,29 +208,31 @@ def run_demo(*, ui: bool = False, seconds: float = 20.0, tps: int = 300) -> int:
             "slot sensor catches up ..."
         )
         measurements = Measurements()
-        stop = threading.Event()
-        threads = [
-            threading.Thread(target=side_workload, args=(settings.source_dsn, stop)),
-            threading.Thread(
-                target=probe_freshness,
-                args=(settings.source_dsn, settings.target_dsn, stop, measurements),
-            ),
-            threading.Thread(target=sample_lag, args=(env, stop, measurements)),
-        ]
-        for thread in threads:
+        writing, stop_probes, stop_side = threading.Event(), threading.Event(), threading.Event()
+        writing.set()
+        side = threading.Thread(target=side_workload, args=(settings.source_dsn, stop_side))
+        probes = threading.Thread(
+            target=probe_freshness,
+            args=(settings.source_dsn, settings.target_dsn, writing, stop_probes, measurements),
+        )
+        lag = threading.Thread(target=sample_lag, args=(env, stop_probes, measurements))
+        for thread in (side, probes, lag):
             thread.start()
         bench = pgbench(
             clusters.source, "-n", "-c", "2", "-j", "2", "-T", str(int(seconds)), "-R", str(tps)
         )
         assert bench is not None
         bench.wait()
-        stop.set()
-        for thread in threads:
-            thread.join()
+        stop_side.set()
+        writing.clear()
+        side.join()
         workload_end = pipeline.resolve_endpos(settings, "current")
-
+        print(f"workload stopped at {workload_end}; waiting for the sensor to catch up ...")
         instance = cli.dagster_instance()
         wait_caught_up(settings, workload_end, timeout_s=180)
+        probes.join(timeout=60)
+        stop_probes.set()
+        lag.join()
         cli.wait_for_catchup_runs(instance, 120)
         stop_process(daemon)
         daemon = None

@@ -24,7 +24,7 @@ from dagster import (
     SensorResult,
     sensor,
 )
-from dagster._core.storage.dagster_run import IN_PROGRESS_RUN_STATUSES
+from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
 
 from . import pipeline
 from .asset_metadata import number, text
@@ -39,8 +39,9 @@ SENSOR_INTERVAL_S = int(os.environ.get("PGCDC_SENSOR_INTERVAL", "5"))
 
 
 def catchup_in_flight(instance) -> bool:  # type: ignore[no-untyped-def]
+    """A catch-up run is queued, starting or running (queued counts: it will run a range)."""
     runs = instance.get_runs_count(
-        RunsFilter(job_name=CATCHUP_JOB, statuses=list(IN_PROGRESS_RUN_STATUSES))
+        RunsFilter(job_name=CATCHUP_JOB, statuses=list(NOT_FINISHED_STATUSES))
     )
     return runs > 0
 
