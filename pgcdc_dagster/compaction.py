@@ -8,11 +8,11 @@ process or per key-hash partition on Spark (:func:`compact_with_spark`).
 Input and output::
 
     CHANGE_SCHEMA rows of one table ──▶ compact_table ──▶ NetChanges
-      (any order; sorted here by          │                 truncate (+ flags)   applied first
-       commit_end_lsn, seq)                │                 net: op D  key       delete
-                                           │                      op U  key, row, upsert, keeping
-                                           │                            keep-flags  flagged columns
-                                           └─ no identity ─▶ net: every change, commit order
+    (any order: sorted here by               │              truncate + flags     applied first
+     commit_end_lsn, seq)                    │              op D  k*             delete
+                                             │              op U  k*, c*, u*, f* upsert
+                                             └─ no identity: every change after the last
+                                                truncate, in commit order (o*, m*, c*, u*)
 
 What must hold (and why each rule is right)
     * Only changes after the table's last TRUNCATE matter: the truncate empties the table, so
@@ -31,8 +31,9 @@ What must hold (and why each rule is right)
       arrived by a move, that value lives at the key the row *came from*: the kernel follows
       the chain of moves back and names the key whose target row holds it (``f<j>``, the
       *origin key*); the apply reads it from there before deleting anything.
-    * A table without identity columns (``REPLICA IDENTITY FULL`` and no primary key, or only
-      inserts) cannot be collapsed: two rows may be identical. Its changes stay in commit
+    * A table without identity columns (``REPLICA IDENTITY FULL`` and no primary key, or no
+      key at all, where the source publishes only inserts) cannot be collapsed: two rows may
+      be identical. Its changes stay in commit
       order, with their old values, for an ordered apply.
 
 Net tables are *wide*: one text column per table column, named by position (``k<j>`` identity,
@@ -42,6 +43,7 @@ name of the user's table can collide with ours; :class:`TableRelation` maps posi
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -57,13 +59,15 @@ from .store import StoredRange
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-DEFAULT_SPARK_MIN_CHANGES = 5_000_000
+DEFAULT_SPARK_MIN_CHANGES = 2_000_000
 """Ranges with fewer changes are compacted in this process even when a SparkSession is given.
 
-Measured on 2 cores (see the module report): the Arrow kernel runs ~1-2 M changes/s, a Spark
-job costs >= 1.4 s of scheduling before it does anything, and the net rows have to come back
-to the driver for the COPY anyway. Spark only pays off when a range does not fit this process's
-memory comfortably or a real cluster has many more cores; raise or lower per deployment."""
+Measured on 2 shared cores, pgbench backlog of 320k changes (157k net rows): the Arrow kernel
+takes 0.14-0.23 s (0.3-0.5 s with the Parquet read); Spark local[2] takes 6 s warm (each
+crossing of 300k rows between the JVM and Python costs seconds), and the net rows come back to
+the driver for the COPY anyway. So on one machine Spark never wins; it is there for ranges
+whose changes would not fit the driver (about 155 bytes per change in Arrow, several times that
+while compacting: 2 M changes is about 0.3 GB in, 1.5 s) and for clusters with many cores."""
 
 OP_DELETE = "D"
 OP_UPSERT = "U"
@@ -199,6 +203,8 @@ class NetChanges:
     relation: TableRelation
     changes: int
     """Changes of this table the kernel read (truncates included)."""
+    truncates: int
+    """TRUNCATE changes among them."""
     truncate: bool
     truncate_flags: int
     """The last TRUNCATE's pgoutput flags: 1 CASCADE, 2 RESTART IDENTITY."""
@@ -256,13 +262,12 @@ def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
     ).combine_chunks()
     count = changes.num_rows
     if count:
-        order = pc.sort_indices(
-            changes, [("commit_end_lsn", "ascending"), ("seq", "ascending")]
-        )
+        order = pc.sort_indices(changes, [("commit_end_lsn", "ascending"), ("seq", "ascending")])
         changes = changes.take(order)
     truncate, flags = False, 0
     is_t = _is(changes, "T")
-    if is_t.any():
+    truncates = int(is_t.sum())
+    if truncates:
         last = int(np.flatnonzero(is_t)[-1])
         truncate, flags = True, int(changes.column("flags")[last].as_py())
         changes = changes.slice(last + 1)
@@ -270,7 +275,7 @@ def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
         net = _collapse(changes, relation)
     else:
         net = _in_commit_order(changes, relation)
-    return NetChanges(relation, count, truncate, flags, net, not relation.collapsible)
+    return NetChanges(relation, count, truncates, truncate, flags, net, not relation.collapsible)
 
 
 def _is(changes: pa.Table, action: str) -> np.ndarray:
@@ -288,8 +293,11 @@ def _collapse(changes: pa.Table, relation: TableRelation) -> pa.Table:
     versions = _versions(changes)
     values, masks = _row_values(changes, relation, versions)
     old_keys, _ = _pick(
-        changes.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
-        relation.identity, relation.table,
+        changes.column("key"),
+        versions,
+        {v: k for v, (_, k) in relation.versions.items()},
+        relation.identity,
+        relation.table,
     )
     new_keys = [values[p] for p in ident]
     old_str, new_str = encode_keys(old_keys), encode_keys(new_keys)
@@ -371,7 +379,7 @@ def _collapse(changes: pa.Table, relation: TableRelation) -> pa.Table:
             hit = cand >= run_start[dh]
             src[open_rows[hit]] = cand[hit]
             found[open_rows[hit]] = True
-        taken = np.where(found, ch[np.where(found, src, 0)] if total else src, 0)
+        taken = ch[np.where(found, src, 0)] if total else np.zeros(0, np.int64)
         up_values.append(values[j].take(pa.array(taken, pa.int64(), mask=~found)))
         up_masks[:, j] = ~found
         needs_origin |= ~found & (root_event >= 0)
@@ -402,8 +410,12 @@ def _in_commit_order(changes: pa.Table, relation: TableRelation) -> pa.Table:
     names = relation.names
     values, masks = _row_values(changes, relation, versions)
     old, _ = _pick(
-        changes.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
-        names, relation.table, missing_ok=True,
+        changes.column("key"),
+        versions,
+        {v: k for v, (_, k) in relation.versions.items()},
+        names,
+        relation.table,
+        missing_ok=True,
     )
     columns: dict[str, pa.Array] = {
         "ord": pa.array(np.arange(changes.num_rows), pa.int64()),
@@ -434,8 +446,12 @@ def _row_values(
     column the row's relation version did not have."""
     names = relation.names
     values, missing = _pick(
-        changes.column("new_row"), versions, {v: c for v, (c, _) in relation.versions.items()},
-        names, relation.table, missing_ok=True,
+        changes.column("new_row"),
+        versions,
+        {v: c for v, (c, _) in relation.versions.items()},
+        names,
+        relation.table,
+        missing_ok=True,
     )
     return values, missing | _unchanged(changes.column("unchanged_toast"), names)
 
@@ -455,6 +471,7 @@ def _pick(
     n = len(lists)
     missing = np.zeros((n, len(wanted)), bool)
     present = np.unique(versions)
+    groups: list[tuple[int | None, np.ndarray | None]]
     if len(present) <= 1:
         groups = [(int(present[0]) if len(present) else None, None)]
     else:
@@ -511,9 +528,7 @@ def encode_keys(parts: Sequence[pa.Array]) -> pa.Array:
         return parts[0]
     encoded = []
     for part in parts:
-        framed = pc.binary_join_element_wise(
-            pc.cast(pc.utf8_length(part), pa.string()), part, ":"
-        )
+        framed = pc.binary_join_element_wise(pc.cast(pc.utf8_length(part), pa.string()), part, ":")
         encoded.append(pc.fill_null(framed, "N"))
     return pc.binary_join_element_wise(*encoded, "|")
 
@@ -546,8 +561,11 @@ def compact_range(
     changes = int(stored.manifest.get("result", {}).get("changes", 0))
     if spark is not None and changes >= spark_min_changes:
         tables = compact_with_spark(
-            spark, [str(f) for f in stored.files], relations,
-            after_lsn=after_lsn, partitions=partitions,
+            spark,
+            [str(f) for f in stored.files],
+            relations,
+            after_lsn=after_lsn,
+            partitions=partitions,
         )
         path = "spark"
     else:
@@ -599,8 +617,8 @@ def _split_by_table(
     sorted_ids = table_of[order]
     bounds = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1], True])
     taken = changes.take(pa.array(order, pa.int64()))
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        yield tables[int(sorted_ids[a])], taken.slice(int(a), int(b - a))
+    for a, b in itertools.pairwise(bounds.tolist()):
+        yield tables[int(sorted_ids[a])], taken.slice(a, b - a)
 
 
 # -- the same kernel on Spark --------------------------------------------------------------------
@@ -628,12 +646,16 @@ def compact_with_spark(
 
     * every change of an identity value lands in the partition of its hash, so the kernel sees
       a key's whole history;
-    * moves tie keys together (a moved row's values may live at the key it came from), so the
-      keys touched by any move are collected first (one small job) and every change of those
-      keys goes to one extra partition, chains and all;
+    * moves tie keys together (a moved row's values may live at the key it came from), so every
+      change touching a key that any move touched goes to one extra partition, chains and all;
     * TRUNCATE rows are copied into every partition of their table, so each partition drops
       what came before the same last truncate;
     * a table without identity goes whole into one partition, in commit order.
+
+    Routing is Spark SQL on the JVM; rows cross into Python once, into the kernel (each
+    crossing of 300k rows costs seconds on 2 cores, so there is no Python routing pass), with
+    ``unchanged_toast`` sent as one joined string (a column of mostly NULL lists is the slowest
+    thing to cross).
     """
     from pyspark.sql import functions as F
 
@@ -641,30 +663,83 @@ def compact_with_spark(
     if isinstance(source, str):
         source = [source]
     df = source if not isinstance(source, Sequence) else spark.read.parquet(*source)
-    df = df.select(*_KERNEL_COLUMNS)
     if after_lsn is not None:
         df = df.filter(F.col("commit_end_lsn") > F.lit(int(after_lsn)))
-    relations = dict(relations)
-    routed_schema = (
-        "commit_end_lsn long, seq int, action string, schema_name string, table_name string, "
-        "relation_version int, key array<string>, new_row array<string>, "
-        "unchanged_toast array<string>, flags byte, _okey string, _moved boolean, "
-        "_member boolean"
-    )
+    tables = list(relations)
+    table_of_version = {v: t for t, name in enumerate(tables) for v in relations[name].versions}
+    df = df.filter(F.col("relation_version").isin(list(table_of_version)))
 
-    moved_rows = (
-        df.filter(F.col("action") == "U")
-        .mapInArrow(_router(relations, {}), routed_schema)
-        .filter(F.col("_moved"))
-        .select("schema_name", "table_name", "_okey")
-        .collect()
+    def by_version(values: Callable[[TableRelation, int], Any]) -> Any:
+        expr = None
+        for version, t in table_of_version.items():
+            value = values(relations[tables[t]], version)
+            cond = F.col("relation_version") == F.lit(version)
+            expr = F.when(cond, value) if expr is None else expr.when(cond, value)
+        return expr
+
+    def old_key(rel: TableRelation, version: int) -> Any:
+        if not rel.collapsible:
+            return F.lit("")
+        flagged = rel.versions[version][1]
+        return F.to_json(
+            F.array(*[F.try_element_at("key", F.lit(flagged.index(c) + 1)) for c in rel.identity])
+        )
+
+    def new_key(rel: TableRelation, version: int) -> Any:
+        if not rel.collapsible:
+            return F.lit(None).cast("string")
+        names = rel.versions[version][0]
+        return F.to_json(
+            F.array(*[F.try_element_at("new_row", F.lit(names.index(c) + 1)) for c in rel.identity])
+        )
+
+    def key_unsent(rel: TableRelation, version: int) -> Any:
+        unsent = F.lit(False)
+        for c in rel.identity:
+            unsent |= F.coalesce(F.array_contains("unchanged_toast", F.lit(c)), F.lit(False))
+        return unsent
+
+    routed = (
+        df.select(
+            by_version(lambda rel, v: F.lit(table_of_version[v])).cast("int").alias("_tbl"),
+            "commit_end_lsn",
+            "seq",
+            "action",
+            "relation_version",
+            "key",
+            "new_row",
+            F.array_join("unchanged_toast", "\x00").alias("unchanged_toast"),
+            "flags",
+            by_version(old_key).alias("_okey"),
+            by_version(new_key).alias("_nkey"),
+            by_version(key_unsent).alias("_key_unsent"),
+        )
+        .withColumn("_tbl", by_version(lambda rel, v: F.lit(table_of_version[v])).cast("int"))
+        .withColumn(
+            "_moved",
+            (F.col("action") == "U")
+            & ~F.col("_key_unsent")
+            & F.coalesce(F.col("_okey") != F.col("_nkey"), F.lit(False)),
+        )
     )
-    moved_keys: dict[TableName, set[str]] = {}
-    for row in moved_rows:
-        moved_keys.setdefault(TableName(row[0], row[1]), set()).update(row[2].split("\x00"))
-    routed = df.mapInArrow(_router(relations, moved_keys), routed_schema)
+    moved_keys = (
+        routed.filter("_moved")
+        .select("_tbl", F.explode(F.array("_okey", "_nkey")).alias("_k"))
+        .distinct()
+        .withColumn("_m", F.lit(True))
+    )
+    for side in ("_okey", "_nkey"):
+        hit = moved_keys.select(
+            F.col("_tbl").alias("_mt"), F.col("_k").alias("_mk"), F.col("_m").alias(f"{side}_m")
+        )
+        routed = routed.join(
+            F.broadcast(hit),
+            (routed["_tbl"] == hit["_mt"]) & (routed[side] == hit["_mk"]),
+            "left",
+        ).drop("_mt", "_mk")
+    member = F.coalesce(F.col("_okey_m"), F.col("_nkey_m"), F.lit(False))
     pid = (
-        F.when(F.col("_member"), F.lit(parts))
+        F.when(member, F.lit(parts))
         .otherwise(F.pmod(F.xxhash64(F.col("_okey")), F.lit(parts)))
         .cast("int")
     )
@@ -675,69 +750,28 @@ def compact_with_spark(
                 F.array(pid)
             )
         ),
+    ).select(
+        "_tbl",
+        "_pid",
+        "commit_end_lsn",
+        "seq",
+        "action",
+        "relation_version",
+        "key",
+        "new_row",
+        "unchanged_toast",
+        "flags",
     )
     net = (
-        routed.groupBy("schema_name", "table_name", "_pid")
-        .applyInArrow(_spark_kernel(relations), SPARK_NET_SCHEMA)
+        routed.groupBy("_tbl", "_pid")
+        .applyInArrow(_spark_kernel(tables, relations), SPARK_NET_SCHEMA)
         .toArrow()
     )
     return _from_spark(net, relations)
 
 
-def _router(
-    relations: Mapping[TableName, TableRelation], moved_keys: Mapping[TableName, set[str]]
-) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-    """mapInArrow body: each change's identity (``_okey``), whether it moves a row (then
-    ``_okey`` holds old and new key, NUL-separated) and whether it touches a moved key."""
-
-    def route(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            table = pa.Table.from_batches([batch])
-            for name, rows in _split_by_table(table, relations):
-                relation = relations[name]
-                yield from _route_rows(rows, relation, moved_keys.get(name)).to_batches()
-
-    return route
-
-
-def _route_rows(rows: pa.Table, relation: TableRelation, moved: set[str] | None) -> pa.Table:
-    n = rows.num_rows
-    if not relation.collapsible:
-        okey = pa.array([""] * n, pa.string())
-        moves = np.zeros(n, bool)
-        member = np.zeros(n, bool)
-    else:
-        versions = _versions(rows)
-        values, masks = _row_values(rows, relation, versions)
-        old_keys, _ = _pick(
-            rows.column("key"), versions, {v: k for v, (_, k) in relation.versions.items()},
-            relation.identity, relation.table,
-        )
-        ident = list(relation.identity_positions)
-        old_str = encode_keys(old_keys)
-        new_str = encode_keys([values[p] for p in ident])
-        moves = _is(rows, "U") & ~masks[:, ident].any(axis=1)
-        if n:
-            moves &= pc.fill_null(pc.not_equal(old_str, new_str), False).to_numpy(
-                zero_copy_only=False
-            )
-        member = np.zeros(n, bool)
-        if moved:
-            keyset = pa.array(sorted(moved), pa.string())
-            for arr in (old_str, new_str):
-                member |= pc.fill_null(pc.is_in(arr, value_set=keyset), False).to_numpy(
-                    zero_copy_only=False
-                )
-        both = pc.binary_join_element_wise(old_str, new_str, "\x00")
-        okey = pc.if_else(pa.array(moves), both, old_str)
-        okey = pc.fill_null(okey, "")
-    return rows.append_column("_okey", okey).append_column(
-        "_moved", pa.array(moves)
-    ).append_column("_member", pa.array(member))
-
-
 def _spark_kernel(
-    relations: Mapping[TableName, TableRelation],
+    tables: Sequence[TableName], relations: Mapping[TableName, TableRelation]
 ) -> Callable[[pa.Table], pa.Table]:
     """applyInArrow body: :func:`compact_table` on one (table, partition) group, its wide
     output turned into the list form of :data:`SPARK_NET_SCHEMA`."""
@@ -745,8 +779,13 @@ def _spark_kernel(
     def kernel(group: pa.Table) -> pa.Table:
         if group.num_rows == 0:
             return _empty_spark_net()
-        name = TableName(group.column("schema_name")[0].as_py(), group.column("table_name")[0].as_py())
-        result = compact_table(group.select(list(_KERNEL_COLUMNS)), relations[name])
+        name = tables[int(group.column("_tbl")[0].as_py())]
+        joined = group.column("unchanged_toast")
+        toast = pc.split_pattern(joined, "\x00")
+        changes = group.set_column(
+            group.schema.get_field_index("unchanged_toast"), "unchanged_toast", toast
+        )
+        result = compact_table(changes, relations[name])
         return _to_spark(result, name)
 
     return kernel
@@ -766,7 +805,7 @@ def _to_spark(result: NetChanges, name: TableName) -> pa.Table:
         key = _as_lists([net.column(f"k{j}") for j in range(k)], pa.string(), n)
         origin_parts = [net.column(f"f{j}") for j in range(k)]
         origin = _as_lists(origin_parts, pa.string(), n)
-        origin = pc.if_else(origin_parts[0].is_valid(), origin, pa.nulls(n, origin.type))
+        origin = pc.if_else(pc.is_valid(origin_parts[0]), origin, pa.nulls(n, origin.type))
         missing = pa.nulls(n, pa.list_(pa.bool_()))
         ords = pa.nulls(n, pa.int64())
     body = pa.table(
@@ -783,9 +822,11 @@ def _to_spark(result: NetChanges, name: TableName) -> pa.Table:
             "old_missing": missing,
         }
     )
-    markers = [(_COUNT, result.changes, 0)]
+    # Counts travel as markers: changes other than truncates (summed over partitions), and the
+    # truncates, which every partition of the table saw (counted once).
+    markers = [(_COUNT, result.changes - result.truncates, 0)]
     if result.truncate:
-        markers.append((OP_TRUNCATE, 0, result.truncate_flags))
+        markers.append((OP_TRUNCATE, result.truncates, result.truncate_flags))
     marker_table = pa.table(
         {
             "schema_name": pa.array([name.schema] * len(markers), pa.string()),
@@ -820,7 +861,9 @@ def _empty_spark_net() -> pa.Table:
     )
 
 
-def _as_lists(columns: Sequence[pa.Array | pa.ChunkedArray], type_: pa.DataType, n: int) -> pa.Array:
+def _as_lists(
+    columns: Sequence[pa.Array | pa.ChunkedArray], type_: pa.DataType, n: int
+) -> pa.Array:
     """Row-major lists from columns: the inverse of ``list_element`` per position."""
     width = len(columns)
     offsets = pa.array(np.arange(n + 1, dtype=np.int32) * width, pa.int32())
@@ -853,17 +896,11 @@ def _from_spark(
         ops = rows.column("op")
         counts = rows.filter(pc.equal(ops, _COUNT))
         truncates = rows.filter(pc.equal(ops, OP_TRUNCATE))
-        body = rows.filter(
-            pc.and_(pc.not_equal(ops, _COUNT), pc.not_equal(ops, OP_TRUNCATE))
-        )
+        body = rows.filter(pc.and_(pc.not_equal(ops, _COUNT), pc.not_equal(ops, OP_TRUNCATE)))
         truncate = truncates.num_rows > 0
         flags = int(truncates.column("flags")[0].as_py()) if truncate else 0
-        # Every partition counted the truncates it was copied; count them once.
-        copies = counts.num_rows
-        changes = int(pc.sum(counts.column("ord")).as_py() or 0)
-        if truncate and copies > 1:
-            per_copy = _truncate_rows_seen(relation, truncates, copies)
-            changes -= per_copy * (copies - 1)
+        truncate_count = int(pc.max(truncates.column("ord")).as_py()) if truncate else 0
+        changes = int(pc.sum(counts.column("ord")).as_py() or 0) + truncate_count
         width = len(relation.columns)
         if not relation.collapsible:
             body = body.sort_by("ord")
@@ -893,17 +930,15 @@ def _from_spark(
         if not body.num_rows:
             columns = {k: v.cast(_wide_type(k)) for k, v in columns.items()}
         out[name] = NetChanges(
-            relation, changes, truncate, flags, pa.table(columns), not relation.collapsible
+            relation,
+            changes,
+            truncate_count,
+            truncate,
+            flags,
+            pa.table(columns),
+            not relation.collapsible,
         )
     return out
-
-
-def _truncate_rows_seen(relation: TableRelation, truncates: pa.Table, copies: int) -> int:
-    """How many TRUNCATE rows each partition counted (all saw the same ones)."""
-    # Each partition reports one T marker; the number of T changes is not sent separately,
-    # so count one truncate per partition beyond the first as a duplicate.
-    del relation, truncates, copies
-    return 1
 
 
 def _wide_type(name: str) -> pa.DataType:

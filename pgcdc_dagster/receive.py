@@ -192,7 +192,13 @@ def receive(
             _stream_peek(conn, slot_name, publication, rng.end, upto, decoder, fetch_rows)
             conn.commit()
             result = decoder.finish(time.monotonic() - started)
-            stored = writer.commit({"result": asdict(result), "relations": decoder.relations_meta})
+            stored = writer.commit(
+                {
+                    "result": asdict(result),
+                    "relations": decoder.relations_meta,
+                    "types": {str(oid): name for oid, name in decoder.types.items()},
+                }
+            )
         result.bytes = stored.manifest["bytes"]
         advance_slot(conn, slot_name, Lsn(result.safe_point))
         conn.commit()
