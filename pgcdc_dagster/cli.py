@@ -17,8 +17,8 @@ from typing import Any
 from .config import ReplicationSettings, SettingsError
 from .lsn import LsnRange
 
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-"""Runs started here log to the instance (and the UI) in full; the terminal gets warnings."""
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+"""Runs started here log to the instance (and the UI) in full; the terminal gets one line."""
 
 
 class CliError(RuntimeError):

@@ -6,6 +6,7 @@ the target need a password here, so the test can prove it never reaches metadata
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import uuid
 from collections.abc import Iterator
@@ -210,7 +211,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     out_of_order = LsnRange(chain_end + 8, r.flush())
     refused = r.run("catchup", r.register(out_of_order))
     assert not refused.success
-    failure = [e for e in refused.all_events if e.is_step_failure][0]
+    failure = next(e for e in refused.all_events if e.is_step_failure)
     assert "cannot run yet" in failure.step_failure_data.user_failure_data.description
     r.instance.delete_dynamic_partition(LSN_RANGES, out_of_order.key)
 
@@ -265,7 +266,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     keys = sorted(r.instance.get_dynamic_partitions(LSN_RANGES))
     ranges = [LsnRange.from_key(k) for k in keys]
     assert ranges[0].start == consistent_point
-    assert all(a.end == b.start for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a.end == b.start for a, b in itertools.pairwise(ranges))
 
     # No credential in any run's events, metadata or messages.
     for run in r.instance.get_runs():

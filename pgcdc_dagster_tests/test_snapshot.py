@@ -14,13 +14,13 @@ import psycopg
 import pyarrow.parquet as pq
 import pytest
 
+from pgcdc_dagster.connect import libpq_tool_environment
 from pgcdc_dagster.identifiers import TableName
 from pgcdc_dagster.lsn import Lsn
 from pgcdc_dagster.slot import create_slot_with_snapshot
 from pgcdc_dagster.snapshot import (
     SnapshotError,
     TargetNotEmptyError,
-    _tool_connection,
     copy_schema_post_data,
     copy_schema_pre_data,
     copy_tables,
@@ -429,8 +429,8 @@ def test_sync_sequences_copies_positions(source_dsn: str, target_dsn: str) -> No
         ).fetchone() == (43, 100, 11)
 
 
-def test_tool_connection_keeps_the_password_off_the_command_line() -> None:
-    env, argv = _tool_connection(
+def test_libpq_tool_environment_keeps_the_password_off_the_command_line() -> None:
+    env, argv = libpq_tool_environment(
         "host=db.example port=5433 dbname='my db' user=u password='p w' keepalives=1"
     )
 

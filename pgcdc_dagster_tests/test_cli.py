@@ -1,0 +1,103 @@
+"""The ``pgcdc`` command line against the project's own dagster.yaml (PostgreSQL storage)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgcdc_dagster.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
+    storage_db = f"dagster_cli_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(target_cluster.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            """
+            CREATE TABLE items (id int PRIMARY KEY, name text);
+            INSERT INTO items SELECT g, 'i' || g FROM generate_series(1, 100) g;
+            """
+        )
+    slot = f"cli_{uuid.uuid4().hex[:8]}"
+    env = {
+        "PGCDC_SOURCE_DSN": source_dsn,
+        "PGCDC_TARGET_DSN": target_dsn,
+        "PGCDC_STORE": str(tmp_path / "store"),
+        "PGCDC_SLOT": slot,
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": (
+            f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{storage_db}"
+        ),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    yield env
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = %s AND NOT active",
+            (slot,),
+        )
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_snapshot_catchup_status_verify_from_the_command_line(cli_env, capsys):
+    code, out, _ = run_cli(capsys, "snapshot")
+    assert code == 0 and "consistent point" in out
+
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code != 0 and "--resnapshot" in err and "\n" not in err.strip()
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items VALUES (101, 'new')")
+        conn.execute("UPDATE items SET name = 'changed' WHERE id = 5")
+        conn.execute("DELETE FROM items WHERE id = 6")
+
+    code, out, _ = run_cli(capsys, "catchup", "--json")
+    assert code == 0
+    summary = json.loads(out)
+    assert len(summary["ranges"]) == 1
+    last = summary["last_range"]
+    assert last["transactions"] == 3 and last["changes"] == 3
+    assert last["endpos_outcome"] in ("at_commit_boundary", "between_transactions")
+    assert summary["replay_lsn"] == last["transform_lsn"]
+
+    code, out, _ = run_cli(capsys, "status", "--json")
+    status = json.loads(out)
+    assert code == 0 and status["ranges_stored"] == 1
+    assert status["replay_lsn"] == last["transform_lsn"]
+
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True
+
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
+        conn.execute("DELETE FROM items WHERE id = 7")
+    code, out, err = run_cli(capsys, "verify")
+    assert code != 0
+    assert "public.items" in err
+
+
+def test_missing_settings_are_one_clear_line(monkeypatch, capsys):
+    monkeypatch.delenv("PGCDC_SOURCE_DSN", raising=False)
+    monkeypatch.delenv("PGCDC_TARGET_DSN", raising=False)
+    code, _, err = run_cli(capsys, "status")
+    assert code == 2
+    assert err.startswith("pgcdc: PGCDC_SOURCE_DSN and PGCDC_TARGET_DSN not set")
