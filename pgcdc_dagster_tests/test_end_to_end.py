@@ -237,11 +237,17 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         "INSERT INTO accounts SELECT g, g, repeat('p', 200) FROM generate_series(500000, 530000) g",
         "UPDATE accounts SET note = 'bulk' WHERE id >= 500000",
     )
+    # The sensor caps the next range at PGCDC_RANGE_MAX_BYTES.
+    tick = r.sensor()
+    capped = LsnRange.from_key(tick.dynamic_partitions_requests[0].partition_keys[0])
+    assert capped.start == r.chain_end()
+    assert capped.end - capped.start == r.settings.range_max_bytes
+    r.register(capped)
     ran = list(
         pipeline.catch_up(
             r.settings,
             r.flush(),
-            registered=[],
+            registered=[capped],
             register=lambda key: r.instance.add_dynamic_partitions(LSN_RANGES, [key]),
             run_range=lambda rng: r.run("catchup", rng.key),
         )
