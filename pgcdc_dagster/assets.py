@@ -32,13 +32,7 @@ from .identifiers import TableName
 from .lsn import LsnRange
 from .partitions import LSN_RANGES, lsn_ranges, registered_ranges
 from .receive import ReceiveError, ReceiveResult
-from .resources import (
-    OutputStoreResource,
-    PostgresResource,
-    ReplicationResource,
-    SparkResource,
-    settings_of,
-)
+from .resources import PgcdcResource, SparkResource
 from .slot import SlotError
 from .store import StoreError
 
@@ -128,13 +122,10 @@ def build_assets(tables: Sequence[TableName], load_error: str | None) -> list[An
     def base_snapshot(
         context: AssetExecutionContext,
         config: SnapshotConfig,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
         spark: SparkResource,
     ) -> MaterializeResult:
-        settings = settings_of(source, target, replication, store, spark)
+        settings = pgcdc.settings(spark)
         try:
             result = pipeline.take_snapshot(
                 settings, spark.spark_session, resnapshot=config.resnapshot
@@ -160,12 +151,9 @@ def build_assets(tables: Sequence[TableName], load_error: str | None) -> list[An
     )
     def decoded_changes(
         context: AssetExecutionContext,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
     ) -> MaterializeResult:
-        settings = settings_of(source, target, replication, store)
+        settings = pgcdc.settings()
         rng = LsnRange.from_key(context.partition_key)
         try:
             with pipeline.range_lock(settings):
@@ -211,14 +199,11 @@ def _target_tables(tables: Sequence[TableName]) -> Any:
     )
     def apply_to_target(
         context: AssetExecutionContext,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
         spark: SparkResource,
     ) -> Iterator[Any]:
         """All tables of a range in one target transaction: they cannot be applied apart."""
-        settings = settings_of(source, target, replication, store, spark)
+        settings = pgcdc.settings(spark)
         rng = LsnRange.from_key(context.partition_key)
         try:
             with pipeline.range_lock(settings):
@@ -284,15 +269,12 @@ def _cutover(tables: Sequence[TableName]) -> Any:
     def cutover(
         context: AssetExecutionContext,
         config: CutoverConfig,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
         spark: SparkResource,
     ) -> Iterator[Any]:
         from .snapshot import sync_sequences
 
-        settings = settings_of(source, target, replication, store, spark)
+        settings = pgcdc.settings(spark)
         try:
             target_lsn = pipeline.resolve_endpos(settings, config.endpos)
             steps = list(

@@ -17,7 +17,7 @@ from . import pipeline
 from .asset_metadata import comparison_metadata, number, text
 from .assets import ENGINE_ERRORS, SLOT_KEY, target_key
 from .identifiers import TableName
-from .resources import OutputStoreResource, PostgresResource, ReplicationResource, settings_of
+from .resources import PgcdcResource
 from .slot import SlotError
 
 RETAINED_WAL_LIMIT_BYTES = int(os.environ.get("PGCDC_RETAINED_WAL_LIMIT", str(8 * 1024**3)))
@@ -31,12 +31,9 @@ RETAINED_WAL_LIMIT_BYTES = int(os.environ.get("PGCDC_RETAINED_WAL_LIMIT", str(8 
 )
 def slot_health(
     context,
-    source: PostgresResource,
-    target: PostgresResource,
-    replication: ReplicationResource,
-    store: OutputStoreResource,
+    pgcdc: PgcdcResource,
 ) -> AssetCheckResult:
-    settings = settings_of(source, target, replication, store)
+    settings = pgcdc.settings()
     try:
         positions = pipeline.source_positions(settings, timeout_s=5)
     except SlotError as exc:
@@ -93,12 +90,9 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
     )
     def target_matches_source(
         context: AssetCheckExecutionContext,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
     ) -> Iterator[AssetCheckResult]:
-        settings = settings_of(source, target, replication, store)
+        settings = pgcdc.settings()
         for comparison in pipeline.compare_tables(settings, tables):
             yield AssetCheckResult(
                 asset_key=target_key(comparison.table),

@@ -39,7 +39,6 @@ from .checks import build_consistency_check, slot_health
 from .config import ENV_SOURCE_DSN, ENV_TABLES, parse_tables
 from .connect import ConnectError, connect
 from .identifiers import TableName
-from .partitions import lsn_ranges
 from .resources import default_resources
 from .sensors import CATCHUP_JOB, CATCHUP_TAG, build_slot_sensor
 
@@ -83,7 +82,6 @@ def build_definitions(tables: list[TableName], load_error: str | None) -> Defini
     catchup = define_asset_job(
         CATCHUP_JOB,
         selection=catchup_selection,
-        partitions_def=lsn_ranges,
         executor_def=in_process_executor,
         tags={CATCHUP_TAG: "true"},
         description="Receive one LSN range into the output store and apply it to the target.",

@@ -63,39 +63,43 @@ class SparkResource(LazyPySparkResource):
             self._spark_session = session
 
 
-def settings_of(
-    source: PostgresResource,
-    target: PostgresResource,
-    replication: ReplicationResource,
-    store: OutputStoreResource,
-    spark: SparkResource | None = None,
-) -> ReplicationSettings:
-    return ReplicationSettings(
-        source_dsn=source.dsn,
-        target_dsn=target.dsn,
-        slot=replication.slot,
-        publication=replication.publication,
-        tables=parse_tables(replication.tables),
-        store=store.path,
-        spark_master=(spark.master or None) if spark else None,
-        spark_remote=(spark.remote or None) if spark else None,
-        range_max_bytes=replication.range_max_bytes,
-    )
+class PgcdcResource(ConfigurableResource):
+    """Everything a stage needs to find its servers, slot and store, as one resource."""
+
+    source: PostgresResource
+    target: PostgresResource
+    replication: ReplicationResource
+    store: OutputStoreResource
+
+    def settings(self, spark: SparkResource | None = None) -> ReplicationSettings:
+        return ReplicationSettings(
+            source_dsn=self.source.dsn,
+            target_dsn=self.target.dsn,
+            slot=self.replication.slot,
+            publication=self.replication.publication,
+            tables=parse_tables(self.replication.tables),
+            store=self.store.path,
+            spark_master=(spark.master or None) if spark else None,
+            spark_remote=(spark.remote or None) if spark else None,
+            range_max_bytes=self.replication.range_max_bytes,
+        )
 
 
 def default_resources(env: dict[str, str]) -> dict[str, Any]:
     """Resources from the environment. The DSNs stay ``EnvVar``s: Dagster resolves them at run
     time and shows only the variable's name, never its value."""
     return {
-        "source": PostgresResource(dsn=EnvVar(ENV_SOURCE_DSN)),
-        "target": PostgresResource(dsn=EnvVar(ENV_TARGET_DSN)),
-        "replication": ReplicationResource(
-            slot=env.get(ENV_SLOT) or DEFAULT_SLOT,
-            publication=env.get(ENV_PUBLICATION) or DEFAULT_PUBLICATION,
-            tables=env.get(ENV_TABLES) or "",
-            range_max_bytes=int(env.get(ENV_RANGE_MAX_BYTES) or DEFAULT_RANGE_MAX_BYTES),
+        "pgcdc": PgcdcResource(
+            source=PostgresResource(dsn=EnvVar(ENV_SOURCE_DSN)),
+            target=PostgresResource(dsn=EnvVar(ENV_TARGET_DSN)),
+            replication=ReplicationResource(
+                slot=env.get(ENV_SLOT) or DEFAULT_SLOT,
+                publication=env.get(ENV_PUBLICATION) or DEFAULT_PUBLICATION,
+                tables=env.get(ENV_TABLES) or "",
+                range_max_bytes=int(env.get(ENV_RANGE_MAX_BYTES) or DEFAULT_RANGE_MAX_BYTES),
+            ),
+            store=OutputStoreResource(path=env.get(ENV_STORE) or DEFAULT_STORE),
         ),
-        "store": OutputStoreResource(path=env.get(ENV_STORE) or DEFAULT_STORE),
         "spark": SparkResource(
             spark_config={},
             master=env.get(ENV_SPARK_MASTER) or "",

@@ -31,7 +31,7 @@ from .asset_metadata import number, text
 from .assets import ENGINE_ERRORS, SLOT_KEY
 from .lsn import LsnRange
 from .partitions import LSN_RANGES, registered_ranges
-from .resources import OutputStoreResource, PostgresResource, ReplicationResource, settings_of
+from .resources import PgcdcResource
 
 CATCHUP_JOB = "catchup"
 CATCHUP_TAG = "pgcdc/catchup"
@@ -69,12 +69,9 @@ def build_slot_sensor(job_name: str = CATCHUP_JOB):  # type: ignore[no-untyped-d
     )
     def slot_progress_sensor(
         context: SensorEvaluationContext,
-        source: PostgresResource,
-        target: PostgresResource,
-        replication: ReplicationResource,
-        store: OutputStoreResource,
+        pgcdc: PgcdcResource,
     ) -> SensorResult:
-        settings = settings_of(source, target, replication, store)
+        settings = pgcdc.settings()
         try:
             positions = pipeline.source_positions(settings, timeout_s=3)
         except ENGINE_ERRORS as exc:

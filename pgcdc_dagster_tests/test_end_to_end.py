@@ -87,8 +87,8 @@ class Replication:
 
     def sensor(self):
         sensor = self.defs.resolve_sensor_def("slot_progress_sensor")
-        context = build_sensor_context(instance=self.instance, resources=self.defs.resources)
-        return sensor(context)
+        with build_sensor_context(instance=self.instance, resources=self.defs.resources) as ctx:
+            return sensor(ctx)
 
 
 @pytest.fixture(scope="module")
