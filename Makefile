@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPARK_LOCAL_IP ?= 127.0.0.1
 
-.PHONY: test demo lint bench-receive system-deps venv clean
+.PHONY: test demo lint bench-receive bench-snapshot bench-apply system-deps venv clean
 
 system-deps:
 	@bash .ci/system-deps
@@ -25,12 +25,22 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pgcdc demo
 
+ENGINE := lsn pgoutput pgoutput_batch receive store slot preflight snapshot apply compaction \
+	pipeline connect config identifiers pg_cluster
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks
 	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks
+	$(VENV)/bin/mypy $(addprefix pgcdc_dagster/,$(addsuffix .py,$(ENGINE)))
 
 bench-receive: $(STAMP)
 	$(PY) benchmarks/receive.py
+
+bench-snapshot: $(STAMP)
+	$(PY) benchmarks/snapshot.py
+
+bench-apply: $(STAMP)
+	$(PY) benchmarks/apply.py
 
 clean:
 	rm -rf $(VENV) .pgcdc

@@ -85,7 +85,8 @@ def parse_tables(text: str | None) -> tuple[TableName, ...] | None:
     if not text or not text.strip():
         return None
     parts: list[str] = []
-    current, quoted = [], False
+    current: list[str] = []
+    quoted = False
     for ch in text:
         if ch == '"':
             quoted = not quoted
