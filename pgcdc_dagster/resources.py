@@ -13,6 +13,7 @@ from .config import (
     ENV_PUBLICATION,
     ENV_RANGE_MAX_BYTES,
     ENV_SLOT,
+    ENV_SNAPSHOT_PARQUET,
     ENV_SOURCE_DSN,
     ENV_SPARK_MASTER,
     ENV_SPARK_REMOTE,
@@ -20,6 +21,7 @@ from .config import (
     ENV_TABLES,
     ENV_TARGET_DSN,
     ReplicationSettings,
+    env_flag,
     parse_tables,
 )
 
@@ -38,6 +40,8 @@ class ReplicationResource(ConfigurableResource):
     tables: str = ""
     """Comma list of ``schema.table``; empty means every user table."""
     range_max_bytes: int = DEFAULT_RANGE_MAX_BYTES
+    snapshot_parquet: bool = False
+    """Also write the base snapshot as Parquet under the store's ``snapshot/``."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -82,6 +86,7 @@ class PgcdcResource(ConfigurableResource):
             spark_master=(spark.master or None) if spark else None,
             spark_remote=(spark.remote or None) if spark else None,
             range_max_bytes=self.replication.range_max_bytes,
+            snapshot_parquet=self.replication.snapshot_parquet,
         )
 
 
@@ -97,6 +102,7 @@ def default_resources(env: dict[str, str]) -> dict[str, Any]:
                 publication=env.get(ENV_PUBLICATION) or DEFAULT_PUBLICATION,
                 tables=env.get(ENV_TABLES) or "",
                 range_max_bytes=int(env.get(ENV_RANGE_MAX_BYTES) or DEFAULT_RANGE_MAX_BYTES),
+                snapshot_parquet=env_flag(env, ENV_SNAPSHOT_PARQUET),
             ),
             store=OutputStoreResource(path=env.get(ENV_STORE) or DEFAULT_STORE),
         ),
