@@ -71,6 +71,18 @@ def test_snapshot_under_concurrent_writes_then_every_range_reproduces_the_source
         store=str(tmp_path / "store"),
         range_max_bytes=512 * 1024,
     )
+
+    def catch_up_to(target: Lsn) -> list:
+        return list(
+            pipeline.catch_up(
+                settings,
+                target,
+                registered=[],
+                register=lambda key: None,
+                run_range=lambda rng: pipeline.run_range_in_process(settings, rng),
+            )
+        )
+
     stop = threading.Event()
     writers = [threading.Thread(target=writer, args=(source_dsn, stop, s)) for s in (1, 2)]
     for thread in writers:
@@ -80,26 +92,13 @@ def test_snapshot_under_concurrent_writes_then_every_range_reproduces_the_source
         snapshot = pipeline.take_snapshot(settings, spark)
         results = []
         for _ in range(3):  # catch up while the writers keep going
-            target = pipeline.resolve_endpos(settings, "current")
-            results += pipeline.catch_up(
-                settings,
-                target,
-                registered=[],
-                register=lambda key: None,
-                run_range=lambda rng: pipeline.run_range_in_process(settings, rng),
-            )
+            results += catch_up_to(pipeline.resolve_endpos(settings, "current"))
     finally:
         stop.set()
         for thread in writers:
             thread.join()
     final = pipeline.resolve_endpos(settings, "current")
-    results += pipeline.catch_up(
-        settings,
-        final,
-        registered=[],
-        register=lambda key: None,
-        run_range=lambda rng: pipeline.run_range_in_process(settings, rng),
-    )
+    results += catch_up_to(final)
     assert len(results) >= 3
     assert sum(received.changes for received, _ in results) > 0
     chain = pipeline.store_of(settings).chain_ranges()
