@@ -16,6 +16,7 @@ string arrays through one gather of the buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ class MessageBatch:
     kinds: np.ndarray
 
     @classmethod
-    def from_messages(cls, messages: list[bytes]) -> MessageBatch:
+    def from_messages(cls, messages: Sequence[bytes]) -> MessageBatch:
         lengths = np.fromiter(map(len, messages), dtype=np.int64, count=len(messages))
         ends = np.cumsum(lengths)
         starts = ends - lengths

@@ -65,6 +65,7 @@ from .pgoutput_batch import (
     KIND_DELETE,
     KIND_INSERT,
     KIND_UPDATE,
+    BeginCommitFields,
     ChangeBlock,
     MessageBatch,
     decode_begin_commit,
@@ -361,8 +362,9 @@ class _RangeDecoder:
     # -- per batch ---------------------------------------------------------------------------
 
     def feed(self, rows: list[tuple[int, bytes]]) -> None:
-        lsns = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-        batch = MessageBatch.from_messages([r[1] for r in rows])
+        lsn_column, data_column = zip(*rows, strict=True)
+        lsns = np.array(lsn_column, dtype=np.int64)
+        batch = MessageBatch.from_messages(data_column)
         self.wire_bytes += int(batch.ends[-1]) if len(rows) else 0
         changes = decode_changes(batch)
         relver = np.zeros(len(changes.index), np.int32)
@@ -496,9 +498,83 @@ class _RangeDecoder:
         return pa.array(names, pa.list_(pa.string()))
 
     def _assign_transactions(self, batch: MessageBatch, lsns: np.ndarray, table: pa.Table) -> None:
+        """Give each change its transaction, write those whose COMMIT is in the range, park
+        the rows of the transaction still open at the end of the batch."""
         ctl = decode_begin_commit(batch)
+        carried = self.open is not None and self.open.position < 0
+        completed = self._pair_fast(ctl, lsns)
+        if completed is None:
+            completed = self._pair_slow(ctl, lsns)
+        if len(completed):
+            self.transactions += len(completed)
+            self.last_end, self.last_xid, self.last_ts = (
+                int(completed[-1, 2]),
+                int(completed[-1, 4]),
+                int(completed[-1, 5]),
+            )
+        msg_idx = table.column("msg_idx").to_numpy()
+        if len(completed):
+            starts, commits = completed[:, 0], completed[:, 1]
+            which = np.searchsorted(commits, msg_idx)
+            inside = which < len(completed)
+            inside[inside] &= starts[which[inside]] < msg_idx[inside]
+            rows = np.flatnonzero(inside)
+            carried_offset = 0
+            if carried and completed[0, 0] < 0:
+                carried_offset = self._flush_pending(completed[0])
+            if len(rows):
+                rows_table = table.take(pa.array(rows))
+                self._write_completed(rows_table, which[rows], completed, carried_offset)
+        if self.open is not None:
+            open_rows = np.flatnonzero(msg_idx > self.open.position)
+            if len(open_rows):
+                chunk = table.take(pa.array(open_rows))
+                seq = np.arange(len(open_rows), dtype=np.int32) + self.pending_rows
+                self._add_pending(chunk, seq)
+            self.open.position = -1
+
+    def _pair_fast(self, ctl: BeginCommitFields, lsns: np.ndarray) -> np.ndarray | None:
+        """The common batch, paired without a loop: Begin and Commit strictly alternate (after
+        the Commit of a transaction carried in from the previous batch) and every Commit ends
+        in the range. ``None`` when the batch is not that simple (straddlers, skipped
+        transactions): the loop in :meth:`_pair_slow` handles it."""
+        kinds = ctl.kind
+        if len(kinds) == 0:  # inside one long transaction: nothing begins or ends here
+            return np.zeros((0, 6), np.int64)
+        carried = self.open
+        first = KIND_COMMIT if carried is not None else KIND_BEGIN
+        second = KIND_BEGIN if first == KIND_COMMIT else KIND_COMMIT
+        if not ((kinds[0::2] == first).all() and (kinds[1::2] == second).all()):
+            return None
+        is_commit = kinds == KIND_COMMIT
+        ends = ctl.end_lsn[is_commit]
+        if len(ends) and not ((ends > self.range.start) & (ends <= self.range.end)).all():
+            return None
+        begin_pos = ctl.index[~is_commit]
+        begin_xid = ctl.xid[~is_commit]
+        if carried is not None:
+            begin_pos = np.r_[carried.position, begin_pos]
+            begin_xid = np.r_[carried.xid, begin_xid]
+        n = int(is_commit.sum())
+        completed = np.empty((n, 6), np.int64)
+        completed[:, 0] = begin_pos[:n]
+        completed[:, 1] = ctl.index[is_commit]
+        completed[:, 2] = ends
+        completed[:, 3] = ctl.final_or_commit_lsn[is_commit]
+        completed[:, 4] = begin_xid[:n]
+        completed[:, 5] = ctl.ts_us[is_commit]
+        if kinds[-1] == KIND_BEGIN:  # the last Begin opens a transaction that goes on
+            i = len(kinds) - 1
+            position = int(ctl.index[i])
+            self.open = _OpenTxn(
+                int(ctl.xid[i]), int(lsns[position]), int(ctl.final_or_commit_lsn[i]), position
+            )
+        else:
+            self.open = None
+        return completed
+
+    def _pair_slow(self, ctl: BeginCommitFields, lsns: np.ndarray) -> np.ndarray:
         completed: list[tuple[int, int, int, int, int, int]] = []
-        carried_committed = False
         for position, kind, lsn_field, end_lsn, ts, xid in zip(
             ctl.index.tolist(),
             ctl.kind.tolist(),
@@ -517,44 +593,17 @@ class _RangeDecoder:
             if txn is None:
                 continue
             self.open = None
-            if txn.position < 0:
-                carried_committed = True
             if not self.range.holds_commit(end_lsn):
                 self._drop_pending()  # ended at or before the range start: stored already
                 continue
             completed.append((txn.position, position, end_lsn, lsn_field, txn.xid, ts))
-            self.transactions += 1
-            self.last_end, self.last_xid, self.last_ts = end_lsn, txn.xid, ts
-        msg_idx = table.column("msg_idx").to_numpy()
-        if completed:
-            starts = np.array([c[0] for c in completed], np.int64)
-            commits = np.array([c[1] for c in completed], np.int64)
-            which = np.searchsorted(commits, msg_idx)
-            inside = which < len(completed)
-            inside[inside] &= starts[which[inside]] < msg_idx[inside]
-            rows = np.flatnonzero(inside)
-            txn_of_row = which[rows]
-            carried_offset = 0
-            if carried_committed and completed[0][0] < 0:
-                carried_offset = self._flush_pending(completed[0])
-            if len(rows):
-                rows_table = table.take(pa.array(rows))
-                self._write_completed(rows_table, txn_of_row, completed, carried_offset)
-        else:
-            inside = np.zeros(len(msg_idx), bool)
-        if self.open is not None:
-            open_rows = np.flatnonzero(msg_idx > self.open.position)
-            if len(open_rows):
-                chunk = table.take(pa.array(open_rows))
-                seq = np.arange(len(open_rows), dtype=np.int32) + self.pending_rows
-                self._add_pending(chunk, seq)
-            self.open.position = -1
+        return np.array(completed, np.int64).reshape(-1, 6)
 
     def _write_completed(
         self,
         rows: pa.Table,
         txn_of_row: np.ndarray,
-        completed: list[tuple[int, int, int, int, int, int]],
+        completed: np.ndarray,
         carried_offset: int,
     ) -> None:
         first = np.r_[True, txn_of_row[1:] != txn_of_row[:-1]]
@@ -562,13 +611,13 @@ class _RangeDecoder:
         seq = np.arange(len(txn_of_row)) - run_start
         if completed[0][0] < 0:
             seq[txn_of_row == 0] += carried_offset
-        fields = np.array([c[2:] for c in completed], np.int64)[txn_of_row]
+        fields = completed[:, 2:][txn_of_row]
         self._write(self._with_transaction(rows, seq.astype(np.int32), fields))
 
-    def _flush_pending(self, txn: tuple[int, int, int, int, int, int]) -> int:
+    def _flush_pending(self, txn: np.ndarray) -> int:
         """The transaction open across batches committed: write its parked rows first.
         Returns how many there were (the sequence number its next row continues from)."""
-        fields = np.array(txn[2:], np.int64)
+        fields = np.asarray(txn[2:], np.int64)
         for spill in self.spills:
             for batch in iter_batches(spill):
                 self._write_parked(batch, fields)
