@@ -336,6 +336,13 @@ def print_report(settings, measurements, cutover, comparisons, runs, elapsed) ->
             f"{lag // 1024}k" for _, lag in measurements.lag[:: max(1, len(measurements.lag) // 12)]
         )
         print(f"slot lag over time (bytes)  : {series} (peak {peak // 1024} KiB)")
+    if runs:
+        total = statistics.median(r[0] for r in runs)
+        inside = statistics.median(r[1] for r in runs)
+        print(
+            f"catch-up runs               : {len(runs)} sensor-driven runs; median {total:.2f} s "
+            f"from run request to done, {inside:.2f} s of it inside the run worker"
+        )
     print(
         f"cutover                     : endpos {cutover.get('endpos')}, outcome "
         f"{cutover.get('endpos_outcome')}, {cutover.get('ranges')} range(s)"
