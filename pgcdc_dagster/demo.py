@@ -252,8 +252,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
     finally:
         if daemon is not None:
             stop_process(daemon)
-        if not ui:
-            clusters.stop()
+        clusters.stop()
 
 
 def wait_caught_up(settings: object, endpos: Lsn, timeout_s: float) -> None:
@@ -359,9 +358,12 @@ def print_report(settings, measurements, cutover, comparisons, runs, elapsed) ->
 def serve_ui(base: Path) -> None:
     daemon = start_dagster_process(base, "dagster-daemon", ["run"])
     web = start_dagster_process(base, "dagster-webserver", ["-h", "127.0.0.1", "-p", "3000"])
-    print(
-        f"\nDagster UI: http://127.0.0.1:3000 (Ctrl-C to stop; clusters keep running under {base})"
-    )
+    print(f"\nDagster UI: http://127.0.0.1:3000 (clusters under {base}; Ctrl-C stops everything)")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         web.wait()
     except KeyboardInterrupt:
