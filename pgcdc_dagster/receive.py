@@ -186,6 +186,7 @@ def receive(
             result = ReceiveResult.from_manifest(stored.manifest)
             result.already_stored = True
             return result
+        _check_publication(conn, publication)
         _check_position(conn, slot_name, store, rng)
         upto = _peek_upto(conn, rng.end, lookahead_bytes)
         with store.writer(rng) as writer:
@@ -205,6 +206,19 @@ def receive(
         conn.commit()
     result.seconds = round(time.monotonic() - started, 4)
     return result
+
+
+def _check_publication(conn: psycopg.Connection[Any], publication: str) -> None:
+    """pgoutput looks the publication up only when it decodes a change: without this check an
+    idle range would pass and the next busy one fail midway."""
+    found = conn.execute("SELECT FROM pg_publication WHERE pubname = %s", (publication,))
+    if found.fetchone() is None:
+        conn.rollback()
+        raise ReceiveError(
+            f"publication {publication} does not exist on the source: create the publication "
+            "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
+        )
+    conn.commit()
 
 
 def _check_position(

@@ -182,6 +182,11 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert int(observation.metadata["lag_bytes"].value) > 0
     r.register(first)
 
+    # A registered range that is not done is requested again (how a failed run is retried).
+    retry = r.sensor()
+    assert [q.partition_key for q in retry.run_requests] == [first.key]
+    assert not retry.dynamic_partitions_requests
+
     # While a catch-up run is in flight, the sensor waits.
     in_flight = create_run_for_test(r.instance, job_name="catchup", status=DagsterRunStatus.STARTED)
     assert r.sensor().skip_reason is not None
@@ -278,3 +283,15 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     for run in r.instance.get_runs():
         for record in r.instance.all_logs(run.run_id):
             assert PASSWORD not in str(record)
+
+
+def test_wrong_password_is_one_clear_error_without_the_secret(secure_cluster):
+    from pgcdc_dagster.connect import ConnectError, connect
+
+    dsn = secure_cluster.dsn(password="not-the-" + PASSWORD)
+    with pytest.raises(ConnectError) as failure:
+        connect(dsn, role="source")
+    message = str(failure.value)
+    assert "password authentication failed" in message
+    assert "check the user and password" in message
+    assert PASSWORD not in message

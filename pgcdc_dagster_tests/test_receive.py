@@ -404,3 +404,12 @@ def test_slot_never_moves_past_a_stored_commit_under_concurrent_writes(source):
     with psycopg.connect(source.dsn) as conn:
         expected = [str(r[0]) for r in conn.execute("SELECT id FROM items ORDER BY id")]
     assert sorted(keys, key=int) == expected  # every committed insert exactly once
+
+
+def test_missing_publication_and_missing_slot_name_the_fix(source):
+    from pgcdc_dagster.slot import SlotError
+
+    with pytest.raises(ReceiveError, match="create the publication"):
+        receive(source.dsn, SLOT, "no_such_pub", source.store, source.start, source.flush_lsn())
+    with pytest.raises(SlotError, match="no_such_slot"):
+        receive(source.dsn, "no_such_slot", PUB, source.store, source.start, source.flush_lsn())
