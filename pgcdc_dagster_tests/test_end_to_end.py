@@ -31,6 +31,7 @@ from pgcdc_dagster.definitions import build_definitions, resolve_tables
 from pgcdc_dagster.lsn import Lsn, LsnRange
 from pgcdc_dagster.partitions import LSN_RANGES
 from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, temporary_cluster
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 
 PASSWORD = "pw-" + secrets.token_hex(8)
 
@@ -60,13 +61,10 @@ class Replication:
     instance: DagsterInstance
 
     def sql(self, *statements: str) -> None:
-        with psycopg.connect(self.source, autocommit=True) as conn:
-            for statement in statements:
-                conn.execute(statement)
+        run_sql(self.source, *statements)
 
     def flush(self) -> Lsn:
-        with psycopg.connect(self.source) as conn:
-            return Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+        return flush_lsn(self.source)
 
     def run(self, job: str, partition_key: str | None = None, run_config=None):
         return self.defs.resolve_job_def(job).execute_in_process(

@@ -22,6 +22,7 @@ from pgcdc_dagster.receive import (
 )
 from pgcdc_dagster.slot import read_slot
 from pgcdc_dagster.store import OutputStore
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 
 SLOT = "recv_slot"
 PUB = "recv_pub"
@@ -34,13 +35,10 @@ class Source:
     start: Lsn
 
     def sql(self, *statements: str) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            for statement in statements:
-                conn.execute(statement)
+        run_sql(self.dsn, *statements)
 
     def flush_lsn(self) -> Lsn:
-        with psycopg.connect(self.dsn) as conn:
-            return Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+        return flush_lsn(self.dsn)
 
     def confirmed(self) -> Lsn:
         with psycopg.connect(self.dsn) as conn:
