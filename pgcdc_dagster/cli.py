@@ -42,7 +42,13 @@ def load_defs() -> Any:
     return defs()
 
 
-def run_job(name: str, *, partition_key: str | None = None, run_config: dict | None = None) -> Any:
+def run_job(
+    name: str,
+    *,
+    partition_key: str | None = None,
+    run_config: dict | None = None,
+    allow_failure: bool = False,
+) -> Any:
     """Execute a job of the code location in this process, recorded in the instance."""
     job = load_defs().resolve_job_def(name)
     result = job.execute_in_process(
@@ -51,7 +57,7 @@ def run_job(name: str, *, partition_key: str | None = None, run_config: dict | N
         run_config={**QUIET, **(run_config or {})},
         raise_on_error=False,
     )
-    if not result.success:
+    if not result.success and not allow_failure:
         raise CliError(f"{name} run {result.run_id} failed: {_failure_text(result)}")
     return result
 
@@ -186,37 +192,39 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from . import pipeline
-
-    settings = ReplicationSettings.from_env()
-    run_job("verify")
-    comparisons = pipeline.compare_tables(settings, pipeline.replicated_tables(settings))
-    differing = [str(c.table) for c in comparisons if not c.equal]
+    """Runs the verify job (the ``target_matches_source`` check on every target table) and
+    reports its evaluations: the comparison is done once, inside the run the UI shows."""
+    result = run_job("verify", allow_failure=True)
+    tables = []
+    for evaluation in result.get_asset_check_evaluations():
+        (record,) = evaluation.metadata["tables"].value.records
+        tables.append(
+            {
+                "table": record.data["table"],
+                "source_rows": record.data["source_rows"],
+                "target_rows": record.data["target_rows"],
+                "equal": bool(evaluation.passed),
+            }
+        )
+    tables.sort(key=lambda t: t["table"])
+    differing = [t["table"] for t in tables if not t["equal"]]
     if args.json:
         print(
             json.dumps(
-                {
-                    "equal": not differing,
-                    "differing_tables": differing,
-                    "tables": [
-                        {
-                            "table": str(c.table),
-                            "source_rows": c.source_rows,
-                            "target_rows": c.target_rows,
-                            "equal": c.equal,
-                        }
-                        for c in comparisons
-                    ],
-                },
-                indent=2,
+                {"equal": not differing, "differing_tables": differing, "tables": tables}, indent=2
             )
         )
     else:
-        for c in comparisons:
-            mark = "ok  " if c.equal else "DIFF"
-            print(f"{mark} {c.table}: source {c.source_rows} rows, target {c.target_rows} rows")
+        for t in tables:
+            mark = "ok  " if t["equal"] else "DIFF"
+            print(
+                f"{mark} {t['table']}: source {t['source_rows']} rows, "
+                f"target {t['target_rows']} rows"
+            )
     if differing:
         raise CliError(f"tables differ between source and target: {', '.join(differing)}")
+    if not result.success:
+        raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
     return 0
 
 
