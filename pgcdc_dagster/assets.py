@@ -315,7 +315,7 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         differing = [str(c.table) for c in comparisons if not c.equal]
         yield MaterializeResult(
             metadata={
-                "endpos": str(last.endpos) if last else "already caught up",
+                "endpos": str(target_lsn),
                 "endpos_outcome": last.endpos_outcome if last else "empty",
                 "ranges": len(steps),
                 "sequences_synced": len(sequences),
