@@ -77,32 +77,31 @@ def apply_metadata(
     return meta
 
 
+def table_of(rows: list[dict[str, Any]], columns: dict[str, str]) -> MetadataValue:
+    """A metadata table: ``columns`` maps each column to its Dagster type name."""
+    schema = TableSchema(columns=[TableColumn(name, kind) for name, kind in columns.items()])
+    return MetadataValue.table([TableRecord(row) for row in rows], schema=schema)
+
+
 def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
-    records = [
-        TableRecord(
+    tables = table_of(
+        [
             {
                 "table": str(t.table),
                 "rows": t.rows,
                 "bytes": t.bytes,
                 "seconds": round(float(t.seconds), 3),
             }
-        )
-        for t in result.tables
-    ]
-    schema = TableSchema(
-        columns=[
-            TableColumn("table", "string"),
-            TableColumn("rows", "int"),
-            TableColumn("bytes", "int"),
-            TableColumn("seconds", "float"),
-        ]
+            for t in result.tables
+        ],
+        {"table": "string", "rows": "int", "bytes": "int", "seconds": "float"},
     )
     return {
         "slot": text(result.slot_name),
         "snapshot_name": text(result.snapshot_name),
         "consistent_point": text(result.consistent_point),
         "origin": text(result.origin_name),
-        "tables": MetadataValue.table(records, schema=schema),
+        "tables": tables,
         "rows": number(result.rows),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),
         "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
@@ -110,27 +109,17 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
 
 
 def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
-    records = [
-        TableRecord(
+    differing = [str(c.table) for c in comparisons if not c.equal]
+    tables = table_of(
+        [
             {
                 "table": str(c.table),
                 "source_rows": c.source_rows,
                 "target_rows": c.target_rows,
                 "equal": c.equal,
             }
-        )
-        for c in comparisons
-    ]
-    schema = TableSchema(
-        columns=[
-            TableColumn("table", "string"),
-            TableColumn("source_rows", "int"),
-            TableColumn("target_rows", "int"),
-            TableColumn("equal", "bool"),
-        ]
+            for c in comparisons
+        ],
+        {"table": "string", "source_rows": "int", "target_rows": "int", "equal": "bool"},
     )
-    differing = [str(c.table) for c in comparisons if not c.equal]
-    return {
-        "tables": MetadataValue.table(records, schema=schema),
-        "differing_tables": text(", ".join(differing) or "none"),
-    }
+    return {"tables": tables, "differing_tables": text(", ".join(differing) or "none")}

@@ -95,7 +95,7 @@ def wait_for_catchup_runs(instance: Any, wait_s: float) -> None:
 def cmd_snapshot(args: argparse.Namespace) -> int:
     config = {"ops": {"base_snapshot": {"config": {"resnapshot": bool(args.resnapshot)}}}}
     result = run_job("snapshot", run_config=config)
-    meta = _materialization_metadata(result, "base_snapshot")
+    meta = materialization_metadata(result, "base_snapshot")
     print(
         f"base snapshot taken: consistent point {meta.get('consistent_point')}, "
         f"{meta.get('rows')} rows, {meta.get('seconds')} s"
@@ -234,7 +234,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(ui=args.ui, seconds=args.seconds, tps=args.tps)
 
 
-def _materialization_metadata(result: Any, key: str) -> dict[str, Any]:
+def materialization_metadata(result: Any, key: str) -> dict[str, Any]:
     for event in result.get_asset_materialization_events():
         mat = event.step_materialization_data.materialization
         if mat.asset_key.to_user_string() == key:

@@ -242,7 +242,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
             "sequences, verify ..."
         )
         result = cli.run_job("cutover_job")
-        cutover = cli._materialization_metadata(result, "cutover")
+        cutover = cli.materialization_metadata(result, "cutover")
         # The cutover run compared every table (its data_consistency check): report that.
         comparisons = [record.data for record in cutover["tables"].records]
         runs = catchup_run_costs(instance)

@@ -23,7 +23,7 @@ from .connect import connect
 from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 from .receive import ReceiveResult, receive
-from .slot import SlotInfo, read_slot
+from .slot import SlotInfo, current_flush_lsn, read_slot
 from .store import OutputStore, StoredRange
 
 if TYPE_CHECKING:
@@ -92,8 +92,8 @@ def source_positions(settings: ReplicationSettings, *, timeout_s: int = 5) -> So
     with connect(settings.source_dsn, role="source", connect_timeout=timeout_s) as conn:
         conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
         slot = read_slot(conn, settings.slot)
-        (flush,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
-    return SourcePositions(slot, Lsn.parse(flush))
+        flush = current_flush_lsn(conn)
+    return SourcePositions(slot, flush)
 
 
 def plan_next_range(
@@ -146,15 +146,9 @@ def range_lock(settings: ReplicationSettings) -> Iterator[None]:
     with connect(settings.target_dsn, role="target", autocommit=True) as conn:
         (taken,) = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()  # type: ignore[misc]
         if not taken:
-            holder = conn.execute(
-                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
-                "AND objid = (%s::bigint & 4294967295)::oid LIMIT 1",
-                (key,),
-            ).fetchone()
             raise RangeBusyError(
-                f"another catch-up of slot {settings.slot} is running"
-                + (f" (target backend pid {holder[0]})" if holder else "")
-                + ": wait for it to finish; ranges of one slot run one at a time"
+                f"another catch-up of slot {settings.slot} is running: wait for it to finish; "
+                "ranges of one slot run one at a time"
             )
         try:
             yield
@@ -296,8 +290,7 @@ def resolve_endpos(settings: ReplicationSettings, endpos: str | Lsn) -> Lsn:
     """``current`` means the source's flushed WAL position now."""
     if isinstance(endpos, str) and endpos.strip().lower() == "current":
         with connect(settings.source_dsn, role="source", autocommit=True) as conn:
-            (flush,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
-        return Lsn.parse(flush)
+            return current_flush_lsn(conn)
     return Lsn(endpos)
 
 

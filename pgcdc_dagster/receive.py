@@ -72,7 +72,7 @@ from .pgoutput_batch import (
     decode_changes,
     text_lists,
 )
-from .slot import advance_slot, read_slot
+from .slot import advance_slot, current_flush_lsn, read_slot
 from .store import CHANGE_SCHEMA, OutputStore, RangeWriter, iter_batches
 
 AT_COMMIT_BOUNDARY = "at_commit_boundary"
@@ -187,8 +187,8 @@ def receive(
             result.already_stored = True
             return result
         _check_publication(conn, publication)
-        _check_position(conn, slot_name, store, rng)
-        upto = _peek_upto(conn, rng.end, lookahead_bytes)
+        flush = _check_position(conn, slot_name, store, rng)
+        upto = Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
         with store.writer(rng) as writer:
             decoder = _RangeDecoder(rng, writer, spill_rows)
             _stream_peek(conn, slot_name, publication, rng.end, upto, decoder, fetch_rows)
@@ -223,17 +223,17 @@ def _check_publication(conn: psycopg.Connection[Any], publication: str) -> None:
 
 def _check_position(
     conn: psycopg.Connection[Any], slot: str, store: OutputStore, rng: LsnRange
-) -> None:
-    """Refuse ranges that would lose or duplicate data, before reading anything."""
+) -> Lsn:
+    """Refuse ranges that would lose or duplicate data, before reading anything; returns the
+    source's flushed WAL position that ``endpos`` was checked against."""
     info = read_slot(conn, slot)
     confirmed = info.confirmed_flush_lsn
     if confirmed is None:
         raise ReceiveError(f"slot {slot} has no confirmed position yet; re-create it")
-    (flush,) = conn.execute("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::int8").fetchone()  # type: ignore[misc]
-    conn.commit()
+    flush = current_flush_lsn(conn)
     if rng.end > flush:
         raise ReceiveError(
-            f"endpos {rng.end} is beyond the source's flushed WAL {Lsn(flush)}: transactions "
+            f"endpos {rng.end} is beyond the source's flushed WAL {flush}: transactions "
             "could still commit before it; choose an endpos at or before the flush position "
             "(pg_current_wal_flush_lsn()) or wait"
         )
@@ -255,12 +255,7 @@ def _check_position(
         # A crash between storing the previous range and advancing the slot: finish it now.
         advance_slot(conn, slot, Lsn(previous.manifest["result"]["safe_point"]))
         conn.commit()
-
-
-def _peek_upto(conn: psycopg.Connection[Any], endpos: Lsn, lookahead_bytes: int) -> Lsn:
-    (flush,) = conn.execute("SELECT (pg_current_wal_flush_lsn() - '0/0'::pg_lsn)::int8").fetchone()  # type: ignore[misc]
-    conn.commit()
-    return Lsn(max(int(endpos), min(flush, int(endpos) + lookahead_bytes)))
+    return flush
 
 
 def _stream_peek(

@@ -251,6 +251,15 @@ WHERE s.slot_name = %s
 """
 
 
+def current_flush_lsn(conn: psycopg.Connection[Any]) -> Lsn:
+    """The source's flushed WAL position: the furthest logical decoding can read, and the
+    catch-up target for "now" (``pg_current_wal_lsn()`` can trail it, the insert position
+    can run ahead of it)."""
+    with conn.transaction():
+        (flush,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
+    return Lsn.parse(flush)
+
+
 def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
     """The slot's current state; :class:`SlotError` if it is missing, physical or invalidated.
 
