@@ -25,13 +25,10 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pgcdc demo
 
-ENGINE := lsn pgoutput pgoutput_batch receive store slot preflight snapshot apply compaction \
-	pipeline connect config identifiers pg_cluster
-
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks
 	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks
-	$(VENV)/bin/mypy $(addprefix pgcdc_dagster/,$(addsuffix .py,$(ENGINE)))
+	$(VENV)/bin/mypy pgcdc_dagster/engine
 
 bench-receive: $(STAMP)
 	$(PY) benchmarks/receive.py

@@ -5,7 +5,7 @@ One process, one pgbench backlog, both paths catching up the same changes from t
 1. a source cluster (logical WAL) with ``pgbench -i -s <scale>`` (``pgbench_history`` set to
    REPLICA IDENTITY FULL first, as the preflight requires) and a ``FOR ALL TABLES`` publication
    for the native side; a target cluster. The SparkSession is started, then
-   :func:`pgcdc_dagster.pipeline.take_snapshot` copies the base data into target database
+   :func:`pgcdc_dagster.engine.pipeline.take_snapshot` copies the base data into target database
    ``bench_a`` (it creates our publication, slot and origin); right after it, before any
    backlog, the native slot is created on the source. ``bench_a`` is analysed (what autovacuum
    would have done during the backlog) and cloned, unconnected, into ``bench_b``
@@ -16,14 +16,14 @@ One process, one pgbench backlog, both paths catching up the same changes from t
    transaction: 3 updates, 1 insert). Its end is the source's ``pg_current_wal_flush_lsn()``
    after a CHECKPOINT;
 3. ours, the production path with Spark already running:
-   :func:`pgcdc_dagster.pipeline.catch_up` plans ranges capped at ``--range-mb`` from the
+   :func:`pgcdc_dagster.engine.pipeline.catch_up` plans ranges capped at ``--range-mb`` from the
    chain's start (the slot's confirmed position) to the end, and each range runs through
-   :func:`pgcdc_dagster.pipeline.run_range_in_process` (range lock, ``receive``, then
-   ``apply_range``). Total = receive seconds + apply_range seconds over all ranges, split into
-   the stages the results carry (receive; compaction, staging, apply statements + COMMIT, and
-   the rest of ``apply_range``: target catalog reads, origin and gap checks). ``bench_a`` is then
-   compared with the source (:func:`pgcdc_dagster.pipeline.compare_tables`: row counts and a
-   content hash per table);
+   :func:`pgcdc_dagster.engine.pipeline.run_step_in_process` (under the range lock: ``receive``,
+   then ``apply_range``). Total = receive seconds + apply_range seconds over all ranges, split
+   into the stages the results carry (receive; compaction, staging, apply statements + COMMIT,
+   and the rest of ``apply_range``: target catalog reads, origin and gap checks). ``bench_a`` is
+   then compared with the source (:func:`pgcdc_dagster.engine.verify.compare_tables`: row
+   counts and a content hash per table);
 4. native: ``CREATE SUBSCRIPTION`` on ``bench_b`` over the pre-made slot (no copy, disabled),
    timed from ``ALTER SUBSCRIPTION ... ENABLE`` until the source's ``confirmed_flush_lsn`` of
    the slot reaches the end (polled every 20 ms). The same poll reads the subscription origin's
@@ -64,12 +64,16 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgcdc_dagster import pipeline
-from pgcdc_dagster.config import ReplicationSettings
-from pgcdc_dagster.demo import pgbench
-from pgcdc_dagster.lsn import Lsn
-from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, temporary_cluster
-from pgcdc_dagster.spark_session import get_spark
+from pgcdc_dagster.demo.local_cluster import (
+    LOGICAL_SOURCE_SETTINGS,
+    LocalCluster,
+    temporary_cluster,
+)
+from pgcdc_dagster.demo.run import pgbench
+from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.spark_session import get_spark
 
 CLIENTS = 4
 SLOT = "bench"
@@ -280,9 +284,9 @@ def prepare(
 # -- the two sides ----------------------------------------------------------------------------
 
 
-def verify(settings: ReplicationSettings) -> dict[str, Any]:
+def verify_target(settings: ReplicationSettings) -> dict[str, Any]:
     tables = pipeline.replicated_tables(settings)
-    comparisons = pipeline.compare_tables(settings, tables)
+    comparisons = verify.compare_tables(settings, tables)
     return {
         "equal": all(c.equal for c in comparisons),
         "rows": sum(c.target_rows for c in comparisons),
@@ -294,9 +298,10 @@ def run_ours(setup: Setup, spark: Any, meter: CpuMeter) -> dict[str, Any]:
     settings = setup.settings
     ranges: list[dict[str, Any]] = []
 
-    def run_range(rng: Any) -> None:
+    def run_step(step: Any) -> None:
+        rng = step.range
         started = time.perf_counter()
-        received, applied = pipeline.run_range_in_process(settings, rng, spark)
+        received, applied = pipeline.run_step_in_process(settings, step, spark)
         wall = time.perf_counter() - started
         other = applied.seconds - (
             applied.compaction_seconds + applied.staging_seconds + applied.apply_seconds
@@ -324,10 +329,9 @@ def run_ours(setup: Setup, spark: Any, meter: CpuMeter) -> dict[str, Any]:
     checkpoint(*meter.clusters)
     with meter:
         started = time.perf_counter()
-        for _ in pipeline.catch_up(
-            settings, setup.end, registered=[], register=lambda key: None, run_range=run_range
-        ):
-            pass
+        with pipeline.range_lock(settings):
+            for _ in pipeline.catch_up(settings, setup.end, run_step=run_step):
+                pass
         wall = time.perf_counter() - started
     cpu = meter.seconds
 
@@ -352,7 +356,7 @@ def run_ours(setup: Setup, spark: Any, meter: CpuMeter) -> dict[str, Any]:
         "cpu_s": cpu,
         "per_range": ranges,
     }
-    result["verify"] = verify(settings)
+    result["verify"] = verify_target(settings)
     return result
 
 
@@ -415,7 +419,8 @@ def run_native(
             "polls": len(timeline),
             "cpu_s": meter.seconds,
         }
-        result["verify"] = verify(dataclasses.replace(setup.settings, target_dsn=target_dsn))
+        native_settings = setup.settings.model_copy(update={"target_dsn": target_dsn})
+        result["verify"] = verify_target(native_settings)
         name = sql.Identifier(NATIVE_SUBSCRIPTION)
         tgt.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(name))
         tgt.execute(sql.SQL("ALTER SUBSCRIPTION {} SET (slot_name = NONE)").format(name))

@@ -5,7 +5,7 @@ with ``pgbench -i`` (scale 50 by default: 5M ``pgbench_accounts`` rows, so that 
 costs do not dominate), starts the SparkSession (timed apart, as fixed cost), then measures on
 that same data, median of ``--repeat`` runs, each run into a fresh target database:
 
-* ours: :func:`pgcdc_dagster.snapshot.take_base_snapshot` into an empty database: preflight,
+* ours: :func:`pgcdc_dagster.engine.snapshot.take_base_snapshot` into an empty database: preflight,
   publication, slot with exported snapshot, pre-data schema, the copy on Spark, post-data
   (primary keys), origin. The result's ``copy_seconds`` splits the copy phase from the fixed
   cost around it;
@@ -55,21 +55,21 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgcdc_dagster.demo import pgbench
-from pgcdc_dagster.identifiers import TableName
-from pgcdc_dagster.pg_cluster import (
+from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     THROWAWAY_SETTINGS,
     LocalCluster,
     find_bindir,
     temporary_cluster,
 )
-from pgcdc_dagster.snapshot import (
+from pgcdc_dagster.demo.run import pgbench
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.origin import origin_name
+from pgcdc_dagster.engine.snapshot import (
     DEFAULT_ROWS_PER_TASK,
-    replication_origin_name,
     take_base_snapshot,
 )
-from pgcdc_dagster.spark_session import get_spark
+from pgcdc_dagster.engine.spark_session import get_spark
 
 TABLES = [
     TableName("public", name)
@@ -336,7 +336,7 @@ def run_ours(
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
     with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_replication_origin_drop(%s)", (replication_origin_name(slot),))
+        conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
     rows = _verify(target_dsn, expected, "ours")
     _drop_database(target, database)
     busy = sum(t.seconds for t in result.tables)
@@ -557,7 +557,7 @@ def _rounded(value: Any) -> Any:
 
 def _warm_up_task(index: int) -> int:
     """Imports what a copy task imports, so the first measured task does not pay for it."""
-    import pgcdc_dagster.snapshot  # noqa: F401
+    import pgcdc_dagster.engine.snapshot  # noqa: F401
 
     return index
 

@@ -8,91 +8,37 @@ run shows in the UI beside the sensor's. Errors are one line (``--debug`` for th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
-import time
 from typing import Any
 
-from .config import ReplicationSettings, SettingsError
-from .lsn import LsnRange
-
-QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
-"""Runs started here log to the instance (and the UI) in full; the terminal gets one line."""
-
-
-class CliError(RuntimeError):
-    """A failure to report as one line and a non-zero exit."""
-
-
-def dagster_instance() -> Any:
-    from dagster import DagsterInstance
-
-    if not os.environ.get("DAGSTER_HOME"):
-        raise CliError(
-            "DAGSTER_HOME is not set: point it at a directory holding the project's dagster.yaml "
-            "(and set DAGSTER_POSTGRES_URL for its storage); 'pgcdc demo' sets both up"
-        )
-    return DagsterInstance.get()
+from .defs.runner import (
+    _failure_text,
+    clear_the_way,
+    dagster_instance,
+    materialization_metadata,
+    run_job,
+)
+from .engine.errors import PgcdcError
+from .engine.settings import ReplicationSettings, SettingsError
 
 
-def load_defs() -> Any:
-    from .definitions import defs
-
-    return defs()
-
-
-def run_job(
-    name: str,
-    *,
-    partition_key: str | None = None,
-    run_config: dict | None = None,
-    allow_failure: bool = False,
-) -> Any:
-    """Execute a job of the code location in this process, recorded in the instance."""
-    job = load_defs().resolve_job_def(name)
-    result = job.execute_in_process(
-        instance=dagster_instance(),
-        partition_key=partition_key,
-        run_config={**QUIET, **(run_config or {})},
-        raise_on_error=False,
-    )
-    if not result.success and not allow_failure:
-        raise CliError(f"{name} run {result.run_id} failed: {_failure_text(result)}")
-    return result
-
-
-def _failure_text(result: Any) -> str:
-    for event in result.all_events:
-        if event.is_step_failure:
-            data = event.step_failure_data
-            if data.user_failure_data and data.user_failure_data.description:
-                return str(data.user_failure_data.description)
-            error = data.error
-            while error is not None and error.cause is not None:
-                error = error.cause
-            return error.message.strip() if error is not None else "step failed"
-    return "see the run in the Dagster UI"
-
-
-def wait_for_catchup_runs(instance: Any, wait_s: float) -> None:
-    """The CLI and the sensor never race: wait for an in-flight catch-up run, or refuse."""
-    from .sensors import catchup_in_flight
-
-    deadline = time.monotonic() + wait_s
-    while catchup_in_flight(instance):
-        if time.monotonic() > deadline:
-            raise CliError(
-                f"a catch-up run is still in flight after {wait_s:.0f} s: wait for it (see the "
-                "Dagster UI) or pass a longer --wait"
-            )
-        time.sleep(1)
+class CliError(PgcdcError):
+    """A usage problem, reported as one line and exit status 2."""
 
 
 # -- commands ---------------------------------------------------------------------------------
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
+    from .engine import pipeline
+
+    settings = ReplicationSettings.from_env()
+    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc snapshot")
+    notice = pipeline.unfinished_snapshot(settings)
+    if notice:
+        print(f"pgcdc: {notice}", file=sys.stderr)
     config = {"ops": {"base_snapshot": {"config": {"resnapshot": bool(args.resnapshot)}}}}
     result = run_job("snapshot", run_config=config)
     meta = materialization_metadata(result, "base_snapshot")
@@ -104,29 +50,26 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_catchup(args: argparse.Namespace) -> int:
-    from . import pipeline
-    from .partitions import LSN_RANGES, registered_ranges
+    from .engine import pipeline
+    from .engine.next_step import CaughtUp
 
     settings = ReplicationSettings.from_env()
     instance = dagster_instance()
-    wait_for_catchup_runs(instance, args.wait)
+    clear_the_way(instance, settings, args.wait, "pgcdc catchup")
     target = pipeline.resolve_endpos(settings, args.endpos)
-    ran: list[str] = []
-
-    def run_range(rng: LsnRange) -> str:
-        run_job("catchup", partition_key=rng.key)
-        ran.append(rng.key)
-        return rng.key
-
-    list(
-        pipeline.catch_up(
-            settings,
-            target,
-            registered=registered_ranges(instance),
-            register=lambda key: instance.add_dynamic_partitions(LSN_RANGES, [key]),
-            run_range=run_range,
-        )
+    result = run_job(
+        "follow", run_config={"ops": {"follow_stream": {"config": {"endpos": str(target)}}}}
     )
+    ran = [
+        event.step_materialization_data.materialization.partition
+        for event in result.get_asset_materialization_events()
+        if event.step_materialization_data.materialization.asset_key.to_user_string()
+        == "decoded_changes"
+    ]
+    # "Caught up" is the origin's word, read again now, not the run's.
+    step = pipeline.next_step(settings, target)
+    if not isinstance(step, CaughtUp):
+        raise CliError(f"not caught up to {target}: the next step is to {step.describe()}")
     summary = _range_summary(settings, ran)
     summary["endpos_requested"] = str(target)
     if args.json:
@@ -143,15 +86,14 @@ def cmd_catchup(args: argparse.Namespace) -> int:
 
 
 def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, Any]:
-    from . import pipeline
+    from .engine import pipeline
 
     store = pipeline.store_of(settings)
-    chain = store.chain_ranges()
-    last = store.get(chain[-1]) if chain else None
+    last = store.last_stored()
     replay = pipeline.origin_progress(settings)
-    last_result = dict(last.manifest["result"]) if last else None
+    last_result = dataclasses.asdict(last.manifest.result) if last else None
     if last_result is not None:
-        last_result["bytes"] = last.manifest.get("bytes", 0)  # type: ignore[union-attr]
+        last_result.pop("already_stored")
         last_result["replay_lsn"] = str(replay) if replay else None
     return {
         "ranges": ran,
@@ -161,13 +103,19 @@ def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, A
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from . import pipeline
+    from .engine import pipeline
+    from .engine.errors import PgcdcError
 
     settings = ReplicationSettings.from_env()
     positions = pipeline.source_positions(settings)
     store = pipeline.store_of(settings)
-    chain = store.chain_ranges() if store.chain() else []
+    chain_record = store.chain()
+    chain = store.chain_ranges() if chain_record and chain_record.complete else []
     replay = pipeline.origin_progress(settings)
+    try:
+        next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
+    except PgcdcError as exc:
+        next_step = f"blocked: {exc}"
     status = {
         "slot": settings.slot,
         "confirmed_flush_lsn": str(positions.slot.confirmed_flush_lsn),
@@ -177,10 +125,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         "flush_lsn": str(positions.flush_lsn),
         "lag_bytes": positions.lag_bytes,
         "retained_wal_bytes": positions.slot.retained_wal_bytes,
-        "consistent_point": (store.chain() or {}).get("consistent_point"),
+        "consistent_point": str(chain_record.consistent_point) if chain_record else None,
+        "snapshot_state": chain_record.state if chain_record else None,
         "ranges_stored": len(chain),
         "last_range": chain[-1].key if chain else None,
         "replay_lsn": str(replay) if replay else None,
+        "next_step": next_step,
+        "runs_in_flight": _runs_in_flight(settings),
     }
     if args.json:
         print(json.dumps(status, indent=2))
@@ -189,6 +140,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         for key, value in status.items():
             print(f"{key.ljust(width)}  {value}")
     return 0
+
+
+def _runs_in_flight(settings: ReplicationSettings) -> list[str]:
+    """Not-finished range-lock runs as ``run id (job): verdict``; empty without an instance."""
+    from .defs.runs import judge, pgcdc_runs_not_finished
+    from .engine.range_lock import lock_holders
+
+    instance = dagster_instance()
+    verdicts = judge(
+        instance,
+        pgcdc_runs_not_finished(instance),
+        lock_holders(settings.target_dsn, settings.slot),
+        settings.dead_run_grace,
+    )
+    return [f"{v.run.run_id} ({v.run.job_name}): {v.state}, {v.reason}" for v in verdicts]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -229,17 +195,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo.run import run_demo
 
     return run_demo(ui=args.ui, seconds=args.seconds, tps=args.tps)
-
-
-def materialization_metadata(result: Any, key: str) -> dict[str, Any]:
-    for event in result.get_asset_materialization_events():
-        mat = event.step_materialization_data.materialization
-        if mat.asset_key.to_user_string() == key:
-            return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
-    return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("snapshot", help="materialise base_snapshot (the initial copy)")
     p.add_argument("--resnapshot", action="store_true", help="re-copy a populated target")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
     p.set_defaults(func=cmd_snapshot)
     p = sub.add_parser("catchup", help="receive and apply ranges up to endpos")
     p.add_argument("--endpos", default="current", help="an LSN X/Y, or 'current' (default)")
@@ -277,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, SettingsError) as exc:
         print(f"pgcdc: {exc}", file=sys.stderr)
         return 2
+    except PgcdcError as exc:
+        if args.debug:
+            raise
+        print(f"pgcdc: {exc}", file=sys.stderr)
+        return 1
     except Exception as exc:
         if args.debug:
             raise

@@ -10,11 +10,14 @@ snapshot's description and the sensor's skip reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
+import psycopg
 from dagster import (
     AssetSelection,
     Definitions,
@@ -28,49 +31,81 @@ from dagster._core.definitions.definitions_load_context import (
     DefinitionsLoadType,
 )
 
-from .assets import (
+from .defs.assets import (
     BASE_SNAPSHOT_KEY,
     CUTOVER_KEY,
     DECODED_CHANGES_KEY,
     build_assets,
     target_key,
 )
-from .checks import build_consistency_check, slot_health
-from .config import ENV_SOURCE_DSN, ENV_TABLES, parse_tables
-from .connect import ConnectError, connect
-from .identifiers import TableName
-from .resources import default_resources
-from .sensors import CATCHUP_JOB, CATCHUP_TAG, build_slot_sensor
+from .defs.checks import build_consistency_check, build_slot_health
+from .defs.jobs import build_follow_job
+from .defs.resources import default_resources
+from .defs.runs import RANGE_LOCK_TAG
+from .defs.sensors import CATCHUP_JOB, build_slot_sensor
+from .engine.catalog import ColumnInfo, table_columns
+from .engine.connect import ConnectError, connect
+from .engine.identifiers import TableName
+from .engine.settings import ReplicationSettings
 
 TABLES_METADATA_KEY = "pgcdc/tables"
 
 
-def resolve_tables(env: dict[str, str]) -> tuple[list[TableName], str | None]:
+def resolve_tables(env: Mapping[str, str]) -> tuple[list[TableName], str | None]:
     """The replicated tables and, when they cannot be known, why."""
-    listed = parse_tables(env.get(ENV_TABLES))
-    if listed:
-        return list(listed), None
-    dsn = env.get(ENV_SOURCE_DSN)
-    if not dsn:
-        return [], f"{ENV_SOURCE_DSN} is not set"
-    from .config import DEFAULT_PUBLICATION, ENV_PUBLICATION
-    from .preflight import user_tables
-    from .slot import SlotError, publication_tables
+    settings = ReplicationSettings.from_env(env, require_servers=False)
+    if settings.tables:
+        return list(settings.tables), None
+    if not settings.source_dsn:
+        return [], "PGCDC_SOURCE_DSN is not set"
+    from .engine.preflight import user_tables
+    from .engine.publication import PublicationError, publication_tables
 
     try:
-        with connect(dsn, role="source", autocommit=True, connect_timeout=5) as conn:
+        with connect(
+            settings.source_dsn, role="source", autocommit=True, connect_timeout=5
+        ) as conn:
             try:
-                return publication_tables(
-                    conn, env.get(ENV_PUBLICATION) or DEFAULT_PUBLICATION
-                ), None
-            except SlotError:
+                return publication_tables(conn, settings.publication), None
+            except PublicationError:
                 return list(user_tables(conn)), None
     except ConnectError as exc:
         return [], str(exc)
 
 
-def build_definitions(tables: list[TableName], load_error: str | None) -> Definitions:
-    assets = build_assets(tables, load_error)
+def resolve_columns(
+    env: Mapping[str, str], tables: list[TableName]
+) -> dict[TableName, list[ColumnInfo]]:
+    """The source's columns of ``tables``, for their column schema in the UI; empty when the
+    source cannot be read now (the assets load without it)."""
+    settings = ReplicationSettings.from_env(env, require_servers=False)
+    if not settings.source_dsn or not tables:
+        return {}
+    try:
+        with connect(
+            settings.source_dsn, role="source", autocommit=True, connect_timeout=5
+        ) as conn:
+            return table_columns(conn, tables)
+    except (ConnectError, psycopg.Error):
+        return {}
+
+
+def range_run_max_runtime_s(range_max_bytes: int) -> int:
+    """``dagster/max_runtime`` of a per-range run: run monitoring fails a range run that takes
+    longer. Ten minutes of fixed allowance, plus the range cap at a pessimistic 256 KiB/s (a
+    256 MiB range: 1,624 s); measured ranges go at 20+ MB/s."""
+    return 600 + range_max_bytes // (256 * 1024)
+
+
+def build_definitions(
+    tables: list[TableName],
+    load_error: str | None,
+    settings: ReplicationSettings | None = None,
+    columns: Mapping[TableName, list[ColumnInfo]] | None = None,
+) -> Definitions:
+    settings = settings or ReplicationSettings.from_env(require_servers=False)
+    slot_health = build_slot_health(settings.retained_wal_limit)
+    assets = build_assets(tables, load_error, columns)
     consistency = build_consistency_check(tables) if tables else None
     catchup_selection = AssetSelection.assets(DECODED_CHANGES_KEY) | AssetSelection.assets(
         *[target_key(t) for t in tables]
@@ -83,7 +118,10 @@ def build_definitions(tables: list[TableName], load_error: str | None) -> Defini
         CATCHUP_JOB,
         selection=catchup_selection,
         executor_def=in_process_executor,
-        tags={CATCHUP_TAG: "true"},
+        tags={
+            RANGE_LOCK_TAG: "catchup",
+            "dagster/max_runtime": str(range_run_max_runtime_s(settings.range_max_bytes)),
+        },
         description="Receive one LSN range into the output store and apply it to the target.",
     )
     jobs = [
@@ -92,8 +130,10 @@ def build_definitions(tables: list[TableName], load_error: str | None) -> Defini
             "snapshot",
             selection=AssetSelection.assets(BASE_SNAPSHOT_KEY),
             executor_def=in_process_executor,
+            tags={RANGE_LOCK_TAG: "snapshot"},
             description="Take the base snapshot (initial copy) of the source.",
         ),
+        build_follow_job(tables),
         define_asset_job(
             "slot_health",
             selection=AssetSelection.checks(slot_health),
@@ -115,7 +155,7 @@ def build_definitions(tables: list[TableName], load_error: str | None) -> Defini
                 "cutover_job",
                 selection=AssetSelection.assets(CUTOVER_KEY),
                 executor_def=in_process_executor,
-                tags={CATCHUP_TAG: "cutover"},
+                tags={RANGE_LOCK_TAG: "cutover"},
                 description="Catch up to endpos, sync sequences, verify every table.",
             )
         )
@@ -123,8 +163,8 @@ def build_definitions(tables: list[TableName], load_error: str | None) -> Defini
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=[build_slot_sensor()],
-        resources=default_resources(dict(os.environ)),
+        sensors=[build_slot_sensor(settings.sensor_interval, settings.dead_run_grace)],
+        resources=default_resources(settings),
     )
 
 
@@ -138,13 +178,23 @@ def defs() -> Definitions:
         payload = json.loads(cached)
         tables = [TableName(s, n) for s, n in payload["tables"]]
         error = payload["error"]
+        columns = {
+            TableName(s, n): [ColumnInfo(*c) for c in cols]
+            for (s, n), cols in zip(payload["tables"], payload["columns"], strict=True)
+            if cols
+        }
     else:
-        tables, error = resolve_tables(dict(os.environ))
-    payload = {"tables": [[t.schema, t.name] for t in tables], "error": error}
+        tables, error = resolve_tables(os.environ)
+        columns = resolve_columns(os.environ, tables)
+    payload = {
+        "tables": [[t.schema, t.name] for t in tables],
+        "columns": [[dataclasses.astuple(c) for c in columns.get(t, [])] for t in tables],
+        "error": error,
+    }
     with warnings.catch_warnings():
         # Reconstruction metadata is Dagster's documented way to cache load-time state; it is
         # marked preview, which would warn on every load of the code location.
         warnings.simplefilter("ignore", category=PreviewWarning)
-        return build_definitions(tables, error).with_reconstruction_metadata(
+        return build_definitions(tables, error, columns=columns).with_reconstruction_metadata(
             {TABLES_METADATA_KEY: json.dumps(payload)}
         )

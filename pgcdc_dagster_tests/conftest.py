@@ -15,7 +15,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgcdc_dagster.pg_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster, temporary_cluster
+from pgcdc_dagster.demo.local_cluster import (
+    LOGICAL_SOURCE_SETTINGS,
+    LocalCluster,
+    temporary_cluster,
+)
 
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
@@ -70,7 +74,7 @@ def target_dsn(target_cluster: LocalCluster) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def spark():
     """One local SparkSession for the whole test session (a cold start costs seconds)."""
-    from pgcdc_dagster.spark_session import get_spark
+    from pgcdc_dagster.engine.spark_session import get_spark
 
     session = get_spark(master="local[2]")
     yield session

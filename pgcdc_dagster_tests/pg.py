@@ -2,7 +2,7 @@
 
 import psycopg
 
-from pgcdc_dagster.lsn import Lsn
+from pgcdc_dagster.engine.lsn import Lsn
 
 
 def run_sql(dsn: str, *statements: str) -> None:

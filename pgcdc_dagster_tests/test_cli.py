@@ -101,3 +101,46 @@ def test_missing_settings_are_one_clear_line(monkeypatch, capsys):
     code, _, err = run_cli(capsys, "status")
     assert code == 2
     assert err.startswith("pgcdc: PGCDC_SOURCE_DSN and PGCDC_TARGET_DSN not set")
+
+
+def test_the_cli_needs_no_dagster_set_up(cli_env, target_cluster, tmp_path):
+    """No DAGSTER_HOME: the embedded default (Dagster's local storage under
+    .pgcdc/dagster_home), silently. DAGSTER_HOME without a dagster.yaml and DAGSTER_POSTGRES_URL
+    set: the same default on PostgreSQL storage."""
+    import os
+    import subprocess
+    import sys
+
+    from dagster import DagsterInstance
+    from dagster._core.instance.ref import InstanceRef
+
+    pgcdc = str(Path(sys.executable).parent / "pgcdc")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_")}
+    env.update({k: v for k, v in cli_env.items() if not k.startswith("DAGSTER_")})
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [pgcdc, *args], cwd=work, env={**env, **extra}, capture_output=True, text=True
+        )
+
+    taken = run("snapshot")
+    assert taken.returncode == 0, taken.stderr
+    assert taken.stderr == ""  # none of Dagster's instance warnings
+    home = work / ".pgcdc" / "dagster_home"
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as local:
+        assert [r.job_name for r in local.get_runs()] == ["snapshot"]
+
+    empty_home = tmp_path / "empty_home"
+    empty_home.mkdir()
+    url = cli_env["DAGSTER_POSTGRES_URL"]
+    caught_up = run("catchup", DAGSTER_HOME=str(empty_home), DAGSTER_POSTGRES_URL=url)
+    assert caught_up.returncode == 0, caught_up.stderr
+    assert caught_up.stderr == ""
+    assert not (empty_home / "dagster.yaml").exists()
+    overrides = {"storage": {"postgres": {"postgres_url": url}}}
+    with DagsterInstance.from_ref(
+        InstanceRef.from_dir(str(empty_home), overrides=overrides)
+    ) as shared:
+        assert [r.job_name for r in shared.get_runs()] == ["follow"]

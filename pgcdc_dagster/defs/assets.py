@@ -1,0 +1,326 @@
+"""Assets: source tables → base snapshot → decoded changes (per LSN range) → target tables.
+
+Each body is a call into :mod:`pgcdc_dagster.engine.pipeline` plus metadata; the engine owns every
+decision about LSNs. Engine errors that a user must act on become ``Failure``s whose text is
+the engine's message (it names the problem and the fix, and never a connection string).
+"""
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    AssetSpec,
+    Config,
+    Failure,
+    MaterializeResult,
+    asset,
+    multi_asset,
+)
+
+from ..engine import pipeline, verify
+from ..engine.catalog import ColumnInfo
+from ..engine.errors import PgcdcError
+from ..engine.identifiers import TableName
+from ..engine.lsn import Lsn, LsnRange
+from .keys import (
+    BASE_SNAPSHOT_KEY,
+    CUTOVER_KEY,
+    DECODED_CHANGES_KEY,
+    SLOT_KEY,
+    source_key,
+    target_key,
+)
+from .metadata import (
+    apply_metadata,
+    comparison_metadata,
+    receive_metadata,
+    snapshot_metadata,
+    table_metadata,
+)
+from .partitions import lsn_ranges
+from .range_events import NO_GAP, no_gap_evaluation, range_events, register_range
+from .resources import PgcdcResource, RangeLockResource, SparkResource
+from .row_counts import TargetRowCounts
+from .runs import lock_holder_name
+
+REPLICATION_GROUP = "replication"
+
+ENGINE_ERRORS: tuple[type[Exception], ...] = (PgcdcError,)
+"""Problems a user must act on: their message is one line naming the fix."""
+
+
+def as_failure(exc: Exception) -> Failure:
+    return Failure(description=str(exc), metadata={"error": type(exc).__name__})
+
+
+class SnapshotConfig(Config):
+    resnapshot: bool = False
+    """Required when target tables already hold rows: truncates them and re-creates the slot."""
+
+
+class CutoverConfig(Config):
+    endpos: str = "current"
+    """``current`` (the source's flushed WAL position now) or an LSN ``X/Y``."""
+
+
+def build_assets(
+    tables: Sequence[TableName],
+    load_error: str | None,
+    columns: Mapping[TableName, list[ColumnInfo]] | None = None,
+) -> list[Any]:
+    """Every asset of the project for the resolved table list (``columns``: the source's
+    columns when they could be read at load time, shown as each table's column schema)."""
+    columns = columns or {}
+    source_specs = [
+        AssetSpec(
+            source_key(t),
+            group_name="source",
+            kinds={"postgres"},
+            description=f"Source table {t} (replicated through the publication).",
+            metadata=table_metadata(t, columns.get(t)),
+        )
+        for t in tables
+    ]
+    slot_spec = AssetSpec(
+        SLOT_KEY,
+        group_name=REPLICATION_GROUP,
+        deps=[s.key for s in source_specs],
+        kinds={"postgres"},
+        description="The source's logical replication slot (pgoutput). The slot sensor reports "
+        "its lag and retained WAL as observations.",
+    )
+    snapshot_description = (
+        "A consistent copy of the source tables taken at the slot's exported snapshot, then "
+        "the target's replication origin set to the slot's consistent point."
+    )
+    if load_error:
+        snapshot_description += f"\n\nTable list unavailable when definitions loaded: {load_error}"
+
+    @asset(
+        key=BASE_SNAPSHOT_KEY,
+        group_name=REPLICATION_GROUP,
+        deps=[s.key for s in source_specs],
+        kinds={"postgres", "spark"},
+        description=snapshot_description,
+    )
+    def base_snapshot(
+        context: AssetExecutionContext,
+        config: SnapshotConfig,
+        pgcdc: PgcdcResource,
+        spark: SparkResource,
+    ) -> MaterializeResult:
+        settings = pgcdc.settings(spark)
+        try:
+            result = pipeline.take_snapshot(
+                settings,
+                lambda: spark.spark_session,
+                resnapshot=config.resnapshot,
+                lock_holder=lock_holder_name(context.run.run_id),
+                notify=context.log.warning,
+            )
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        context.log.info(
+            f"base snapshot of {len(result.tables)} tables ({result.rows} rows) at consistent "
+            f"point {result.consistent_point}"
+        )
+        return MaterializeResult(metadata=snapshot_metadata(result))
+
+    @asset(
+        key=DECODED_CHANGES_KEY,
+        group_name=REPLICATION_GROUP,
+        partitions_def=lsn_ranges,
+        deps=[BASE_SNAPSHOT_KEY, SLOT_KEY],
+        kinds={"parquet"},
+        description="The decoded change stream: whole transactions whose COMMIT ends in the "
+        "partition's LSN range, as Parquet in the output store.",
+    )
+    def decoded_changes(
+        context: AssetExecutionContext,
+        pgcdc: PgcdcResource,
+        range_lock: RangeLockResource,
+    ) -> MaterializeResult:
+        settings = pgcdc.settings()
+        rng = LsnRange.from_key(context.partition_key)
+        try:
+            result = pipeline.receive_range(settings, rng)
+            lag = _lag(settings)
+            uri = pipeline.store_of(settings).range_path(rng).as_uri()
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        if result.already_stored:
+            context.log.info(f"range {rng.key} was already stored: nothing received again")
+        return MaterializeResult(metadata=receive_metadata(result, lag, uri))
+
+    assets: list[Any] = [*source_specs, slot_spec, base_snapshot, decoded_changes]
+    if tables:
+        assets += [_target_tables(tables, columns), _cutover(tables)]
+    return assets
+
+
+def _target_tables(
+    tables: Sequence[TableName], columns: Mapping[TableName, list[ColumnInfo]]
+) -> Any:
+    specs = [
+        AssetSpec(
+            target_key(t),
+            group_name="target",
+            deps=[DECODED_CHANGES_KEY],
+            kinds={"postgres"},
+            description=f"Target table {t}: the source's rows, applied range by range.",
+            metadata=table_metadata(t, columns.get(t)),
+        )
+        for t in tables
+    ]
+
+    @multi_asset(
+        name="apply_to_target",
+        specs=specs,
+        partitions_def=lsn_ranges,
+        can_subset=False,
+        check_specs=[
+            AssetCheckSpec(
+                NO_GAP,
+                asset=specs[0].key,
+                blocking=True,
+                description="The target origin's progress equals the last commit stored up to "
+                "this range: no range was skipped or half applied. Blocking: a failure stops "
+                "the run.",
+            )
+        ],
+    )
+    def apply_to_target(
+        context: AssetExecutionContext,
+        pgcdc: PgcdcResource,
+        spark: SparkResource,
+        range_lock: RangeLockResource,
+    ) -> Iterator[Any]:
+        """All tables of a range in one target transaction: they cannot be applied apart."""
+        settings = pgcdc.settings(spark)
+        rng = LsnRange.from_key(context.partition_key)
+        try:
+            pipeline.check_range_order(pipeline.store_of(settings), rng)
+            received = pipeline.stored_range(settings, rng).manifest.result
+            applied = pipeline.apply_stored_range(settings, rng, spark=lambda: spark.spark_session)
+            lag = _lag(settings)
+            gap = no_gap_evaluation(settings, specs[0].key, rng)
+            rows = TargetRowCounts(context.instance, settings, tables).after(applied)
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        context.log.info(f"range {rng.key}: {applied.status}, replay_lsn {applied.replay_lsn}")
+        for table in tables:
+            yield MaterializeResult(
+                asset_key=target_key(table),
+                metadata=apply_metadata(table, received, applied, lag, rows.get(table)),
+            )
+        yield AssetCheckResult(
+            asset_key=gap.asset_key,
+            check_name=gap.check_name,
+            passed=gap.passed,
+            severity=gap.severity,
+            metadata=gap.metadata,
+            description=gap.description,
+        )
+
+    return apply_to_target
+
+
+def _cutover(tables: Sequence[TableName]) -> Any:
+    @asset(
+        key=CUTOVER_KEY,
+        group_name=REPLICATION_GROUP,
+        deps=[target_key(t) for t in tables],
+        kinds={"postgres"},
+        description="Migration cutover: catch up to an endpos (default: the source's flushed "
+        "WAL now), copy sequence values, verify every table against the source.",
+        check_specs=[
+            AssetCheckSpec(
+                "data_consistency",
+                asset=CUTOVER_KEY,
+                description="Per table, row count and a content hash equal on source and target.",
+            )
+        ],
+    )
+    def cutover(
+        context: AssetExecutionContext,
+        config: CutoverConfig,
+        pgcdc: PgcdcResource,
+        spark: SparkResource,
+        range_lock: RangeLockResource,
+    ) -> Iterator[Any]:
+        from ..engine.sequences import sync_sequences
+
+        settings = pgcdc.settings(spark)
+        try:
+            target_lsn = pipeline.resolve_endpos(settings, config.endpos)
+            steps = catch_up_logging_ranges(
+                context, settings, tables, target_lsn, lambda: spark.spark_session
+            )
+            sequences = sync_sequences(settings.source_dsn, settings.target_dsn)
+            comparisons = verify.compare_tables(settings, tables)
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        last = steps[-1].received if steps else None
+        differing = [str(c.table) for c in comparisons if not c.equal]
+        yield MaterializeResult(
+            metadata={
+                "endpos": str(target_lsn),
+                "endpos_outcome": str(last.endpos_outcome) if last else "empty",
+                "ranges": len(steps),
+                "sequences_synced": len(sequences),
+                **comparison_metadata(comparisons),
+            }
+        )
+        yield AssetCheckResult(
+            check_name="data_consistency",
+            passed=not differing,
+            severity=AssetCheckSeverity.ERROR,
+            metadata=comparison_metadata(comparisons),
+            description=None
+            if not differing
+            else f"tables differ between source and target: {', '.join(differing)}",
+        )
+
+    return cutover
+
+
+def catch_up_logging_ranges(
+    context: Any,
+    settings: pipeline.ReplicationSettings,
+    tables: Sequence[TableName],
+    endpos: Lsn,
+    spark: Any,
+) -> list[pipeline.RangeDone]:
+    """Catch up to ``endpos`` inside this run (which holds the range lock), recording each range
+    as the per-range job would: its partition, its materialisations, its ``no_gap`` evaluation.
+    A failed ``no_gap`` is blocking: it stops the run."""
+    done: list[pipeline.RangeDone] = []
+    row_counts = TargetRowCounts(context.instance, settings, tables)
+    for step in pipeline.catch_up(
+        settings,
+        endpos,
+        run_step=lambda step: pipeline.run_step_in_process(settings, step, spark),
+    ):
+        rng = LsnRange.from_key(step.received.range_key)
+        register_range(context.instance, settings, rng)
+        lag = _lag(settings)
+        for event in range_events(tables, settings, step, lag, row_counts.after(step.applied)):
+            context.log_event(event)
+        if tables:
+            gap = no_gap_evaluation(settings, target_key(tables[0]), rng)
+            context.log_event(gap)
+            if not gap.passed:
+                raise Failure(description=gap.description)
+        done.append(step)
+    return done
+
+
+def _lag(settings: pipeline.ReplicationSettings) -> int | None:
+    try:
+        return pipeline.source_positions(settings, timeout_s=3).lag_bytes
+    except ENGINE_ERRORS:
+        return None

@@ -1,0 +1,113 @@
+"""Asset checks that do not belong to one materialisation: slot health, target = source."""
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from dagster import (
+    AssetCheckExecutionContext,
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    asset_check,
+    multi_asset_check,
+)
+
+from ..engine import pipeline, verify
+from ..engine.identifiers import TableName
+from ..engine.slot import SlotError
+from .assets import ENGINE_ERRORS, SLOT_KEY, target_key
+from .metadata import comparison_metadata, number, text
+from .resources import PgcdcResource
+
+
+def build_slot_health(retained_wal_limit: int) -> Any:
+    """The slot's health check, failing above ``retained_wal_limit`` bytes of retained WAL."""
+
+    @asset_check(
+        asset=SLOT_KEY,
+        name="slot_health",
+        description="The slot exists, is not invalidated, its WAL is not lost, and the WAL it "
+        f"retains is under PGCDC_RETAINED_WAL_LIMIT ({retained_wal_limit} bytes).",
+    )
+    def slot_health(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -> AssetCheckResult:
+        return slot_health_result(pgcdc.settings(), retained_wal_limit)
+
+    return slot_health
+
+
+def slot_health_result(
+    settings: pipeline.ReplicationSettings, retained_wal_limit: int
+) -> AssetCheckResult:
+    try:
+        positions = pipeline.source_positions(settings, timeout_s=5)
+    except SlotError as exc:
+        return AssetCheckResult(
+            passed=False, severity=AssetCheckSeverity.ERROR, description=str(exc)
+        )
+    except ENGINE_ERRORS as exc:
+        return AssetCheckResult(
+            passed=False,
+            severity=AssetCheckSeverity.ERROR,
+            description=f"source unreachable: {exc}",
+        )
+    slot = positions.slot
+    retained = slot.retained_wal_bytes or 0
+    problems = []
+    if slot.wal_status in ("lost", "unreserved"):
+        problems.append(
+            f"slot {slot.name} wal_status is {slot.wal_status}: WAL it needs is (about to be) "
+            "removed; catch up now, or drop the slot and re-take the base snapshot"
+        )
+    if retained > retained_wal_limit:
+        problems.append(
+            f"slot {slot.name} retains {retained} bytes of WAL (limit {retained_wal_limit}): "
+            "catch-up is stalled or too slow; check failed catchup runs and the sensor"
+        )
+    return AssetCheckResult(
+        passed=not problems,
+        severity=AssetCheckSeverity.ERROR,
+        description="; ".join(problems) or None,
+        metadata={
+            "wal_status": text(slot.wal_status),
+            "retained_wal_bytes": number(retained),
+            "lag_bytes": number(positions.lag_bytes),
+            "active": text(slot.active),
+        },
+    )
+
+
+def build_consistency_check(tables: Sequence[TableName]) -> Any:
+    """Target equals source, table by table (rows and content hash). Meaningful when the
+    source is quiescent at an endpos that the target has reached: it belongs to cutover."""
+
+    @multi_asset_check(
+        name="target_matches_source",
+        specs=[
+            AssetCheckSpec(
+                "target_matches_source",
+                asset=target_key(t),
+                description=(f"{t}: same row count and content hash as the source"),
+            )
+            for t in tables
+        ],
+        can_subset=False,
+    )
+    def target_matches_source(
+        context: AssetCheckExecutionContext,
+        pgcdc: PgcdcResource,
+    ) -> Iterator[AssetCheckResult]:
+        settings = pgcdc.settings()
+        for comparison in verify.compare_tables(settings, tables):
+            yield AssetCheckResult(
+                asset_key=target_key(comparison.table),
+                check_name="target_matches_source",
+                passed=comparison.equal,
+                severity=AssetCheckSeverity.ERROR,
+                metadata=comparison_metadata([comparison]),
+                description=None
+                if comparison.equal
+                else f"{comparison.table} differs: source {comparison.source_rows} rows, "
+                f"target {comparison.target_rows} rows (or same count, different content)",
+            )
+
+    return target_matches_source

@@ -1,0 +1,175 @@
+"""Engine results as Dagster metadata: one place, so assets, the follow job, cutover and the CLI
+agree.
+
+Dagster's standard keys are used where they exist, so the UI renders them natively:
+``dagster/row_count`` (target tables after each apply, the base snapshot),
+``dagster/partition_row_count`` (the changes of a range), ``dagster/column_schema`` and
+``dagster/table_name`` (source and target tables), ``dagster/uri`` (a range's folder in the
+store). LSNs are text in ``X/Y`` form: they overflow the UI's 32-bit integers. No field here
+ever carries a connection string.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableRecord, TableSchema
+
+if TYPE_CHECKING:
+    from ..engine.apply import ApplyResult
+    from ..engine.catalog import ColumnInfo
+    from ..engine.identifiers import TableName
+    from ..engine.snapshot import BaseSnapshotResult
+    from ..engine.store import RangeResult
+    from ..engine.verify import TableComparison
+
+_INT32 = 2**31 - 1
+
+
+def number(value: int) -> Any:
+    """An int the UI can show: 32-bit ints as ints, larger ones as text."""
+    return (
+        MetadataValue.int(value) if -_INT32 <= value <= _INT32 else MetadataValue.text(str(value))
+    )
+
+
+def text(value: object) -> MetadataValue:
+    return MetadataValue.text("" if value is None else str(value))
+
+
+ROW_COUNT = "dagster/row_count"
+PARTITION_ROW_COUNT = "dagster/partition_row_count"
+COLUMN_SCHEMA = "dagster/column_schema"
+TABLE_NAME = "dagster/table_name"
+URI = "dagster/uri"
+APPLIED_THROUGH = "pgcdc/applied_through"
+"""The origin's progress a target table's ``dagster/row_count`` is exact at."""
+
+
+def table_metadata(table: TableName, columns: list[ColumnInfo] | None) -> dict[str, Any]:
+    """A table's name and, when known, its columns, as Dagster's standard metadata."""
+    meta: dict[str, Any] = {TABLE_NAME: str(table)}
+    if columns:
+        meta[COLUMN_SCHEMA] = MetadataValue.table_schema(
+            TableSchema(
+                columns=[
+                    TableColumn(
+                        c.name,
+                        c.type_sql,
+                        constraints=TableColumnConstraints(nullable=not c.not_null, unique=c.key),
+                    )
+                    for c in columns
+                ]
+            )
+        )
+    return meta
+
+
+def receive_metadata(
+    result: RangeResult, lag_bytes: int | None, uri: str | None = None
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        PARTITION_ROW_COUNT: number(result.changes),
+        "start_lsn": text(result.start_lsn),
+        "endpos": text(result.endpos),
+        "transform_lsn": text(result.transform_lsn or "none (no transaction in range)"),
+        "safe_point": text(result.safe_point),
+        "last_xid": number(result.last_xid) if result.last_xid is not None else text("none"),
+        "endpos_outcome": text(result.endpos_outcome),
+        "transactions": number(result.transactions),
+        "changes": number(result.changes),
+        "inserts": number(result.inserts),
+        "updates": number(result.updates),
+        "deletes": number(result.deletes),
+        "truncates": number(result.truncates),
+        "deferred_transactions": number(len(result.straddlers)),
+        "bytes": number(result.bytes),
+        "seconds": MetadataValue.float(float(result.seconds)),
+        "already_stored": MetadataValue.bool(result.already_stored),
+    }
+    if lag_bytes is not None:
+        meta["source_lag_bytes"] = number(lag_bytes)
+    if uri is not None:
+        meta[URI] = MetadataValue.path(uri)
+    return meta
+
+
+def apply_metadata(
+    table: TableName,
+    received: RangeResult,
+    applied: ApplyResult,
+    lag_bytes: int | None,
+    row_count: int | None = None,
+) -> dict[str, Any]:
+    """A target table's partition: the range's watermarks, what the apply did to this table,
+    and (when known exactly) how many rows the table holds afterwards."""
+    counts = applied.tables.get(str(table))
+    meta = {
+        **receive_metadata(received, lag_bytes),
+        PARTITION_ROW_COUNT: number(counts.changes if counts else 0),
+        "replay_lsn": text(applied.replay_lsn or "none"),
+        "apply_status": text(applied.status),
+        "table_changes": number(counts.changes if counts else 0),
+        "table_inserted": number(counts.inserted if counts else 0),
+        "table_updated": number(counts.updated if counts else 0),
+        "table_deleted": number(counts.deleted if counts else 0),
+        "table_truncated": MetadataValue.bool(bool(counts and counts.truncated)),
+        "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
+        "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
+    }
+    added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
+    if added:
+        meta["added_columns"] = text(", ".join(added))
+    if row_count is not None:
+        meta[ROW_COUNT] = number(row_count)
+        meta[APPLIED_THROUGH] = text(applied.replay_lsn)
+    return meta
+
+
+def table_of(rows: list[dict[str, Any]], columns: dict[str, str]) -> MetadataValue:
+    """A metadata table: ``columns`` maps each column to its Dagster type name."""
+    schema = TableSchema(columns=[TableColumn(name, kind) for name, kind in columns.items()])
+    return MetadataValue.table([TableRecord(row) for row in rows], schema=schema)
+
+
+def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
+    tables = table_of(
+        [
+            {
+                "table": str(t.table),
+                "rows": t.rows,
+                "bytes": t.bytes,
+                "seconds": round(float(t.seconds), 3),
+            }
+            for t in result.tables
+        ],
+        {"table": "string", "rows": "int", "bytes": "int", "seconds": "float"},
+    )
+    return {
+        "slot": text(result.slot_name),
+        "snapshot_name": text(result.snapshot_name),
+        "consistent_point": text(result.consistent_point),
+        "origin": text(result.origin_name),
+        "tables": tables,
+        ROW_COUNT: number(result.rows),
+        "rows": number(result.rows),
+        "seconds": MetadataValue.float(round(float(result.seconds), 3)),
+        "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
+    }
+
+
+def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
+    differing = [str(c.table) for c in comparisons if not c.equal]
+    tables = table_of(
+        [
+            {
+                "table": str(c.table),
+                "source_rows": c.source_rows,
+                "target_rows": c.target_rows,
+                "equal": c.equal,
+            }
+            for c in comparisons
+        ],
+        {"table": "string", "source_rows": "int", "target_rows": "int", "equal": "bool"},
+    )
+    return {"tables": tables, "differing_tables": text(", ".join(differing) or "none")}

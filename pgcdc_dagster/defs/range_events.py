@@ -1,0 +1,103 @@
+"""A range's trace in Dagster: its ``lsn_ranges`` partition and the events of one range.
+
+Partitions are a view of the store's chain, never a cursor: a range is registered (idempotently)
+right before a run is requested for it or its events are logged, and a registered range that
+was never stored (its run died first) is removed the next time the range at its place is
+registered, so the UI's partitions stay the chain. Deleting them all, or wiping Dagster's
+storage, changes nothing the engine does: the next ranges register again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
+    AssetKey,
+    AssetMaterialization,
+    DagsterInstance,
+)
+
+from ..engine import pipeline
+from ..engine.identifiers import TableName
+from ..engine.lsn import LsnRange
+from .keys import DECODED_CHANGES_KEY, target_key
+from .metadata import apply_metadata, receive_metadata, text
+from .partitions import LSN_RANGES
+
+NO_GAP = "no_gap"
+
+
+def register_range(
+    instance: DagsterInstance, settings: pipeline.ReplicationSettings, rng: LsnRange
+) -> None:
+    """Make ``rng`` a partition, and drop registered ranges of the current chain that were
+    never stored and that ``rng`` replaces (they start where it starts)."""
+    if not instance.has_dynamic_partition(LSN_RANGES, rng.key):
+        store = pipeline.store_of(settings)
+        for key in instance.get_dynamic_partitions(LSN_RANGES):
+            other = LsnRange.from_key(key)
+            if other.start == rng.start and other != rng and store.get(other) is None:
+                instance.delete_dynamic_partition(LSN_RANGES, key)
+        instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+
+
+def no_gap_evaluation(
+    settings: pipeline.ReplicationSettings, key: AssetKey, rng: LsnRange
+) -> AssetCheckEvaluation:
+    """Whether the target's origin stands exactly at the last commit stored up to ``rng``: no
+    range before it skipped, none half applied. Blocking: a failure stops the run."""
+    expected = pipeline.expected_origin_progress(settings, through=rng)
+    actual = pipeline.origin_progress(settings)
+    passed = expected is None or actual == expected
+    return AssetCheckEvaluation(
+        asset_key=key,
+        check_name=NO_GAP,
+        passed=passed,
+        severity=AssetCheckSeverity.ERROR,
+        partition=rng.key,
+        metadata={
+            "origin_progress": text(actual),
+            "last_applied_transform_lsn": text(expected),
+        },
+        description=None if passed else no_gap_failure(expected, actual),
+    )
+
+
+def no_gap_failure(expected: Any, actual: Any) -> str:
+    return (
+        f"the target's replication origin is at {actual}, but the stored ranges up to this one "
+        f"end with the commit at {expected}: a range was skipped or applied elsewhere; run "
+        "'pgcdc status' to see the next step and 'pgcdc catchup' to take it"
+    )
+
+
+def range_events(
+    tables: Sequence[TableName],
+    settings: pipeline.ReplicationSettings,
+    done: pipeline.RangeDone,
+    lag_bytes: int | None,
+    row_counts: Mapping[TableName, int | None],
+) -> list[AssetMaterialization]:
+    """The materialisations of one range, as the per-range job records them: the decoded
+    changes partition and every target table's partition, with the same metadata."""
+    received, applied = done.received, done.applied
+    uri = pipeline.store_of(settings).range_path(LsnRange.from_key(received.range_key)).as_uri()
+    events = [
+        AssetMaterialization(
+            DECODED_CHANGES_KEY,
+            partition=received.range_key,
+            metadata=receive_metadata(received, lag_bytes, uri),
+        )
+    ]
+    events += [
+        AssetMaterialization(
+            target_key(table),
+            partition=received.range_key,
+            metadata=apply_metadata(table, received, applied, lag_bytes, row_counts.get(table)),
+        )
+        for table in tables
+    ]
+    return events

@@ -1,0 +1,136 @@
+"""Resources: connection strings through ``EnvVar`` (never stored in run config), settings,
+Spark, and the range lock a run holds for its whole life."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from dagster import ConfigurableResource, EnvVar, InitResourceContext
+from dagster_pyspark import LazyPySparkResource
+from pydantic import PrivateAttr
+
+from ..engine.settings import ReplicationSettings
+
+
+class PostgresResource(ConfigurableResource):
+    """A PostgreSQL server by libpq conninfo; the value comes from an environment variable."""
+
+    dsn: str
+
+
+class ReplicationResource(ConfigurableResource):
+    """Slot, publication, table selection and range size (see
+    :class:`~pgcdc_dagster.engine.settings.ReplicationSettings`, which validates them)."""
+
+    slot: str
+    publication: str
+    tables: str = ""
+    """Comma list of ``schema.table``; empty means every user table."""
+    range_max_bytes: int
+    snapshot_parquet: bool = False
+    """Also write the base snapshot as Parquet under the store's ``snapshot/``."""
+
+
+class OutputStoreResource(ConfigurableResource):
+    """Where decoded ranges live (a local path)."""
+
+    path: str
+
+
+class SparkResource(LazyPySparkResource):
+    """dagster-pyspark's lazy session, built by :func:`pgcdc_dagster.engine.spark_session.get_spark`
+    so a run starts at most one session, and only when a step needs Spark."""
+
+    master: str = ""
+    remote: str = ""
+
+    def _init_session(self) -> None:
+        if self._spark_session is None:
+            from ..engine.spark_session import get_spark
+
+            session = get_spark(master=self.master or None, remote=self.remote or None)
+            for key, value in self.spark_config.items():
+                session.conf.set(key, value)
+            self._spark_session = session
+
+
+class PgcdcResource(ConfigurableResource):
+    """Everything a stage needs to find its servers, slot and store, as one resource."""
+
+    source: PostgresResource
+    target: PostgresResource
+    replication: ReplicationResource
+    store: OutputStoreResource
+
+    def settings(self, spark: SparkResource | None = None) -> ReplicationSettings:
+        return ReplicationSettings(
+            source_dsn=self.source.dsn,
+            target_dsn=self.target.dsn,
+            slot=self.replication.slot,
+            publication=self.replication.publication,
+            tables=self.replication.tables or None,
+            store=self.store.path,
+            spark_master=spark.master if spark else None,
+            spark_remote=spark.remote if spark else None,
+            range_max_bytes=self.replication.range_max_bytes,
+            snapshot_parquet=self.replication.snapshot_parquet,
+        )
+
+
+class RangeLockResource(ConfigurableResource):
+    """The slot's range lock (:mod:`pgcdc_dagster.engine.range_lock`), held from the moment the
+    run's resources are built until they are torn down: the whole run, every step of it, under the
+    run's id. A run that finds the lock taken fails at once, naming the holder.
+
+    Required by every asset and op that receives, applies or snapshots; the jobs that run them
+    execute in one process, so the lock is taken once per run. The run is also tagged with its
+    process identity, so a dead worker is recognised at once on this host
+    (:mod:`pgcdc_dagster.defs.runs`).
+    """
+
+    pgcdc: PgcdcResource
+    _lock: Any = PrivateAttr(default=None)
+
+    @contextmanager
+    def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
+        from ..engine.range_lock import range_lock
+        from .runs import PROCESS_TAG, lock_holder_name, process_identity
+
+        settings = self.pgcdc.settings()
+        run = context.run
+        run_id = run.run_id if run is not None else "unknown"
+        with range_lock(settings.target_dsn, settings.slot, lock_holder_name(run_id)) as lock:
+            if context.instance is not None and run is not None:
+                context.instance.add_run_tags(run_id, {PROCESS_TAG: process_identity()})
+            self._lock = lock
+            yield self
+
+    def still_held(self) -> bool:
+        """False once the target went away under the run (the server then freed the lock)."""
+        return self._lock is None or self._lock.check()
+
+
+def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
+    """Resources from validated settings. The DSNs stay ``EnvVar``s: Dagster resolves them at
+    run time and shows only the variable's name, never its value."""
+    pgcdc = PgcdcResource(
+        source=PostgresResource(dsn=EnvVar("PGCDC_SOURCE_DSN")),
+        target=PostgresResource(dsn=EnvVar("PGCDC_TARGET_DSN")),
+        replication=ReplicationResource(
+            slot=settings.slot,
+            publication=settings.publication,
+            tables=",".join(str(t) for t in settings.tables or ()),
+            range_max_bytes=settings.range_max_bytes,
+            snapshot_parquet=settings.snapshot_parquet,
+        ),
+        store=OutputStoreResource(path=settings.store),
+    )
+    return {
+        "pgcdc": pgcdc,
+        "range_lock": RangeLockResource(pgcdc=pgcdc),
+        "spark": SparkResource(
+            spark_config={},
+            master=settings.spark_master or "",
+            remote=settings.spark_remote or "",
+        ),
+    }

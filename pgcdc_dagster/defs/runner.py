@@ -1,0 +1,173 @@
+"""Running the project's jobs from a process of our own (the CLI, the demo), and the instance
+they are recorded in.
+
+The instance: ``$DAGSTER_HOME/dagster.yaml`` when there is one (the shipped ``dagster.yaml``:
+PostgreSQL storage, the run queue, run monitoring, for the daemon and the UI). Without one,
+the embedded default: Dagster's own local storage under ``$DAGSTER_HOME`` (default
+``.pgcdc/dagster_home``), or PostgreSQL storage when ``DAGSTER_POSTGRES_URL`` is set; no
+telemetry, and none of Dagster's warnings about a missing ``dagster.yaml``. Either way every
+run shows in ``dagster dev`` pointed at the same home.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..engine.errors import PgcdcError
+from ..engine.settings import ReplicationSettings
+
+DEFAULT_DAGSTER_HOME = ".pgcdc/dagster_home"
+
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+"""Runs started here log to the instance (and the UI) in full; the terminal gets one line."""
+
+
+class RunFailedError(PgcdcError):
+    """A run of the project's jobs failed or cannot start; the message is the one line."""
+
+
+_instance: Any = None
+
+
+def dagster_instance() -> Any:
+    """The instance runs are recorded in (see the module docstring); one per process."""
+    global _instance
+    if _instance is None:
+        from dagster import DagsterInstance
+        from dagster._core.instance.ref import InstanceRef
+
+        home = Path(os.environ.get("DAGSTER_HOME") or DEFAULT_DAGSTER_HOME).resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        overrides: dict[str, Any] | None = None
+        if not (home / "dagster.yaml").exists():
+            overrides = {"telemetry": {"enabled": False}}
+            url = os.environ.get("DAGSTER_POSTGRES_URL")
+            if url:
+                overrides["storage"] = {"postgres": {"postgres_url": url}}
+        quiet = _DropMissingConfigWarning()
+        logging.getLogger("dagster").addFilter(quiet)
+        try:
+            ref = InstanceRef.from_dir(str(home), overrides=overrides)
+        finally:
+            logging.getLogger("dagster").removeFilter(quiet)
+        _instance = DagsterInstance.from_ref(ref)
+    return _instance
+
+
+class _DropMissingConfigWarning(logging.Filter):
+    """Dagster warns when ``$DAGSTER_HOME`` has no ``dagster.yaml``; for pgcdc that is the
+    documented embedded default, not a mistake to report."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No dagster instance configuration file" not in record.getMessage()
+
+
+def load_defs() -> Any:
+    from ..definitions import defs
+
+    return defs()
+
+
+def run_job(
+    name: str,
+    *,
+    partition_key: str | None = None,
+    run_config: dict | None = None,
+    allow_failure: bool = False,
+) -> Any:
+    """Execute a job of the code location in this process, recorded in the instance and tagged
+    with this process's identity (so that, if this process dies, the next command sees at once
+    that the run is dead)."""
+    from .runs import PROCESS_TAG, process_identity
+
+    job = load_defs().resolve_job_def(name)
+    result = job.execute_in_process(
+        instance=dagster_instance(),
+        partition_key=partition_key,
+        run_config={**QUIET, **(run_config or {})},
+        tags={PROCESS_TAG: process_identity()},
+        raise_on_error=False,
+    )
+    if not result.success and not allow_failure:
+        raise RunFailedError(f"{name} run {result.run_id} failed: {_failure_text(result)}")
+    return result
+
+
+def _failure_text(result: Any) -> str:
+    for event in result.all_events:
+        if event.is_step_failure:
+            data = event.step_failure_data
+            if data.user_failure_data and data.user_failure_data.description:
+                return str(data.user_failure_data.description)
+            error = data.error
+            while error is not None and error.cause is not None:
+                error = error.cause
+            return error.message.strip() if error is not None else "step failed"
+        if event.is_resource_init_failure or event.is_run_failure:
+            error = getattr(event.event_specific_data, "error", None)
+            while error is not None and error.cause is not None:
+                error = error.cause
+            if error is not None:
+                return error.message.strip().splitlines()[-1]
+    return "see the run in the Dagster UI"
+
+
+def clear_the_way(
+    instance: Any, settings: ReplicationSettings, wait_s: float, command: str
+) -> None:
+    """Before a run that takes the range lock: fail the runs whose worker died (saying so),
+    cancel queued per-range runs (this command does their work), and wait for a live run to
+    finish, or refuse after ``wait_s`` seconds. Runs started here and runs the daemon launches
+    obey the same rule: one holder of the range lock at a time."""
+    from dagster import DagsterRunStatus
+
+    from ..engine.range_lock import lock_holders
+    from .runs import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
+
+    grace = settings.dead_run_grace
+    deadline = time.monotonic() + wait_s
+    while True:
+        holders = lock_holders(settings.target_dsn, settings.slot)
+        verdicts = judge(instance, pgcdc_runs_not_finished(instance), holders, grace)
+        for dead in fail_dead_runs(instance, verdicts, command):
+            print(
+                f"pgcdc: run {dead.run.run_id} ({dead.run.job_name}) was left unfinished: "
+                f"{dead.reason}; marked it failed",
+                file=sys.stderr,
+            )
+        waiting = []
+        for verdict in verdicts:
+            if verdict.state == QUEUED and verdict.run.job_name == "catchup":
+                if verdict.run.status == DagsterRunStatus.QUEUED:
+                    instance.report_run_canceled(
+                        verdict.run,
+                        message=f"superseded by {command}, which takes the range itself",
+                    )
+            elif verdict.state in (ALIVE, QUEUED):
+                waiting.append(verdict)
+        if not waiting and not holders:
+            return
+        if time.monotonic() > deadline:
+            who = (
+                f"run {waiting[0].run.run_id} ({waiting[0].reason})"
+                if waiting
+                else f"{holders[0].holder}, holding the range lock"
+            )
+            raise RunFailedError(
+                f"a catch-up is still in flight after {wait_s:.0f} s: {who}; wait for it (see "
+                "the Dagster UI) or pass a longer --wait"
+            )
+        time.sleep(1)
+
+
+def materialization_metadata(result: Any, key: str) -> dict[str, Any]:
+    for event in result.get_asset_materialization_events():
+        mat = event.step_materialization_data.materialization
+        if mat.asset_key.to_user_string() == key:
+            return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+    return {}

@@ -1,0 +1,881 @@
+"""Apply one stored range to the target, exactly once, in one transaction.
+
+Data flow::
+
+    stored range ──compaction (Arrow in process, or Spark)──▶ net rows per table
+         │                                                        │ COPY ... (FORMAT csv)
+         ▼                                                        ▼
+    origin progress ──checks──▶ BEGIN; session_replication_role = replica
+                                ALTER TABLE ... ADD COLUMN      (schema drift, if any)
+                                temp staging tables (typed like the target's columns)
+                                TRUNCATE                        (tables the range truncated)
+                                per table: fill moved rows' unsent values from their origin key,
+                                           DELETE ... USING, INSERT ... ON CONFLICT DO UPDATE,
+                                           UPDATE for rows with unsent TOAST values,
+                                           or an ordered replay (no identity)
+                                pg_replication_origin_xact_setup(transform_lsn, commit time)
+                                COMMIT
+
+Why this is exactly once
+    The target's replication origin (``pgcdc_<slot>``, created at the slot's consistent point
+    by the base snapshot) is the one durable record of what has been applied. This module
+    advances it only inside the transaction that writes the range's rows, through the
+    session's origin (``pg_replication_origin_session_setup``, then ``xact_setup`` before
+    COMMIT): the commit record carries the new progress, so rows and progress become durable
+    together or not at all. A crash or kill at any moment therefore leaves the target at a
+    previous range boundary, and running the same range again converges. Holding the session
+    origin also excludes a second apply of the same origin while this one runs.
+
+What the origin's progress P says about range ``(start, end]`` with last commit T
+    * ``T`` is ``None``: the range stored no transaction; nothing to apply (``empty``).
+    * ``P >= T``: every transaction of the range is applied (``already_applied``).
+    * Otherwise every transaction committing after ``P`` must be applied, and nothing between
+      ``P`` and ``start`` may be missing. A range is applied whole, so after it ``P`` equals its
+      last commit, which is at or before its end; a range without transactions leaves ``P``
+      lower still. ``P < start`` is thus normal after empty ranges. The rule: walk back from
+      ``start`` over contiguous stored ranges; every one that lies after ``P`` must be empty
+      (or hold only commits at or before ``P``), and the walk must reach ``P`` without a hole.
+      Anything else is a gap, refused with the missing interval named.
+    * Transactions of this range committing at or before ``P`` are skipped (the origin's own
+      rule), which never happens in the normal chain but keeps a re-snapshot safe.
+
+Counts
+    ``inserted`` and ``updated`` come from one ``INSERT ... ON CONFLICT DO UPDATE ...
+    RETURNING (xmax = 0)`` per table, counted server side (a freshly inserted row version has
+    no xmax; an updated one carries the updating transaction's), plus the UPDATE of rows whose
+    TOASTed values were not sent. ``missing`` counts updates and deletes whose row the target
+    did not have (a diverged target: they are skipped, as PostgreSQL's own apply does).
+
+Not replicated by design: the TRUNCATE option CASCADE (like PostgreSQL's apply worker, only
+the truncated tables the source sent are truncated; cascading could empty tables outside the
+replicated set), column defaults of added columns, and values of columns that an older relation
+version of the range did not have (they stay as they are, or NULL on insert).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+from psycopg import sql
+
+from .compaction import (
+    DEFAULT_SPARK_MIN_CHANGES,
+    NetChanges,
+    TableRelation,
+    compact_range,
+    relations_of,
+)
+from .connect import connect
+from .errors import ApplyError
+from .failpoints import failpoint
+from .identifiers import TableName
+from .lsn import Lsn
+from .origin import mark_transaction, require_progress, reset_session, setup_session
+from .store import OutputStore, StoredRange
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+class ApplyStatus(StrEnum):
+    """What applying a range did."""
+
+    APPLIED = "applied"
+    ALREADY_APPLIED = "already_applied"
+    """The origin was already at or past the range's last commit: nothing written."""
+    EMPTY = "empty"
+    """The range holds no transaction: nothing to write."""
+
+
+FIRST_USER_OID = 16384
+"""Type oids below this are built in and mean the same on every cluster of a major version."""
+
+_COPY_BATCH_ROWS = 65_536
+
+
+class ApplyGapError(ApplyError):
+    """Changes between the target's origin progress and the range's start were not applied."""
+
+
+class SchemaDriftError(ApplyError):
+    """The target's columns differ from the source's in a way the apply will not repair."""
+
+
+@dataclass
+class TableApplyCounts:
+    changes: int = 0
+    net_rows: int = 0
+    truncated: bool = False
+    inserted: int = 0
+    updated: int = 0
+    deleted: int = 0
+    missing: int = 0
+    """Updates/deletes whose row the target did not have (skipped)."""
+
+
+@dataclass
+class ApplyResult:
+    range_key: str
+    status: ApplyStatus
+    replay_lsn: str | None
+    """The origin's progress after this call: what the target has applied."""
+    previous_lsn: str | None
+    """The origin's progress before this call."""
+    tables: dict[str, TableApplyCounts] = field(default_factory=dict)
+    added_columns: list[str] = field(default_factory=list)
+    """``table.column type`` of every column added to the target for schema drift."""
+    changes: int = 0
+    net_rows: int = 0
+    compaction_path: str | None = None
+    compaction_seconds: float = 0.0
+    staging_seconds: float = 0.0
+    apply_seconds: float = 0.0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TargetColumn:
+    name: str
+    type_oid: int
+    typmod: int
+    type_sql: str
+    """``format_type`` of the column on the target."""
+    generated: bool
+    has_equality: bool
+    identity_always: bool
+    """``GENERATED ALWAYS AS IDENTITY``: an UPDATE may not set it (see :func:`_writable`)."""
+
+
+@dataclass(frozen=True)
+class TargetTable:
+    table: TableName
+    columns: Mapping[str, TargetColumn]
+    primary_key: tuple[str, ...]
+    unique_keys: tuple[frozenset[str], ...]
+
+
+def apply_range(
+    target_dsn: str,
+    stored: StoredRange,
+    origin_name: str,
+    *,
+    spark: SparkSession | None = None,
+    store: OutputStore | None = None,
+    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+    origin_wait_seconds: float = 30.0,
+) -> ApplyResult:
+    """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
+
+    ``store`` is the output store holding the range (default: the one it lies in); it is read
+    to tell an applied-up-to-here chain from a gap. ``spark`` runs the compaction on Spark when
+    the range has at least ``spark_min_changes`` changes. ``origin_wait_seconds`` is how long
+    to wait for the origin to be released by an earlier, killed apply whose server backend has
+    not exited yet.
+    """
+    started = time.perf_counter()
+    transform = stored.transform_lsn
+    result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
+    with connect(target_dsn, role="target", autocommit=True) as conn:
+        progress = require_progress(conn, origin_name)
+        result.previous_lsn = result.replay_lsn = str(progress)
+        # Before any outcome, the empty one included: a range is never reported applied or
+        # empty while an earlier range's transactions are missing on the target.
+        check_no_gap(store or OutputStore(stored.path.parent.parent), stored, progress, origin_name)
+        if transform is None:
+            result.status = ApplyStatus.EMPTY
+        elif progress >= transform:
+            result.status = ApplyStatus.ALREADY_APPLIED
+        if result.status != ApplyStatus.APPLIED:
+            result.seconds = round(time.perf_counter() - started, 4)
+            return result
+        assert transform is not None
+
+        relations = relations_of(stored.manifest.relations)
+        targets = read_target_tables(conn, list(relations))
+        relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
+        additions = plan_schema_drift(relations, targets)
+        compaction = compact_range(
+            stored,
+            relations,
+            after_lsn=int(progress),
+            spark=spark,
+            spark_min_changes=spark_min_changes,
+        )
+        result.compaction_path = compaction.path
+        result.compaction_seconds = compaction.seconds
+        result.changes = sum(t.changes for t in compaction.tables.values())
+        result.net_rows = compaction.net_rows
+
+        setup_session(conn, origin_name, origin_wait_seconds)
+        try:
+            with conn.transaction():
+                again = require_progress(conn, origin_name)
+                if again != progress:
+                    raise ApplyError(
+                        f"replication origin {origin_name} moved from {progress} to {again} "
+                        f"while range {stored.range.key} was being prepared: another apply ran "
+                        "at the same time; run this one again"
+                    )
+                conn.execute("SET LOCAL session_replication_role = replica")
+                result.added_columns = _add_columns(conn, additions)
+                if additions:
+                    targets = read_target_tables(conn, list(relations))
+                _apply_tables(conn, compaction.tables, targets, result)
+                mark_transaction(
+                    conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
+                )
+                failpoint("apply.in_transaction")
+                commit_started = time.perf_counter()
+            result.apply_seconds = round(
+                result.apply_seconds + time.perf_counter() - commit_started, 4
+            )
+        finally:
+            reset_session(conn)
+        failpoint("apply.after_commit")
+        result.replay_lsn = str(require_progress(conn, origin_name))
+    result.seconds = round(time.perf_counter() - started, 4)
+    return result
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+def check_no_gap(
+    store: OutputStore, stored: StoredRange, progress: Lsn, origin_name: str = "origin"
+) -> None:
+    """Refuse to apply ``stored`` when a transaction between ``progress`` and its start was
+    never applied (see the module docstring for why this rule is exact)."""
+    by_end = {r.end: r for r in store.ranges()}
+    cursor = stored.range.start
+    while cursor > progress:
+        previous = by_end.get(cursor)
+        if previous is None:
+            raise ApplyGapError(
+                f"range {stored.range.key} cannot be applied: the target's origin "
+                f"{origin_name} is at {progress}, and no stored range ends at {cursor}, so the "
+                f"changes in ({progress}, {cursor}] are missing from the store; receive and "
+                "apply them first, or re-take the base snapshot if they are lost"
+            )
+        previous_stored = store.get(previous)
+        last = None if previous_stored is None else previous_stored.transform_lsn
+        if last is not None and last > progress:
+            raise ApplyGapError(
+                f"range {stored.range.key} cannot be applied: the target's origin "
+                f"{origin_name} is at {progress}, but range {previous.key} (transactions up "
+                f"to {last}) was not applied, so the changes in ({progress}, "
+                f"{stored.range.start}] are missing on the target; apply range {previous.key} "
+                "first (ranges apply in LSN order)"
+            )
+        cursor = previous.start
+
+
+def _commit_time(us: int | None) -> dt.datetime:
+    if us is None:
+        return dt.datetime.now(dt.UTC)
+    return dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(microseconds=int(us))
+
+
+# -- the target's tables and schema drift --------------------------------------------------------
+
+_TARGET_COLUMNS = """
+SELECT n.nspname, c.relname, a.attname, a.atttypid::int8, a.atttypmod,
+       format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
+       EXISTS (SELECT FROM pg_operator o WHERE o.oprname = '=' AND o.oprleft = a.atttypid
+               AND o.oprright = a.atttypid),
+       a.attidentity = 'a',
+       COALESCE(array_position(pk.conkey, a.attnum), 0)
+FROM unnest(%s::text[], %s::text[]) AS want(nspname, relname)
+JOIN pg_namespace n ON n.nspname = want.nspname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = want.relname
+     AND c.relkind IN ('r', 'p')
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN pg_constraint pk ON pk.conrelid = c.oid AND pk.contype = 'p'
+ORDER BY n.nspname, c.relname, a.attnum
+"""
+
+_TARGET_UNIQUE_KEYS = """
+SELECT n.nspname, c.relname,
+       array(SELECT a.attname FROM pg_attribute a
+             WHERE a.attrelid = c.oid AND a.attnum = ANY(i.indkey))
+FROM unnest(%s::text[], %s::text[]) AS want(nspname, relname)
+JOIN pg_namespace n ON n.nspname = want.nspname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = want.relname
+JOIN pg_index i ON i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL
+     AND i.indexprs IS NULL AND i.indisvalid AND i.indimmediate
+"""
+
+
+def read_target_tables(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> dict[TableName, TargetTable]:
+    """The target's columns, primary key and plain unique keys of ``tables`` (one query each).
+
+    A table missing on the target is an error: creating tables is the base snapshot's job.
+    """
+    params = ([t.schema for t in tables], [t.name for t in tables])
+    columns: dict[TableName, dict[str, TargetColumn]] = {t: {} for t in tables}
+    found: set[TableName] = set()
+    pk: dict[TableName, list[tuple[int, str]]] = {t: [] for t in tables}
+    for schema, rel, name, oid, typmod, type_sql, generated, eq, always, pk_pos in conn.execute(
+        _TARGET_COLUMNS, params
+    ).fetchall():
+        table = TableName(schema, rel)
+        found.add(table)
+        columns[table][name] = TargetColumn(
+            name, int(oid), int(typmod), type_sql, generated, eq, always
+        )
+        if pk_pos:
+            pk[table].append((int(pk_pos), name))
+    missing = [str(t) for t in tables if t not in found]
+    if missing:
+        raise ApplyError(
+            f"table(s) {', '.join(missing)} of the range do not exist on the target: create "
+            "them (the base snapshot copies the schema of the published tables; re-take it "
+            "with pgcdc snapshot --resnapshot, or create them by hand with the source's DDL)"
+        )
+    unique: dict[TableName, list[frozenset[str]]] = {t: [] for t in tables}
+    for schema, rel, names in conn.execute(_TARGET_UNIQUE_KEYS, params).fetchall():
+        unique[TableName(schema, rel)].append(frozenset(names))
+    return {
+        t: TargetTable(
+            t,
+            columns[t],
+            tuple(name for _, name in sorted(pk[t])),
+            tuple(unique[t]),
+        )
+        for t in tables
+    }
+
+
+def _identity_on_target(relation: TableRelation, target: TargetTable) -> TableRelation:
+    """Collapse a REPLICA IDENTITY FULL table by the target's primary key when it has one; a
+    key-identified table needs a unique index on its identity for ON CONFLICT."""
+    if relation.replica_identity == "f":
+        if target.primary_key and set(target.primary_key) <= set(relation.names):
+            return relation.with_identity(target.primary_key)
+        return relation
+    if relation.identity and frozenset(relation.identity) not in target.unique_keys:
+        cols = ", ".join(relation.identity)
+        raise ApplyError(
+            f"table {relation.table} on the target has no unique index on ({cols}), the "
+            f"source's replica identity: create it (ALTER TABLE {relation.table} ADD PRIMARY KEY "
+            f"({cols}), or a UNIQUE index) so rows can be matched"
+        )
+    return relation
+
+
+@dataclass(frozen=True)
+class ColumnAddition:
+    table: TableName
+    column: str
+    type_oid: int
+    typmod: int
+
+
+def plan_schema_drift(
+    relations: Mapping[TableName, TableRelation], targets: Mapping[TableName, TargetTable]
+) -> list[ColumnAddition]:
+    """Columns to add to the target, or a :class:`SchemaDriftError` for drift the apply will
+    not repair (a column dropped or retyped on the source, or generated on the target only).
+
+    User-defined types cannot be compared by oid across clusters: only built-in types are
+    checked for retyping, and only built-in types can be added.
+    """
+    additions: list[ColumnAddition] = []
+    for table, relation in relations.items():
+        target = targets[table]
+        for col in relation.columns:
+            have = target.columns.get(col.name)
+            if have is None:
+                if col.type_oid >= FIRST_USER_OID:
+                    raise SchemaDriftError(
+                        f"column {col.name} of table {table} exists on the source but not on "
+                        f"the target, and its type (oid {col.type_oid}) is user-defined, so "
+                        "the apply cannot name it on the target: add the column on the target "
+                        f"(ALTER TABLE {table} ADD COLUMN ...) with the source's type, then "
+                        "apply again"
+                    )
+                additions.append(ColumnAddition(table, col.name, col.type_oid, col.typmod))
+                continue
+            if have.generated:
+                raise SchemaDriftError(
+                    f"column {col.name} of table {table} is a generated column on the target but "
+                    "a plain column on the source: make the two definitions agree (drop the "
+                    "generation expression on the target, ALTER TABLE ... ALTER COLUMN ... "
+                    "DROP EXPRESSION)"
+                )
+            builtin = col.type_oid < FIRST_USER_OID and have.type_oid < FIRST_USER_OID
+            if builtin and (col.type_oid, col.typmod) != (have.type_oid, have.typmod):
+                raise SchemaDriftError(
+                    f"column {col.name} of table {table} has type oid {col.type_oid} (typmod "
+                    f"{col.typmod}) on the source but {have.type_sql} on the target: change the "
+                    f"target column to the source's type (ALTER TABLE {table} ALTER COLUMN "
+                    f"{col.name} TYPE ...), then apply again"
+                )
+        dropped = [
+            c.name
+            for c in target.columns.values()
+            if not c.generated and c.name not in relation.names
+        ]
+        if dropped:
+            raise SchemaDriftError(
+                f"column(s) {', '.join(dropped)} of table {table} exist on the target but no "
+                "longer on the source (dropped there, or the publication lists fewer columns): "
+                f"drop them on the target (ALTER TABLE {table} DROP COLUMN ...) or add them back "
+                "on the source, then apply again"
+            )
+    return additions
+
+
+def _add_columns(conn: psycopg.Connection[Any], additions: Sequence[ColumnAddition]) -> list[str]:
+    added = []
+    for add in additions:
+        (type_sql,) = conn.execute(
+            "SELECT format_type(%s::oid, %s)", (add.type_oid, add.typmod)
+        ).fetchone()  # type: ignore[misc]
+        conn.execute(
+            sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(
+                add.table.sql, sql.Identifier(add.column), sql.SQL(type_sql)
+            )
+        )
+        added.append(f"{add.table}.{add.column} {type_sql}")
+    return added
+
+
+# -- staging and applying -------------------------------------------------------------------------
+
+
+def _apply_tables(
+    conn: psycopg.Connection[Any],
+    tables: Mapping[TableName, NetChanges],
+    targets: Mapping[TableName, TargetTable],
+    result: ApplyResult,
+) -> None:
+    """Stage every table's net rows, then TRUNCATE, then apply table by table."""
+    staged: list[_Staged] = []
+    stage_started = time.perf_counter()
+    for i, (table, net) in enumerate(sorted(tables.items())):
+        result.tables[str(table)] = TableApplyCounts(
+            changes=net.changes, net_rows=net.net.num_rows, truncated=net.truncate
+        )
+        staged.append(_stage(conn, i, net, targets[table]))
+    result.staging_seconds = round(time.perf_counter() - stage_started, 4)
+
+    apply_started = time.perf_counter()
+    truncated = [net for net in tables.values() if net.truncate]
+    if truncated:
+        restart = any(net.truncate_flags & 2 for net in truncated)
+        statement = sql.SQL("TRUNCATE {}{}").format(
+            sql.SQL(", ").join(net.relation.table.sql for net in truncated),
+            sql.SQL(" RESTART IDENTITY") if restart else sql.SQL(""),
+        )
+        _run(conn, statement, "the range's TRUNCATE")
+    for stage in staged:
+        counts = result.tables[str(stage.net.relation.table)]
+        with _writable(conn, stage):
+            if stage.net.ordered:
+                _apply_ordered(conn, stage, counts)
+            else:
+                _apply_collapsed(conn, stage, counts)
+    result.apply_seconds = round(time.perf_counter() - apply_started, 4)
+
+
+@contextlib.contextmanager
+def _writable(conn: psycopg.Connection[Any], stage: _Staged) -> Iterator[None]:
+    """Let UPDATEs set ``GENERATED ALWAYS AS IDENTITY`` columns that are not identity keys.
+
+    PostgreSQL only lets an UPDATE set such a column to DEFAULT (its own apply worker bypasses
+    the check), so for the transaction the column becomes BY DEFAULT and then ALWAYS again:
+    atomic with the rows, at the price of an ACCESS EXCLUSIVE lock on the table until COMMIT.
+    Key columns never need it (they are matched, not set).
+    """
+    rel = stage.net.relation
+    if stage.net.ordered:
+        touched = stage.ordered is not None and not stage.all_inserts
+        candidates = list(rel.names)
+    else:
+        touched = stage.upserts is not None
+        candidates = [n for n in rel.names if n not in rel.identity]
+    always = [n for n in candidates if stage.target.columns[n].identity_always] if touched else []
+
+    def alter(kind: str) -> None:
+        for name in always:
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET GENERATED {}").format(
+                    rel.table.sql, sql.Identifier(name), sql.SQL(kind)
+                )
+            )
+
+    alter("BY DEFAULT")
+    yield
+    alter("ALWAYS")
+
+
+@dataclass
+class _Staged:
+    net: NetChanges
+    target: TargetTable
+    upserts: sql.Identifier | None = None
+    deletes: sql.Identifier | None = None
+    ordered: sql.Identifier | None = None
+    ordered_name: str = ""
+    keep: list[int] = field(default_factory=list)
+    """Positions of columns with a keep flag staged (``u<j>``)."""
+    old_missing: list[int] = field(default_factory=list)
+    has_origin: bool = False
+    upsert_rows: int = 0
+    all_inserts: bool = False
+
+
+def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: TargetTable) -> _Staged:
+    """COPY the table's net rows into temp tables typed like the target's columns (so the
+    server parses each value once, in COPY, and the SQL needs no casts). Dropped at COMMIT."""
+    stage = _Staged(net, target)
+    rel = net.relation
+    names = rel.names
+    width = len(names)
+    table = net.net
+    if net.ordered:
+        if table.num_rows == 0:
+            return stage
+        stage.all_inserts = bool(pc.all(pc.equal(table.column("op"), "I")).as_py())
+        stage.ordered_name = f"pgcdc_ord_{i}"
+        stage.ordered = sql.Identifier(stage.ordered_name)
+        if stage.all_inserts:  # the common case (a log table): new rows only
+            cols = [sql.SQL("0::int8 AS ord"), *[_as(rel, j, f"c{j}") for j in range(width)]]
+            staged_names = ["ord", *[f"c{j}" for j in range(width)]]
+        else:
+            stage.keep = _flagged(table, "u", width)
+            stage.old_missing = _flagged(table, "m", width)
+            flag = "false AS {}"
+            cols = (
+                [sql.SQL("0::int8 AS ord"), sql.SQL("''::text AS op")]
+                + [_as(rel, j, f"o{j}") for j in range(width)]
+                + [sql.SQL(flag).format(sql.Identifier(f"m{j}")) for j in stage.old_missing]
+                + [_as(rel, j, f"c{j}") for j in range(width)]
+                + [sql.SQL(flag).format(sql.Identifier(f"u{j}")) for j in stage.keep]
+            )
+            staged_names = (
+                ["ord", "op"]
+                + [f"o{j}" for j in range(width)]
+                + [f"m{j}" for j in stage.old_missing]
+                + [f"c{j}" for j in range(width)]
+                + [f"u{j}" for j in stage.keep]
+            )
+        _create_stage(conn, stage.ordered, rel.table, cols)
+        _copy(conn, stage.ordered, table.select(staged_names), rel.table)
+        return stage
+
+    deletes = net.deletes
+    if deletes.num_rows:
+        stage.deletes = sql.Identifier(f"pgcdc_del_{i}")
+        ident = rel.identity_positions
+        cols = [_as(rel, p, f"k{j}") for j, p in enumerate(ident)]
+        _create_stage(conn, stage.deletes, rel.table, cols)
+        _copy(conn, stage.deletes, deletes, rel.table)
+    upserts = net.upserts
+    stage.upsert_rows = upserts.num_rows
+    if upserts.num_rows:
+        stage.upserts = sql.Identifier(f"pgcdc_up_{i}")
+        stage.keep = _flagged(upserts, "u", width)
+        k = len(rel.identity)
+        stage.has_origin = k > 0 and upserts.column("f0").null_count < upserts.num_rows
+        ident = rel.identity_positions
+        cols = [_as(rel, j, f"c{j}") for j in range(width)]
+        cols += [sql.SQL("false AS {}").format(sql.Identifier(f"u{j}")) for j in stage.keep]
+        staged_names = [f"c{j}" for j in range(width)] + [f"u{j}" for j in stage.keep]
+        if stage.has_origin:
+            cols += [_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
+            staged_names += [f"f{j}" for j in range(k)]
+        _create_stage(conn, stage.upserts, rel.table, cols)
+        _copy(conn, stage.upserts, upserts.select(staged_names), rel.table)
+    return stage
+
+
+def _flagged(table: pa.Table, prefix: str, width: int) -> list[int]:
+    """Positions whose boolean flag column is true in some row (only those are staged)."""
+    return [j for j in range(width) if pc.any(table.column(f"{prefix}{j}")).as_py()]
+
+
+def _as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
+    """A staging column typed like the target column at ``position`` of the relation."""
+    return sql.SQL("t.{} AS {}").format(sql.Identifier(rel.names[position]), sql.Identifier(alias))
+
+
+def _create_stage(
+    conn: psycopg.Connection[Any],
+    name: sql.Identifier,
+    table: TableName,
+    columns: Sequence[sql.Composable],
+) -> None:
+    conn.execute(
+        sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} t WITH NO DATA").format(
+            name, sql.SQL(", ").join(columns), table.sql
+        )
+    )
+
+
+def _copy(
+    conn: psycopg.Connection[Any], name: sql.Identifier, rows: pa.Table, table: TableName
+) -> None:
+    """Bulk COPY in CSV: Arrow quotes every string, so an empty string is ``""`` and NULL is an
+    empty unquoted field, exactly the distinction COPY's CSV format makes."""
+    statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+        name, sql.SQL(", ").join(sql.Identifier(c) for c in rows.column_names)
+    )
+    options = pacsv.WriteOptions(include_header=False)
+    try:
+        with conn.cursor().copy(statement) as copy:
+            for batch in rows.to_batches(max_chunksize=_COPY_BATCH_ROWS):
+                sink = pa.BufferOutputStream()
+                pacsv.write_csv(batch, sink, options)
+                copy.write(sink.getvalue())
+    except psycopg.Error as exc:
+        raise ApplyError(
+            f"staging the changes of table {table} failed: {exc.diag.message_primary} "
+            f"({exc.diag.context or 'COPY'}); the range's values do not fit the target's "
+            "column types: compare the table's definition on both sides"
+        ) from exc
+
+
+def _run(
+    conn: psycopg.Connection[Any], statement: sql.Composed | sql.SQL, what: str
+) -> psycopg.Cursor[Any]:
+    try:
+        return conn.execute(statement)
+    except psycopg.Error as exc:
+        detail = exc.diag.message_detail
+        raise ApplyError(
+            f"applying {what} failed: {exc.diag.message_primary}"
+            + (f" ({detail})" if detail else "")
+        ) from exc
+
+
+def _apply_collapsed(
+    conn: psycopg.Connection[Any], stage: _Staged, counts: TableApplyCounts
+) -> None:
+    """Moved rows' unsent values from their origin key, then DELETE, then upsert: deletes go
+    first so that a key or unique value freed in the range can be taken again."""
+    rel = stage.net.relation
+    table = rel.table
+    names = rel.names
+    ident = rel.identity_positions
+    what = f"the changes of table {table}"
+
+    def col(j: int) -> sql.Identifier:
+        return sql.Identifier(names[j])
+
+    def staged(prefix: str, j: int) -> sql.Composable:
+        return sql.SQL("s.{}").format(sql.Identifier(f"{prefix}{j}"))
+
+    if stage.upserts is not None and stage.has_origin and stage.keep:
+        # A moved row's values never sent in the range are those of the row it came from.
+        sets = [
+            sql.SQL("{c} = CASE WHEN {u} THEN o.{n} ELSE {c2} END").format(
+                c=sql.Identifier(f"c{j}"), u=staged("u", j), n=col(j), c2=staged("c", j)
+            )
+            for j in stage.keep
+        ]
+        match = sql.SQL(" AND ").join(
+            sql.SQL("o.{} = {}").format(col(p), staged("f", j)) for j, p in enumerate(ident)
+        )
+        _run(
+            conn,
+            sql.SQL("UPDATE {s} s SET {sets} FROM {t} o WHERE {m}").format(
+                s=stage.upserts, sets=sql.SQL(", ").join(sets), t=table.sql, m=match
+            ),
+            what,
+        )
+        clear = sql.SQL(", ").join(
+            sql.SQL("{} = false").format(sql.Identifier(f"u{j}")) for j in stage.keep
+        )
+        _run(
+            conn,
+            sql.SQL("UPDATE {} SET {} WHERE f0 IS NOT NULL").format(stage.upserts, clear),
+            what,
+        )
+
+    if stage.deletes is not None:
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{} = s.{}").format(col(p), sql.Identifier(f"k{j}"))
+            for j, p in enumerate(ident)
+        )
+        deleted = _run(
+            conn,
+            sql.SQL("DELETE FROM {} t USING {} s WHERE {}").format(table.sql, stage.deletes, match),
+            what,
+        ).rowcount
+        counts.deleted += deleted
+
+    if stage.upserts is None:
+        return
+    keep_any = sql.SQL(" OR ").join(staged("u", j) for j in stage.keep)
+    full_rows = sql.SQL(" WHERE NOT ({})").format(keep_any) if stage.keep else sql.SQL("")
+    others = [j for j in range(len(names)) if j not in ident]
+    on_conflict: sql.Composable
+    if others:
+        on_conflict = sql.SQL("DO UPDATE SET {}").format(
+            sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=col(j)) for j in others)
+        )
+    else:
+        on_conflict = sql.SQL("DO NOTHING")
+    upsert = sql.SQL(
+        "WITH written AS ("
+        "INSERT INTO {t} AS t ({cols}) OVERRIDING SYSTEM VALUE "
+        "SELECT {vals} FROM {s} s{where} ORDER BY {order} "
+        "ON CONFLICT ({key}) {on_conflict} RETURNING (t.xmax = 0) AS inserted) "
+        "SELECT count(*) FILTER (WHERE inserted), count(*) FILTER (WHERE NOT inserted) "
+        "FROM written"
+    ).format(
+        t=table.sql,
+        cols=sql.SQL(", ").join(col(j) for j in range(len(names))),
+        vals=sql.SQL(", ").join(staged("c", j) for j in range(len(names))),
+        s=stage.upserts,
+        where=full_rows,
+        order=sql.SQL(", ").join(staged("c", p) for p in ident),
+        key=sql.SQL(", ").join(col(p) for p in ident),
+        on_conflict=on_conflict,
+    )
+    inserted, updated = _run(conn, upsert, what).fetchone()  # type: ignore[misc]
+    counts.inserted += int(inserted)
+    counts.updated += int(updated)
+
+    if stage.keep:
+        # Rows with values not sent (unchanged TOAST): update in place, keeping those values.
+        sets = []
+        for j in others:
+            if j in stage.keep:
+                sets.append(
+                    sql.SQL("{c} = CASE WHEN {u} THEN t.{c} ELSE {v} END").format(
+                        c=col(j), u=staged("u", j), v=staged("c", j)
+                    )
+                )
+            else:
+                sets.append(sql.SQL("{} = {}").format(col(j), staged("c", j)))
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{} = {}").format(col(p), staged("c", p)) for p in ident
+        )
+        if sets:
+            cursor = _run(
+                conn,
+                sql.SQL("UPDATE {t} t SET {sets} FROM {s} s WHERE ({keep}) AND {m}").format(
+                    t=table.sql,
+                    sets=sql.SQL(", ").join(sets),
+                    s=stage.upserts,
+                    keep=keep_any,
+                    m=match,
+                ),
+                what,
+            )
+            (wanted,) = conn.execute(
+                sql.SQL("SELECT count(*) FROM {} s WHERE {}").format(stage.upserts, keep_any)
+            ).fetchone()  # type: ignore[misc]
+            counts.updated += cursor.rowcount
+            counts.missing += int(wanted) - cursor.rowcount
+
+
+def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableApplyCounts) -> None:
+    """Changes of a table without identity, replayed in commit order. Each UPDATE or DELETE
+    touches exactly one row equal to the old row (``ctid = (SELECT ... LIMIT 1)``), so
+    duplicate rows stay duplicates, as on the source."""
+    if stage.ordered is None:
+        return
+    rel, target = stage.net.relation, stage.target
+    names = rel.names
+    what = f"the changes of table {rel.table}"
+    cols = sql.SQL(", ").join(sql.Identifier(n) for n in names)
+
+    def r(prefix: str, j: int) -> sql.Composable:
+        return sql.SQL("r.{}").format(sql.Identifier(f"{prefix}{j}"))
+
+    if stage.all_inserts:
+        inserted = _run(
+            conn,
+            sql.SQL(
+                "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {vals} FROM {s} "
+                "ORDER BY ord"
+            ).format(
+                t=rel.table.sql,
+                cols=cols,
+                vals=sql.SQL(", ").join(sql.Identifier(f"c{j}") for j in range(len(names))),
+                s=stage.ordered,
+            ),
+            what,
+        ).rowcount
+        counts.inserted += inserted
+        return
+
+    matches = []
+    for j, name in enumerate(names):
+        column = target.columns[name]
+        if column.has_equality:
+            test = sql.SQL("x.{} IS NOT DISTINCT FROM {}").format(sql.Identifier(name), r("o", j))
+        else:  # json, point, ...: no equality operator; the text forms are what was sent
+            test = sql.SQL("x.{}::text IS NOT DISTINCT FROM {}::text").format(
+                sql.Identifier(name), r("o", j)
+            )
+        if j in stage.old_missing:
+            test = sql.SQL("({} OR {})").format(r("m", j), test)
+        matches.append(test)
+    one_row = sql.SQL("t.ctid = (SELECT x.ctid FROM {t} x WHERE {m} LIMIT 1)").format(
+        t=rel.table.sql, m=sql.SQL(" AND ").join(matches)
+    )
+    sets = []
+    for j, name in enumerate(names):
+        if j in stage.keep:
+            sets.append(
+                sql.SQL("{c} = CASE WHEN {u} THEN t.{c} ELSE {v} END").format(
+                    c=sql.Identifier(name), u=r("u", j), v=r("c", j)
+                )
+            )
+        else:
+            sets.append(sql.SQL("{} = {}").format(sql.Identifier(name), r("c", j)))
+    body = sql.SQL(
+        """
+DECLARE r record; n int8; ins int8 := 0; upd int8 := 0; del int8 := 0; miss int8 := 0;
+BEGIN
+  FOR r IN SELECT * FROM {s} ORDER BY ord LOOP
+    IF r.op = 'I' THEN
+      INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals});
+      ins := ins + 1;
+    ELSIF r.op = 'U' THEN
+      UPDATE {t} t SET {sets} WHERE {one_row};
+      GET DIAGNOSTICS n = ROW_COUNT; upd := upd + n; miss := miss + 1 - n;
+    ELSIF r.op = 'D' THEN
+      DELETE FROM {t} t WHERE {one_row};
+      GET DIAGNOSTICS n = ROW_COUNT; del := del + n; miss := miss + 1 - n;
+    END IF;
+  END LOOP;
+  RETURN ARRAY[ins, upd, del, miss];
+END
+"""
+    ).format(
+        s=stage.ordered,
+        t=rel.table.sql,
+        cols=cols,
+        vals=sql.SQL(", ").join(r("c", j) for j in range(len(names))),
+        sets=sql.SQL(", ").join(sets),
+        one_row=one_row,
+    )
+    function = sql.Identifier("pg_temp", f"{stage.ordered_name}_fn")
+    conn.execute(
+        sql.SQL("CREATE FUNCTION {}() RETURNS int8[] LANGUAGE plpgsql AS {}").format(
+            function, sql.Literal(body.as_string(conn))
+        )
+    )
+    (totals,) = _run(conn, sql.SQL("SELECT {}()").format(function), what).fetchone()  # type: ignore[misc]
+    conn.execute(sql.SQL("DROP FUNCTION {}()").format(function))
+    counts.inserted += int(totals[0])
+    counts.updated += int(totals[1])
+    counts.deleted += int(totals[2])
+    counts.missing += int(totals[3])

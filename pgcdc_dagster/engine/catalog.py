@@ -1,0 +1,69 @@
+"""What a server's catalog says about the replicated tables: columns and row counts.
+
+Read-only descriptions for people (the column schema and row counts the UI shows) and for the
+comparison of :mod:`.verify`; the apply reads the richer description it needs itself
+(:func:`~pgcdc_dagster.engine.apply.read_target_tables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import errors, sql
+
+from .identifiers import TableName
+
+
+@dataclass(frozen=True)
+class ColumnInfo:
+    name: str
+    type_sql: str
+    """``format_type`` of the column: ``numeric(12,2)``, ``text[]``, ..."""
+    not_null: bool
+    key: bool
+    """Part of the primary key."""
+
+
+_COLUMNS = """
+SELECT n.nspname, c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+       COALESCE(a.attnum = ANY(pk.conkey), false)
+FROM unnest(%s::text[], %s::text[]) AS want(nspname, relname)
+JOIN pg_namespace n ON n.nspname = want.nspname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = want.relname
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN pg_constraint pk ON pk.conrelid = c.oid AND pk.contype = 'p'
+ORDER BY n.nspname, c.relname, a.attnum
+"""
+
+
+def table_columns(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> dict[TableName, list[ColumnInfo]]:
+    """The columns of every table that exists, in column order (missing tables are absent)."""
+    columns: dict[TableName, list[ColumnInfo]] = {}
+    rows = conn.execute(_COLUMNS, ([t.schema for t in tables], [t.name for t in tables])).fetchall()
+    for schema, rel, name, type_sql, not_null, key in rows:
+        columns.setdefault(TableName(schema, rel), []).append(
+            ColumnInfo(name, type_sql, bool(not_null), bool(key))
+        )
+    return columns
+
+
+def count_rows(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName], timeout_s: float
+) -> dict[TableName, int | None]:
+    """Exact row counts, each bounded by ``timeout_s`` (``None`` for a table that takes longer:
+    a count for the UI must never hold up replication)."""
+    counts: dict[TableName, int | None] = {}
+    for table in tables:
+        try:
+            with conn.transaction():
+                conn.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
+                row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.sql)).fetchone()
+            counts[table] = int(row[0]) if row else None
+        except errors.QueryCanceled:
+            counts[table] = None
+    return counts

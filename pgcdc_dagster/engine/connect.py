@@ -1,0 +1,201 @@
+"""The one connection helper, and the rule that no credential ever leaves it.
+
+Connection strings come from the environment and may hold passwords. Every error raised here
+names the server by host, port, database and user only; the conninfo itself is never echoed.
+"""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from .errors import PgcdcError
+
+
+class ConnectError(PgcdcError):
+    """A server could not be reached or refused us; the message is safe to log."""
+
+
+class ServerGoneError(ConnectError):
+    """A server went away (crash, restart, network) in the middle of a step."""
+
+
+def describe_dsn(dsn: str) -> str:
+    """``user@host:port/dbname`` for messages: everything but secrets."""
+    try:
+        parts = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "<unparseable connection string>"
+    host = parts.get("host") or parts.get("hostaddr") or "localhost"
+    return f"{parts.get('user', '')}@{host}:{parts.get('port', 5432)}/{parts.get('dbname', '')}"
+
+
+def redact(text: str, dsn: str) -> str:
+    """Remove the password of ``dsn`` from ``text`` wherever it appears."""
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        password = None
+    if password:
+        text = text.replace(str(password), "********")
+    return text
+
+
+def connect(
+    dsn: str,
+    *,
+    role: str = "database",
+    autocommit: bool = False,
+    replication: bool = False,
+    **kwargs: Any,
+) -> psycopg.Connection[Any]:
+    """Open a connection; ``role`` says what it is for in error messages ("source", ...).
+
+    ``replication=True`` opens a ``replication=database`` walsender connection, the only kind
+    that can create a slot with an exported snapshot.
+    """
+    extra: dict[str, Any] = {"application_name": "pgcdc_dagster", **kwargs}
+    if replication:
+        extra["replication"] = "database"
+        autocommit = True
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, **extra)
+    except psycopg.OperationalError as exc:
+        reason = redact(str(exc).strip().splitlines()[-1] if str(exc).strip() else "", dsn)
+        hint = ""
+        if "password authentication failed" in reason or "no password supplied" in reason:
+            hint = ": check the user and password in the connection string's environment variable"
+        raise ConnectError(
+            f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
+        ) from None
+
+
+@contextmanager
+def server_errors(role: str, dsn: str) -> Iterator[None]:
+    """Turn a connection lost mid-step into one line naming the server and what to do.
+
+    Nothing durable is half done when that happens (a range is stored, a transaction applied,
+    or neither), so the fix is always to bring the server back and run the step again.
+    """
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        reason = redact(lines[0] if lines else type(exc).__name__, dsn)
+        raise ServerGoneError(
+            f"lost the connection to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}: check "
+            "that the server is up, then run the catch-up again (nothing is lost: it resumes "
+            "from the output store and the target's replication origin)"
+        ) from exc
+
+
+# -- libpq command-line tools (pg_dump, psql, pgbench) ---------------------------------------
+
+
+def postgres_bindir() -> Path | None:
+    """The PostgreSQL server installation's binaries: ``pg_config --bindir`` if it holds
+    ``initdb``, else the newest ``/usr/lib/postgresql/*/bin`` (Debian keeps them off the PATH).
+    The newest major is preferred: its pg_dump can dump every older server."""
+    candidates: list[Path] = []
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
+        if out.returncode == 0:
+            candidates.append(Path(out.stdout.strip()))
+    versions = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    candidates += [Path(p) for p in versions]
+    for bindir in candidates:
+        if (bindir / "initdb").exists() and (bindir / "pg_ctl").exists():
+            return bindir
+    return None
+
+
+def libpq_tool(name: str) -> str:
+    """``pg_dump``/``pg_restore``/``psql``/``pgbench``: next to the server binaries, else on
+    the PATH."""
+    bindir = postgres_bindir()
+    if bindir is not None and (bindir / name).exists():
+        return str(bindir / name)
+    found = shutil.which(name)
+    if found is None:
+        raise ConnectError(
+            f"{name} not found next to the PostgreSQL server binaries nor on the PATH: "
+            "install the PostgreSQL client (apt-get install postgresql-client-15)"
+        )
+    return found
+
+
+_LIBPQ_ENVIRONMENT = {
+    "host": "PGHOST",
+    "hostaddr": "PGHOSTADDR",
+    "port": "PGPORT",
+    "dbname": "PGDATABASE",
+    "user": "PGUSER",
+    "password": "PGPASSWORD",
+    "passfile": "PGPASSFILE",
+    "service": "PGSERVICE",
+    "options": "PGOPTIONS",
+    "application_name": "PGAPPNAME",
+    "client_encoding": "PGCLIENTENCODING",
+    "connect_timeout": "PGCONNECT_TIMEOUT",
+    "sslmode": "PGSSLMODE",
+    "requiressl": "PGREQUIRESSL",
+    "sslcompression": "PGSSLCOMPRESSION",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcrl": "PGSSLCRL",
+    "sslcrldir": "PGSSLCRLDIR",
+    "sslsni": "PGSSLSNI",
+    "requirepeer": "PGREQUIREPEER",
+    "ssl_min_protocol_version": "PGSSLMINPROTOCOLVERSION",
+    "ssl_max_protocol_version": "PGSSLMAXPROTOCOLVERSION",
+    "gssencmode": "PGGSSENCMODE",
+    "krbsrvname": "PGKRBSRVNAME",
+    "gsslib": "PGGSSLIB",
+    "target_session_attrs": "PGTARGETSESSIONATTRS",
+    "channel_binding": "PGCHANNELBINDING",
+    "require_auth": "PGREQUIREAUTH",
+    "load_balance_hosts": "PGLOADBALANCEHOSTS",
+}
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+
+
+def libpq_tool_environment(dsn: str) -> tuple[dict[str, str], list[str]]:
+    """The environment and the extra arguments that make a libpq tool connect as ``dsn`` does.
+
+    Everything with a ``PG*`` variable goes into the environment; the rare parameter without one
+    (keepalives, say) goes into a ``--dbname`` conninfo, which is safe because no secret lacks a
+    variable except ``sslpassword``, which is refused.
+    """
+    params = {key: str(value) for key, value in conninfo_to_dict(dsn).items() if value is not None}
+    env = {"PGAPPNAME": "pgcdc_dagster"}
+    leftover: dict[str, str] = {}
+    for key, value in params.items():
+        if key in _LIBPQ_ENVIRONMENT:
+            env[_LIBPQ_ENVIRONMENT[key]] = value
+        elif key in _SECRET_PARAMETERS:
+            raise ConnectError(
+                f"connection parameter {key} of {describe_dsn(dsn)} cannot be handed to a libpq "
+                "tool (pg_dump, psql, pgbench) without showing it on its command line: use a "
+                "client key without a passphrase, or a service file (PGSERVICEFILE)"
+            )
+        else:
+            leftover[key] = value
+    if not leftover:
+        return env, []
+    if "dbname" in params:
+        leftover["dbname"] = params["dbname"]
+    return env, [f"--dbname={make_conninfo(**leftover)}"]

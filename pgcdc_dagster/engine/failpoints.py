@@ -1,0 +1,128 @@
+"""Named crash points, armed by one environment variable: free when it is unset.
+
+The failpoint pattern of TiKV and FoundationDB: the engine calls :func:`failpoint` at the
+instructions where a crash matters (between two durable steps), and a test arms one of them::
+
+    PGCDC_FAILPOINT=receive.after_store pgcdc catchup      # SIGKILLed right there
+
+``PGCDC_FAILPOINT`` holds ``name`` or ``name=action``, several separated by ``;``. Actions:
+
+``kill`` (the default)
+    SIGKILL this process: no ``finally``, no ``atexit``, no flush, as an OOM kill or a power cut
+    would leave it (the servers still see the connection drop).
+``kill-group``
+    SIGKILL this process's whole process group (a CLI with its Spark JVM and Python workers).
+``sleep(S)``
+    Pause S seconds, so a test can crash a server under a running step.
+``kill@N`` / ``sleep(S)@N``
+    Only on the N-th time the point is reached in this process (counting from 1).
+
+The variable is read once per process, so an unset variable costs one dictionary lookup per
+call. Every point the engine declares is listed in :data:`POINTS`; arming an unknown name is an
+error, so a renamed point cannot silently stop a crash test from crashing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+from .errors import PgcdcError
+
+ENV = "PGCDC_FAILPOINT"
+
+POINTS: dict[str, str] = {
+    "receive.after_store": "a range is durably stored; the slot is not advanced yet",
+    "receive.fetching": "a range's changes are being read from the slot",
+    "catchup.before_apply": "the slot is advanced past a stored range; nothing applied yet",
+    "apply.in_transaction": "inside the apply transaction, rows written, not committed",
+    "apply.after_commit": "the range and the origin are committed; Dagster has not recorded it",
+    "snapshot.after_marker": "the store says a snapshot is under way; nothing else done",
+    "snapshot.after_slot": "the slot and its exported snapshot exist; nothing copied",
+    "snapshot.copying": "the table copy is under way (rows already on the target)",
+    "snapshot.after_copy": "every row is copied; indexes and keys not built",
+    "snapshot.after_post_data": "indexes and keys built; the origin not set",
+    "snapshot.after_origin": "the origin is at the consistent point; the store not told",
+    "sensor.after_register": "the sensor registered a range partition; no run requested",
+}
+"""Every crash point of the engine and what is durable when it fires."""
+
+
+class FailpointError(PgcdcError, ValueError):
+    """``PGCDC_FAILPOINT`` names a point that does not exist or an unknown action."""
+
+
+@dataclass(frozen=True)
+class _Armed:
+    action: str
+    seconds: float
+    on_hit: int | None
+
+
+_ACTION = re.compile(r"^(kill|kill-group|sleep\((?P<s>[0-9.]+)\))(?:@(?P<n>[0-9]+))?$")
+_armed: dict[str, _Armed] | None = None
+_hits: dict[str, int] = {}
+
+
+def _parse(text: str) -> dict[str, _Armed]:
+    armed: dict[str, _Armed] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, action = item.partition("=")
+        name, action = name.strip(), (action.strip() or "kill")
+        if name not in POINTS:
+            raise FailpointError(
+                f"{ENV}: unknown failpoint {name!r}; known points: {', '.join(sorted(POINTS))}"
+            )
+        match = _ACTION.match(action)
+        if match is None:
+            raise FailpointError(
+                f"{ENV}: unknown action {action!r} for {name}: use kill, kill-group or "
+                "sleep(SECONDS), optionally followed by @N (the N-th hit only)"
+            )
+        seconds = float(match.group("s") or 0)
+        kind = "sleep" if action.startswith("sleep") else match.group(1)
+        hit = match.group("n")
+        armed[name] = _Armed(kind, seconds, int(hit) if hit else None)
+    return armed
+
+
+def failpoint(name: str) -> None:
+    """Crash (or pause) here if ``PGCDC_FAILPOINT`` arms ``name``; otherwise do nothing."""
+    global _armed
+    if _armed is None:
+        _armed = _parse(os.environ.get(ENV, ""))
+    if not _armed:
+        return
+    if name not in POINTS:
+        raise FailpointError(f"failpoint {name!r} is not declared in failpoints.POINTS")
+    armed = _armed.get(name)
+    if armed is None:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if armed.on_hit is not None and _hits[name] != armed.on_hit:
+        return
+    if armed.action == "sleep":
+        time.sleep(armed.seconds)
+    elif armed.action == "kill-group":
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed(name: str) -> bool:
+    """Whether ``name`` is armed: for points that need a watcher (a thread that notices the
+    moment to fire), so the watcher costs nothing when the variable is unset."""
+    global _armed
+    if _armed is None:
+        _armed = _parse(os.environ.get(ENV, ""))
+    return name in _armed
+
+
+def reset() -> None:
+    """Forget the parsed variable and the hit counts (tests that change it in-process)."""
+    global _armed
+    _armed = None
+    _hits.clear()

@@ -1,0 +1,138 @@
+"""The target's replication origin: the one durable record of what the target has applied.
+
+Origin ``pgcdc_<slot>`` is created by the base snapshot at the slot's consistent point and
+advanced only inside the transaction that writes a range's rows (:mod:`.apply`), through the
+session origin: ``pg_replication_origin_session_setup`` before, ``xact_setup(lsn, ts)`` before
+COMMIT. The commit record then carries the new progress, so rows and progress become durable
+together or not at all. Every other module asks this one where the target stands.
+
+Invariants kept here:
+
+- progress moves backwards only through :func:`set_origin`, which only the base snapshot calls
+  (a re-snapshot restarts the chain at a new consistent point);
+- a session that holds the origin excludes every other session from advancing it: two applies
+  of the same origin can never interleave, whatever the orchestration believes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import time
+from typing import Any
+
+import psycopg
+
+from .connect import connect
+from .errors import OriginError
+from .lsn import Lsn
+
+
+def origin_name(slot_name: str) -> str:
+    """The target's replication origin for ``slot_name``."""
+    return f"pgcdc_{slot_name}"
+
+
+def read_progress(conn: psycopg.Connection[Any], name: str) -> Lsn | None:
+    """The origin's durable progress; ``None`` when the origin does not exist.
+
+    :class:`OriginError` when it exists without progress: it was created but never set to the
+    consistent point, so the base snapshot that created it did not finish.
+    """
+    row = conn.execute(
+        "SELECT pg_replication_origin_progress(roname, true)::text "
+        "FROM pg_replication_origin WHERE roname = %s",
+        (name,),
+    ).fetchone()
+    if row is None:
+        return None
+    if row[0] is None:
+        raise OriginError(
+            f"replication origin {name} has no progress: it was created but never set to the "
+            "slot's consistent point, so the base snapshot did not finish; run pgcdc snapshot, "
+            "which redoes it"
+        )
+    return Lsn.parse(row[0])
+
+
+def require_progress(conn: psycopg.Connection[Any], name: str) -> Lsn:
+    """The origin's progress, or :class:`OriginError` naming the fix when it is missing."""
+    progress = read_progress(conn, name)
+    if progress is None:
+        raise OriginError(
+            f"replication origin {name} does not exist on the target: the base snapshot creates "
+            "it at the slot's consistent point; take the base snapshot first "
+            "(pgcdc snapshot, or materialise base_snapshot)"
+        )
+    return progress
+
+
+def progress_of(target_dsn: str, name: str) -> Lsn | None:
+    """:func:`read_progress` on a connection of its own."""
+    with connect(target_dsn, role="target", autocommit=True) as conn:
+        return read_progress(conn, name)
+
+
+def set_origin(target_dsn: str, name: str, consistent_point: Lsn) -> None:
+    """Create the origin if needed and put it at ``consistent_point``: the apply resumes
+    strictly after it. (``pg_replication_origin_advance`` may move backwards, which a
+    re-snapshot relies on.)"""
+    with connect(target_dsn, role="target") as tgt:
+        tgt.execute(
+            "SELECT pg_replication_origin_create(%s) "
+            "WHERE NOT EXISTS (SELECT FROM pg_replication_origin WHERE roname = %s)",
+            (name, name),
+        )
+        tgt.execute(
+            "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (name, str(consistent_point))
+        )
+        tgt.commit()
+
+
+def drop_origin(conn: psycopg.Connection[Any], name: str) -> None:
+    """Drop the origin if it exists (in the caller's transaction)."""
+    conn.execute(
+        "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin WHERE roname = %s",
+        (name,),
+    )
+
+
+def setup_session(conn: psycopg.Connection[Any], name: str, wait_seconds: float) -> None:
+    """Make ``name`` this session's origin, waiting up to ``wait_seconds`` for a killed
+    holder's backend to exit (the server frees the origin only once that backend is gone)."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            conn.execute("SELECT pg_replication_origin_session_setup(%s)", (name,))
+            return
+        except psycopg.errors.ObjectInUse as exc:
+            if time.monotonic() >= deadline:
+                raise OriginError(
+                    f"replication origin {name} is in use ({exc.diag.message_primary}): "
+                    "another apply holds it; wait for it to finish, or terminate that backend "
+                    "if its client is gone"
+                ) from None
+            time.sleep(0.1)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise OriginError(
+                f"cannot apply with replication origin {name}: "
+                f"{exc.diag.message_primary}; connect to the target as a superuser (the apply "
+                "also sets session_replication_role), or GRANT EXECUTE ON FUNCTION "
+                "pg_replication_origin_session_setup(text), "
+                "pg_replication_origin_xact_setup(pg_lsn, timestamptz), "
+                "pg_replication_origin_session_reset() to the apply's role"
+            ) from None
+
+
+def reset_session(conn: psycopg.Connection[Any]) -> None:
+    """Release the session origin. On a broken connection there is nothing to do: the server
+    releases the origin with the backend."""
+    if conn.closed or conn.broken:
+        return
+    with contextlib.suppress(psycopg.Error):
+        conn.execute("SELECT pg_replication_origin_session_reset()")
+
+
+def mark_transaction(conn: psycopg.Connection[Any], lsn: Lsn, commit_time: dt.datetime) -> None:
+    """Inside the apply transaction: its COMMIT moves the session origin to ``lsn``."""
+    conn.execute("SELECT pg_replication_origin_xact_setup(%s::pg_lsn, %s)", (str(lsn), commit_time))

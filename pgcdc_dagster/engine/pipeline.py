@@ -1,0 +1,330 @@
+"""The replication stages as plain functions: snapshot, plan, receive, apply, verify, status.
+
+Like pgcopydb's commands, each stage can run on its own (from an asset, the sensor, the CLI or
+a test) and finds its position in the three durable places that own progress: the source slot
+(what has been stored), the output store (what each range holds, and where the current chain
+of ranges begins), the target's replication origin (what has been applied). Nothing here keeps
+state of its own, and nothing here knows Dagster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from .connect import connect, server_errors
+from .errors import PgcdcError
+from .failpoints import failpoint
+from .identifiers import TableName
+from .lsn import Lsn, LsnRange
+from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
+from .origin import progress_of
+from .range_lock import RangeBusyError, RangeLock
+from .range_lock import range_lock as hold_range_lock
+from .receive import receive
+from .settings import ReplicationSettings
+from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
+from .store import OutputStore, RangeResult, StoredRange
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from .apply import ApplyResult
+    from .snapshot import BaseSnapshotResult
+
+
+T = TypeVar("T")
+SparkProvider = Any
+"""A SparkSession, a callable returning one (started lazily), or ``None`` (in-process only)."""
+
+
+__all__ = ["RangeBusyError", "plan_next_range"]
+
+
+class RangeOrderError(PgcdcError):
+    """A range was asked for out of order: running it would lose or repeat changes."""
+
+
+class CatchUpStalledError(PgcdcError):
+    """A step ran but the durable facts did not move: running it again would loop."""
+
+
+def store_of(settings: ReplicationSettings) -> OutputStore:
+    return OutputStore(settings.store_path)
+
+
+# -- snapshot ---------------------------------------------------------------------------------
+
+
+def take_snapshot(
+    settings: ReplicationSettings,
+    spark: SparkSession | Callable[[], SparkSession],
+    *,
+    resnapshot: bool = False,
+    lock_holder: str | None = None,
+    notify: Callable[[str], None] | None = None,
+) -> BaseSnapshotResult:
+    """Base snapshot, then a new chain of ranges in the store at its consistent point.
+
+    Crash-safe in two records of the store's chain: ``snapshot_in_progress`` is written once
+    the target is known to be safe to fill (the populated-target guard passed) and before
+    anything changes, ``complete`` after the target's origin is set. A snapshot killed anywhere
+    between leaves a chain that catch-up refuses and that the next call finds: it then redoes the
+    snapshot from scratch (drops the slot, truncates the target tables the killed attempt was
+    filling, drops the origin) and says so through ``notify``. The range lock is held
+    throughout, so no catch-up of the slot runs meanwhile.
+    """
+    from .snapshot import take_base_snapshot
+
+    store = store_of(settings)
+    redo = unfinished_snapshot(settings)
+    if redo and notify is not None:
+        notify(redo)
+    with range_lock(settings, lock_holder):
+        result = take_base_snapshot(
+            settings.source_dsn,
+            settings.target_dsn,
+            settings.slot,
+            settings.publication,
+            settings.tables,
+            spark=spark,
+            resnapshot=resnapshot or redo is not None,
+            export_store=settings.store_path if settings.snapshot_parquet else None,
+            begin=lambda: store.begin_snapshot(settings.slot),
+        )
+        store.record_chain(settings.slot, result.consistent_point, result.snapshot_name)
+    return result
+
+
+def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
+    """When an earlier base snapshot of this slot was killed or failed, what the next one
+    will do about it (one line); ``None`` otherwise."""
+    chain = store_of(settings).chain()
+    if chain is None or chain.complete or chain.slot != settings.slot:
+        return None
+    return (
+        f"an earlier base snapshot of slot {settings.slot} (started {chain.started_at}) did not "
+        "finish: dropping its slot and partial copy and taking it again"
+    )
+
+
+# -- positions and planning -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourcePositions:
+    slot: SlotInfo
+    flush_lsn: Lsn
+
+    @property
+    def lag_bytes(self) -> int:
+        confirmed = self.slot.confirmed_flush_lsn or self.flush_lsn
+        return max(0, self.flush_lsn - confirmed)
+
+
+def source_positions(settings: ReplicationSettings, *, timeout_s: int = 5) -> SourcePositions:
+    """The slot and the source's flushed WAL position, bounded in time (the sensor calls it)."""
+    with connect(settings.source_dsn, role="source", connect_timeout=timeout_s) as conn:
+        conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
+        slot = read_slot(conn, settings.slot)
+        flush = current_flush_lsn(conn)
+    return SourcePositions(slot, flush)
+
+
+def check_range_order(store: OutputStore, rng: LsnRange) -> None:
+    """A range may run only right after the last stored range of the chain (or first)."""
+    consistent_point = store.consistent_point()
+    if rng.start < consistent_point:
+        raise RangeOrderError(
+            f"range {rng.key} starts at {rng.start}, before the current base snapshot's "
+            f"consistent point {consistent_point}: it belongs to an earlier snapshot and is kept "
+            "as history only; it is never re-applied"
+        )
+    if store.get(rng) is not None:
+        return  # re-running a stored range: receive and apply are both idempotent
+    expected = store.chain_end()
+    if rng.start != expected:
+        missing = f"{expected} to {rng.start}" if rng.start > expected else f"from {expected}"
+        raise RangeOrderError(
+            f"range {rng.key} cannot run yet: the chain of stored ranges ends at {expected}, "
+            f"so the range {missing} must be received and applied first (ranges run in LSN "
+            "order, each starting where the previous one ended)"
+        )
+
+
+# -- catch-up of one range --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def range_lock(settings: ReplicationSettings, holder: str | None = None) -> Iterator[RangeLock]:
+    """One catch-up per slot at a time, whoever starts it (see :mod:`.range_lock`)."""
+    holder = holder or f"pid {os.getpid()}"
+    with hold_range_lock(settings.target_dsn, settings.slot, holder) as lock:
+        yield lock
+
+
+def receive_range(settings: ReplicationSettings, rng: LsnRange) -> RangeResult:
+    store = store_of(settings)
+    check_range_order(store, rng)
+    with server_errors("source", settings.source_dsn):
+        return receive(
+            settings.source_dsn, settings.slot, settings.publication, store, rng.start, rng.end
+        )
+
+
+def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
+    stored = store_of(settings).get(rng)
+    if stored is None:
+        raise RangeOrderError(
+            f"range {rng.key} is not in the output store {settings.store_path}: receive it "
+            "(materialise decoded_changes for that partition) before applying it"
+        )
+    return stored
+
+
+def apply_stored_range(
+    settings: ReplicationSettings, rng: LsnRange, spark: SparkProvider = None
+) -> ApplyResult:
+    """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
+    returns one) only for ranges large enough to be worth a Spark job."""
+    from .apply import apply_range
+    from .compaction import DEFAULT_SPARK_MIN_CHANGES
+
+    stored = stored_range(settings, rng)
+    session = None
+    if spark is not None and stored.changes >= DEFAULT_SPARK_MIN_CHANGES:
+        session = spark() if callable(spark) else spark
+    with server_errors("target", settings.target_dsn):
+        return apply_range(
+            settings.target_dsn, stored, settings.origin, spark=session, store=store_of(settings)
+        )
+
+
+def origin_progress(settings: ReplicationSettings) -> Lsn | None:
+    """What the target has applied: the replication origin's durable progress."""
+    return progress_of(settings.target_dsn, settings.origin)
+
+
+def replicated_tables(settings: ReplicationSettings) -> list[TableName]:
+    """The tables the publication carries (the source's own answer)."""
+    from .publication import publication_tables
+
+    with connect(settings.source_dsn, role="source", autocommit=True) as conn:
+        return publication_tables(conn, settings.publication)
+
+
+def expected_origin_progress(
+    settings: ReplicationSettings, through: LsnRange | None = None
+) -> Lsn | None:
+    """Where the origin must be once every stored range of the chain (up to and including
+    ``through``, when given) is applied: the last commit stored in them."""
+    store = store_of(settings)
+    chain = store.chain()
+    if chain is None or not chain.complete:
+        return None
+    for rng in reversed(store.chain_ranges()):
+        if through is not None and rng.end > through.end:
+            continue
+        stored = store.get(rng)
+        if stored is not None and stored.transform_lsn is not None:
+            return stored.transform_lsn
+    return store.consistent_point()
+
+
+def resolve_endpos(settings: ReplicationSettings, endpos: str | Lsn) -> Lsn:
+    """``current`` means the source's flushed WAL position now."""
+    if isinstance(endpos, str) and endpos.strip().lower() == "current":
+        with connect(settings.source_dsn, role="source", autocommit=True) as conn:
+            return current_flush_lsn(conn)
+    return Lsn(endpos)
+
+
+# -- the next step and the catch-up loop ------------------------------------------------------
+
+
+def next_step(settings: ReplicationSettings, endpos: Lsn, *, timeout_s: int = 10) -> Step:
+    """What to do next to bring the target to ``endpos`` (see :mod:`.next_step`): read the
+    origin and the slot, then decide with the store's chain."""
+    origin = origin_progress(settings)
+    positions = source_positions(settings, timeout_s=timeout_s)
+    return decide(
+        store_of(settings),
+        origin,
+        positions.slot.confirmed_flush_lsn,
+        endpos,
+        settings.range_max_bytes,
+    )
+
+
+def confirm_stored(settings: ReplicationSettings) -> Lsn | None:
+    """Advance the slot to the last stored range's safe point if it is behind it (a process
+    killed between storing a range and advancing the slot, or a source that crashed and came
+    back with an older slot position). Idempotent; never moves the slot backwards."""
+    last = store_of(settings).last_stored()
+    if last is None:
+        return None
+    with connect(settings.source_dsn, role="source") as conn:
+        confirmed = advance_slot(conn, settings.slot, last.safe_point)
+        conn.commit()
+    return confirmed
+
+
+class RangeDone(NamedTuple):
+    """One range through the pipeline: what the store holds, what the target did with it."""
+
+    received: RangeResult
+    applied: ApplyResult
+
+
+def catch_up(
+    settings: ReplicationSettings,
+    endpos: Lsn,
+    *,
+    run_step: Callable[[ApplyStored | ReceiveNext], T],
+) -> Iterator[T]:
+    """Run step after step until the target has caught up to ``endpos``.
+
+    Each step comes from :func:`next_step` (the durable facts, nothing remembered here) and is
+    carried out by ``run_step``: in this process (:func:`run_step_in_process`) or as a Dagster
+    run of the range. A step that comes back unchanged after running made no progress (its
+    run failed): that stops the loop instead of repeating it for ever.
+    """
+    confirm_stored(settings)
+    previous: Step | None = None
+    while True:
+        step = next_step(settings, endpos)
+        if isinstance(step, CaughtUp):
+            return
+        if step == previous:
+            raise CatchUpStalledError(
+                f"{step.describe()} ran but made no progress: see the failed run or the error "
+                "above, fix its cause and run the catch-up again"
+            )
+        yield run_step(step)
+        previous = step
+
+
+def run_step_in_process(
+    settings: ReplicationSettings, step: ApplyStored | ReceiveNext, spark: SparkProvider = None
+) -> RangeDone:
+    """Carry out one step here: receive the range if it is not stored, then apply it. The
+    caller holds the range lock (a Dagster run holds it for its whole life)."""
+    if isinstance(step, ReceiveNext):
+        received = receive_range(settings, step.range)
+        failpoint("catchup.before_apply")
+    else:
+        received = step.stored.manifest.result
+    return RangeDone(received, apply_stored_range(settings, step.range, spark))
+
+
+def run_range_in_process(
+    settings: ReplicationSettings, rng: LsnRange, spark: Any = None
+) -> tuple[RangeResult, ApplyResult]:
+    """Receive and apply one range here, under the range lock."""
+    with range_lock(settings):
+        received = receive_range(settings, rng)
+        applied = apply_stored_range(settings, rng, spark)
+    return received, applied

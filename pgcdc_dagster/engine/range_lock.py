@@ -1,0 +1,119 @@
+"""The range lock: one catch-up of a slot at a time, whoever starts it, and who is running now.
+
+A session-level advisory lock on the target, taken by whatever receives or applies ranges of a
+slot (a Dagster run holds it for its whole life, the snapshot too) and released by the server
+the moment the holder's connection goes: a process that dies, however it dies, never leaves it
+taken. That makes the lock the one honest answer to "is a catch-up running?": Dagster's run
+records are a view that goes stale when a worker is SIGKILLed, the lock does not.
+
+The holder names itself in its connection's ``application_name`` (``pgcdc lock run <id>``), so
+:func:`lock_holders` can say which run holds it. TCP keepalives are set on the session so the
+server also frees the lock when the holder's machine vanishes (about 25 s), not only when its
+process exits.
+
+The lock is an orchestration aid, not what keeps data correct: two appliers are excluded by
+the replication origin's session (:mod:`.origin`), two receivers by the slot being in use, and
+two writers of one range by the store's atomic rename.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from .connect import connect
+from .errors import PgcdcError
+
+APPLICATION_PREFIX = "pgcdc lock "
+_KEEPALIVES = "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
+
+
+class RangeBusyError(PgcdcError):
+    """Another catch-up of the same slot holds the range lock."""
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """A server session holding the range lock."""
+
+    holder: str
+    """What the holder called itself: ``run <run id>``, or ``pid <pid>`` outside Dagster."""
+    backend_pid: int
+    client_addr: str | None
+
+
+def lock_key(slot: str) -> int:
+    """The advisory lock key of ``slot``: 32 bits, so it reads back from ``pg_locks.objid``."""
+    return zlib.crc32(f"pgcdc:{slot}".encode())
+
+
+class RangeLock:
+    """A held range lock; :meth:`check` tells whether it is still held (the target may have
+    restarted under it, releasing it)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], slot: str, holder: str) -> None:
+        self._conn = conn
+        self.slot = slot
+        self.holder = holder
+
+    def check(self) -> bool:
+        try:
+            self._conn.execute("SELECT 1")
+            return True
+        except psycopg.Error:
+            return False
+
+
+@contextmanager
+def range_lock(target_dsn: str, slot: str, holder: str) -> Iterator[RangeLock]:
+    """Hold the range lock of ``slot`` as ``holder``, or raise :class:`RangeBusyError` naming
+    who holds it. Never waits: a run that cannot run now fails at once and says why."""
+    key = lock_key(slot)
+    conn = connect(
+        target_dsn,
+        role="target",
+        autocommit=True,
+        application_name=(APPLICATION_PREFIX + holder)[:63],
+        options=_KEEPALIVES,
+    )
+    try:
+        (taken,) = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()  # type: ignore[misc]
+        if not taken:
+            others = _holders(conn, key)
+            who = ", ".join(h.holder for h in others) or "a session that just ended"
+            raise RangeBusyError(
+                f"another catch-up of slot {slot} is running ({who}): wait for it to finish "
+                "(pgcdc status shows it); ranges of one slot run one at a time"
+            )
+        yield RangeLock(conn, slot, holder)
+    finally:
+        # Closing the session releases the lock; no unlock round trip needed.
+        conn.close()
+
+
+def lock_holders(target_dsn: str, slot: str) -> list[LockHolder]:
+    """Who holds the range lock of ``slot`` now (at most one session)."""
+    with connect(target_dsn, role="target", autocommit=True, connect_timeout=5) as conn:
+        return _holders(conn, lock_key(slot))
+
+
+def _holders(conn: psycopg.Connection[Any], key: int) -> list[LockHolder]:
+    rows = conn.execute(
+        """
+        SELECT a.application_name, a.pid, a.client_addr::text
+        FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+        WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s::oid
+          AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database
+                                                WHERE datname = current_database())
+        """,
+        (key,),
+    ).fetchall()
+    return [
+        LockHolder(name.removeprefix(APPLICATION_PREFIX), int(pid), addr)
+        for name, pid, addr in rows
+    ]

@@ -1,0 +1,215 @@
+"""Taking the base snapshot: guards, publication, slot with exported snapshot, schema, rows,
+keys, sequences and the target's replication origin, in that order."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors, sql
+
+from ..connect import (
+    connect,
+)
+from ..failpoints import armed, failpoint
+from ..identifiers import TableName
+from ..origin import drop_origin, origin_name, set_origin
+from ..sequences import sync_sequences
+from .common import (
+    DEFAULT_ROWS_PER_TASK,
+    RESOLVE_TABLES,
+    BaseSnapshotResult,
+    CopyFormat,
+    SnapshotError,
+    TargetNotEmptyError,
+)
+from .scheduling import copy_tables
+from .schema import copy_schema_post_data, copy_schema_pre_data
+
+# ─── orchestration ────────────────────────────────────────────────────────────────────────────
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def _populated_tables(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> tuple[list[TableName], list[TableName]]:
+    """The tables of ``tables`` that exist on the target, and those of them holding rows."""
+    rows = conn.execute(
+        RESOLVE_TABLES, ([t.schema for t in tables], [t.name for t in tables])
+    ).fetchall()
+    existing = [TableName(s, n) for s, n, oid, _ in rows if oid is not None]
+    if not existing:
+        return [], []
+    probe = sql.SQL(" UNION ALL ").join(
+        sql.SQL("SELECT {} WHERE EXISTS (SELECT FROM {})").format(sql.Literal(i), t.sql)
+        for i, t in enumerate(existing)
+    )
+    populated = [existing[int(i)] for (i,) in conn.execute(probe).fetchall()]
+    return existing, populated
+
+
+def _reset_target(target_dsn: str, existing: Sequence[TableName], origin: str) -> None:
+    with connect(target_dsn, role="target") as tgt:
+        if existing:
+            try:
+                tgt.execute(
+                    sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(t.sql for t in existing))
+                )
+            except errors.FeatureNotSupported as exc:
+                raise SnapshotError(
+                    f"cannot truncate the target tables for --resnapshot: "
+                    f"{(exc.diag.message_primary or str(exc)).strip()}: other target tables "
+                    "reference them by foreign key; add those tables to the replicated set or "
+                    "drop the foreign keys"
+                ) from None
+        drop_origin(tgt, origin)
+        tgt.commit()
+
+
+def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
+    """Fire the ``snapshot.copying`` failpoint once rows are flowing into the target (a test
+    kills the snapshot in the middle of its copy)."""
+    with connect(target_dsn, role="target", autocommit=True) as conn:
+        while not stop.wait(0.05):
+            (rows,) = conn.execute(  # type: ignore[misc]
+                "SELECT coalesce(sum(tuples_processed), 0) FROM pg_stat_progress_copy "
+                "WHERE datname = current_database() AND command = 'COPY FROM'"
+            ).fetchone()
+            if rows > 0:
+                failpoint("snapshot.copying")
+                return
+
+
+def take_base_snapshot(
+    source_dsn: str,
+    target_dsn: str,
+    slot_name: str,
+    publication: str,
+    tables: Sequence[TableName] | None,
+    *,
+    spark: SparkSession | Callable[[], SparkSession],
+    resnapshot: bool = False,
+    parallelism: int | None = None,
+    target_rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+    copy_format: CopyFormat = "binary",
+    export_store: str | os.PathLike[str] | None = None,
+    sync_sequence_values: bool = True,
+    begin: Callable[[], None] | None = None,
+) -> BaseSnapshotResult:
+    """Take the base snapshot: publication, slot with exported snapshot, schema, rows, keys,
+    and the target's replication origin at the slot's consistent point.
+
+    Refuses to copy into target tables that already hold rows (the copy would duplicate them)
+    unless ``resnapshot``, which first drops the slot, truncates the target tables and drops the
+    origin: a clean restart. If anything fails after the slot was created, the slot is dropped
+    again (it would retain WAL for a snapshot nobody can finish); the target then holds a
+    partial copy, and the next attempt needs ``resnapshot``.
+
+    ``spark`` may be a callable that returns the session: it is called only when the copy
+    starts. ``begin`` is called once the guards passed and before anything changes (the
+    pipeline records there that a snapshot is under way, see :func:`pipeline.take_snapshot`).
+    """
+    from ..preflight import check_source
+    from ..publication import ensure_publication
+    from ..slot import create_slot_with_snapshot, drop_slot
+
+    started = time.perf_counter()
+    origin = origin_name(slot_name)
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        slot_exists = (
+            src.execute(
+                "SELECT FROM pg_replication_slots WHERE slot_name = %s", (slot_name,)
+            ).fetchone()
+            is not None
+        )
+        resolved = check_source(src, tables, free_slots_needed=0 if slot_exists else 1)
+    with connect(target_dsn, role="target", autocommit=True) as tgt:
+        existing, populated = _populated_tables(tgt, resolved)
+    if populated and not resnapshot:
+        names = ", ".join(str(t) for t in populated)
+        raise TargetNotEmptyError(
+            f"target table(s) {names} already hold rows: a base snapshot would duplicate them; "
+            "rerun with --resnapshot to truncate them (and drop the replication slot "
+            f"{slot_name} and origin {origin}) and copy everything again"
+        )
+    if slot_exists and not resnapshot:
+        raise SnapshotError(
+            f"replication slot {slot_name} already exists on the source: it belongs to an "
+            "earlier base snapshot; keep replicating from it, or start over with "
+            "--resnapshot (drops the slot, truncates the target tables)"
+        )
+    if begin is not None:
+        begin()
+    failpoint("snapshot.after_marker")
+    if resnapshot:
+        with connect(source_dsn, role="source", autocommit=True) as src:
+            drop_slot(src, slot_name, missing_ok=True, wait_seconds=15)
+        _reset_target(target_dsn, existing, origin)
+
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        ensure_publication(src, publication, resolved)
+
+    exported = create_slot_with_snapshot(source_dsn, slot_name)
+    slot = exported.slot
+    watch_stop = threading.Event()
+    try:
+        failpoint("snapshot.after_slot")
+        with exported:
+            pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
+            session = spark() if callable(spark) else spark
+            copy_started = time.perf_counter()
+            if armed("snapshot.copying"):
+                threading.Thread(
+                    target=_watch_copy_progress, args=(target_dsn, watch_stop), daemon=True
+                ).start()
+            copies = copy_tables(
+                session,
+                source_dsn,
+                target_dsn,
+                slot.snapshot_name,
+                resolved,
+                parallelism=parallelism,
+                target_rows_per_task=target_rows_per_task,
+                copy_format=copy_format,
+                export_store=export_store,
+                consistent_point=slot.consistent_point,
+            )
+            copy_seconds = time.perf_counter() - copy_started
+            watch_stop.set()
+        failpoint("snapshot.after_copy")
+        post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
+        failpoint("snapshot.after_post_data")
+        sequences = sync_sequences(source_dsn, target_dsn) if sync_sequence_values else {}
+        set_origin(target_dsn, origin, slot.consistent_point)
+        failpoint("snapshot.after_origin")
+    except BaseException:
+        watch_stop.set()
+        exported.close()
+        with (
+            contextlib.suppress(Exception),
+            connect(source_dsn, role="source", autocommit=True) as src,
+        ):
+            drop_slot(src, slot_name, missing_ok=True)
+        raise
+    return BaseSnapshotResult(
+        slot_name=slot.name,
+        snapshot_name=slot.snapshot_name,
+        consistent_point=slot.consistent_point,
+        origin_name=origin,
+        publication=publication,
+        tables=tuple(copies),
+        pre_data=pre_data,
+        post_data=post_data,
+        sequences=sequences,
+        seconds=time.perf_counter() - started,
+        copy_seconds=copy_seconds,
+        export_path=None if export_store is None else str(Path(export_store) / "snapshot"),
+    )

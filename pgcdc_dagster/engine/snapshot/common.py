@@ -1,0 +1,234 @@
+"""What the snapshot's parts share: errors, tasks and results, the snapshot transaction,
+running a libpq tool."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import psycopg
+from psycopg import errors, sql
+
+from ..connect import (
+    ConnectError,
+    describe_dsn,
+    libpq_tool_environment,
+    redact,
+)
+from ..errors import PgcdcError
+from ..identifiers import TableName
+from ..lsn import Lsn
+
+DEFAULT_ROWS_PER_TASK = 500_000
+"""About one to two seconds of COPY per task: big enough that task start-up (two connections, a
+snapshot import) is noise, small enough that a large table spreads over every core."""
+
+CopyFormat = Literal["binary", "text", "csv"]
+SNAPSHOT_MANIFEST = "_SNAPSHOT.json"
+EXPORT_FORMAT_VERSION = 1
+
+
+class SnapshotError(PgcdcError):
+    """The base snapshot could not be taken; the message names the object and the fix."""
+
+
+class TargetNotEmptyError(SnapshotError):
+    """The target already holds rows in tables the base snapshot would copy into."""
+
+
+# ─── results ────────────────────────────────────────────────────────────────────────────────
+
+
+@dataclass(frozen=True)
+class TableRange:
+    """One unit of copy work: the rows of ``source`` whose ctid lies in
+    ``[start_block, end_block)`` (``None`` = unbounded), written into ``table`` on the target.
+
+    ``source`` differs from ``table`` only for a leaf partition of a partitioned ``table``: ctids
+    exist per leaf, and writing through the root lets the target route rows to its own
+    partitions. The last range of a relation is always open-ended, so rows on pages added after
+    planning (by a HOT chain, say) are never missed.
+    """
+
+    table: TableName
+    source: TableName
+    columns: tuple[str, ...]
+    start_block: int | None
+    end_block: int | None
+    estimated_rows: int
+
+
+@dataclass(frozen=True)
+class CopyTask:
+    """What a Spark task needs to copy one :class:`TableRange`: plain, picklable values only.
+
+    The connection strings are excluded from ``repr`` so a task that ends up in a log or a
+    Spark error message does not carry a password with it.
+    """
+
+    range: TableRange
+    source_dsn: str = field(repr=False)
+    target_dsn: str = field(repr=False)
+    snapshot_name: str | None
+    copy_format: CopyFormat = "binary"
+    export_dir: str | None = None
+    """When set, the rows are also written as Parquet into this folder (CSV is then the wire
+    format, teed into the Parquet writer)."""
+    column_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RangeCopyResult:
+    """What one task copied. ``copy_format`` is the format that worked (after any fallback)."""
+
+    table: TableName
+    start_block: int | None
+    rows: int
+    bytes: int
+    seconds: float
+    copy_format: str
+    parquet_file: str | None = None
+
+
+@dataclass(frozen=True)
+class TableCopyResult:
+    """One table's copy: rows and wire bytes summed over its ranges; ``seconds`` is the sum of
+    the task durations (busy time, not wall time: ranges run in parallel)."""
+
+    table: TableName
+    rows: int
+    bytes: int
+    seconds: float
+    tasks: int = 1
+    copy_formats: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SchemaRestoreResult:
+    """What a schema section did on the target, by object identity (``pg_identify_object``)."""
+
+    section: str
+    created: tuple[str, ...]
+    already_present: tuple[str, ...]
+    skipped: tuple[str, ...]
+    """Objects deliberately not created, with the reason (a foreign key to a missing table)."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BaseSnapshotResult:
+    slot_name: str
+    snapshot_name: str
+    consistent_point: Lsn
+    origin_name: str
+    publication: str
+    tables: tuple[TableCopyResult, ...]
+    pre_data: SchemaRestoreResult
+    post_data: SchemaRestoreResult
+    sequences: dict[str, int]
+    seconds: float
+    copy_seconds: float
+    export_path: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+
+def run_tool(argv: Sequence[str], dsn: str, *, role: str, what: str) -> str:
+    """Run a libpq tool against ``dsn``; its stdout, or :class:`SnapshotError` with redacted
+    stderr."""
+    try:
+        env, extra = libpq_tool_environment(dsn)
+    except ConnectError as exc:
+        raise SnapshotError(str(exc)) from None
+    done = subprocess.run(
+        [*argv, *extra],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        message = redact(done.stderr.strip(), dsn) or f"exit status {done.returncode}"
+        raise SnapshotError(f"{what} on the {role} {describe_dsn(dsn)} failed: {message}")
+    return done.stdout
+
+
+def dump_pattern(schema: str, name: str | None = None) -> str:
+    """A pg_dump ``-t``/``-n`` pattern matching exactly this name: inside double quotes the
+    pattern characters ``* ? .`` and regular-expression characters are literal."""
+    parts = [schema] if name is None else [schema, name]
+    return ".".join('"' + part.replace('"', '""') + '"' for part in parts)
+
+
+# ─── snapshot transactions ───────────────────────────────────────────────────────────────────
+
+
+@contextlib.contextmanager
+def snapshot_transaction(
+    conn: psycopg.Connection[Any], snapshot_name: str | None
+) -> Iterator[psycopg.Connection[Any]]:
+    """A REPEATABLE READ READ ONLY transaction that sees ``snapshot_name`` (or, without one, a
+    snapshot of its own). ``SET TRANSACTION SNAPSHOT`` must be the transaction's first statement,
+    which is why this owns the BEGIN."""
+    saved = (conn.isolation_level, conn.read_only)
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    conn.read_only = True
+    try:
+        with conn.transaction():
+            if snapshot_name is not None:
+                try:
+                    conn.execute(
+                        sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name))
+                    )
+                except (errors.UndefinedObject, errors.InvalidParameterValue) as exc:
+                    raise SnapshotError(
+                        f"cannot import snapshot {snapshot_name}: "
+                        f"{(exc.diag.message_primary or str(exc)).strip()}: the exporting "
+                        "replication connection must stay open and idle until every copy "
+                        "connection has imported it; take the base snapshot again"
+                    ) from None
+            yield conn
+    finally:
+        if not conn.closed:  # a failed COPY closes its connection (see _stream_copy_out)
+            conn.isolation_level, conn.read_only = saved
+
+
+RESOLVE_TABLES = """
+SELECT u.schema, u.name, c.oid, c.relkind
+FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS u(schema, name, position)
+LEFT JOIN pg_namespace n ON n.nspname = u.schema
+LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = u.name
+ORDER BY u.position
+"""
+
+
+COLUMNS = """
+SELECT a.attrelid, a.attname, format_type(a.atttypid, a.atttypmod),
+       coalesce(base.typname, t.typname), t.typlen
+FROM pg_attribute a
+JOIN pg_type t ON t.oid = a.atttypid
+LEFT JOIN pg_type base ON base.oid = t.typbasetype  -- a domain is exported as its base type
+WHERE a.attrelid = ANY(%s::oid[]) AND a.attnum > 0 AND NOT a.attisdropped
+  AND a.attgenerated = ''
+ORDER BY a.attrelid, a.attnum
+"""
+
+
+def resolve_oids(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> dict[TableName, int]:
+    rows = conn.execute(
+        RESOLVE_TABLES, ([t.schema for t in tables], [t.name for t in tables])
+    ).fetchall()
+    missing = [str(TableName(s, n)) for s, n, oid, _ in rows if oid is None]
+    if missing:
+        raise SnapshotError(
+            f"table(s) {', '.join(missing)} do not exist on the source: check the table list"
+        )
+    return {TableName(s, n): int(oid) for s, n, oid, _ in rows}

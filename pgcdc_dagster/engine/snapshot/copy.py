@@ -1,0 +1,276 @@
+"""Copy planning and the copy task: tables cut into ctid block ranges, each range streamed
+from ``COPY ... TO STDOUT`` in the exported snapshot into ``COPY ... FROM STDIN`` on the
+target, in one target transaction."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors, pq, sql
+
+from ..connect import (
+    connect,
+)
+from ..identifiers import TableName
+from .common import (
+    COLUMNS,
+    DEFAULT_ROWS_PER_TASK,
+    CopyTask,
+    RangeCopyResult,
+    SnapshotError,
+    TableRange,
+    resolve_oids,
+    snapshot_transaction,
+)
+from .export import write_parquet
+
+# ─── planning ─────────────────────────────────────────────────────────────────────────────────
+
+_RELATIONS = """
+SELECT u.position, leaf.oid, ln.nspname, leaf.relname, leaf.relkind,
+       leaf.relpages, leaf.reltuples,
+       pg_relation_size(leaf.oid) / current_setting('block_size')::bigint,
+       current_setting('block_size')::int
+FROM unnest(%s::oid[]) WITH ORDINALITY AS u(root, position)
+JOIN pg_class root ON root.oid = u.root
+CROSS JOIN LATERAL (
+    SELECT root.oid WHERE root.relkind <> 'p'
+    UNION ALL
+    SELECT t.relid FROM pg_partition_tree(root.oid) t WHERE t.isleaf AND root.relkind = 'p'
+) AS l(oid)
+JOIN pg_class leaf ON leaf.oid = l.oid
+JOIN pg_namespace ln ON ln.oid = leaf.relnamespace
+ORDER BY u.position, leaf.oid
+"""
+
+_ASSUMED_VARLENA_WIDTH = 32
+_TUPLE_OVERHEAD = 24 + 4  # heap tuple header + line pointer
+
+
+def plan_table_ranges(
+    conn: psycopg.Connection[Any],
+    tables: Sequence[TableName],
+    snapshot_name: str | None,
+    target_rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+) -> list[TableRange]:
+    """Cut every table into ctid block ranges of about ``target_rows_per_task`` rows each.
+
+    Rows per block come from the planner statistics (``reltuples / relpages``) and, for a table
+    never analysed, from the column widths; the block count is the relation's current size.
+    Estimates only decide the balance of the tasks, never which rows are copied: the ranges
+    tile ``[0, ∞)`` without gap or overlap, so every row visible in the snapshot is copied once.
+    A partitioned table is planned leaf by leaf. Generated columns are left out of ``columns``
+    (the target computes them). ``conn`` must not be inside a transaction.
+    """
+    if target_rows_per_task < 1:
+        raise ValueError("target_rows_per_task must be at least 1")
+    with snapshot_transaction(conn, snapshot_name):
+        oids = resolve_oids(conn, tables)
+        relations = conn.execute(_RELATIONS, (list(oids.values()),)).fetchall()
+        column_rows = conn.execute(COLUMNS, (list(oids.values()),)).fetchall()
+    columns: dict[int, list[tuple[str, str, str, int]]] = {}
+    for relid, name, type_text, typname, typlen in column_rows:
+        columns.setdefault(int(relid), []).append((name, type_text, typname, int(typlen)))
+    roots = list(oids.items())
+    ranges: list[TableRange] = []
+    for position, _, schema, name, relkind, relpages, reltuples, blocks, block_size in relations:
+        table, root_oid = roots[int(position) - 1]
+        if relkind not in ("r", "m"):
+            raise SnapshotError(
+                f"{TableName(schema, name)} is a relation of kind {relkind!r}, not a table: "
+                "only tables (and partitioned tables) can be copied"
+            )
+        cols = columns.get(root_oid, [])
+        if reltuples > 0 and relpages > 0:
+            rows_per_block = reltuples / relpages
+        else:
+            width = sum(t[3] if t[3] > 0 else _ASSUMED_VARLENA_WIDTH for t in cols)
+            rows_per_block = max(1.0, 0.9 * block_size / (width + _TUPLE_OVERHEAD))
+        estimated = int(blocks * rows_per_block)
+        pieces = min(int(blocks), math.ceil(estimated / target_rows_per_task))
+        source = TableName(schema, name)
+        column_names = tuple(c[0] for c in cols)
+        if pieces <= 1:
+            ranges.append(TableRange(table, source, column_names, None, None, estimated))
+            continue
+        step = math.ceil(blocks / pieces)
+        starts = list(range(0, int(blocks), step))
+        for i, start in enumerate(starts):
+            end = starts[i + 1] if i + 1 < len(starts) else None
+            span = (end if end is not None else blocks) - start
+            ranges.append(
+                TableRange(
+                    table,
+                    source,
+                    column_names,
+                    start if i else None,
+                    end,
+                    int(span * rows_per_block),
+                )
+            )
+    return ranges
+
+
+# ─── the copy task (runs on Spark workers) ──────────────────────────────────────────────────
+
+
+def _select_statement(task: CopyTask, copy_format: str) -> sql.Composed:
+    rng = task.range
+    columns = sql.SQL(", ").join(sql.Identifier(c) for c in rng.columns)
+    conditions: list[sql.Composable] = []
+    if rng.start_block is not None:
+        conditions.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({rng.start_block},0)")))
+    if rng.end_block is not None:
+        conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({rng.end_block},0)")))
+    where = sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
+    return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT {})").format(
+        columns, rng.source.sql, where, sql.SQL(copy_format)
+    )
+
+
+def _insert_statement(task: CopyTask, copy_format: str) -> sql.Composed:
+    rng = task.range
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+        rng.table.sql,
+        sql.SQL(", ").join(sql.Identifier(c) for c in rng.columns),
+        sql.SQL(copy_format),
+    )
+
+
+COPY_BATCH_BYTES = 128 * 1024
+"""How much COPY data is gathered before one write to the target: PostgreSQL sends one message
+per row, and handing each to the target separately costs more than the copy itself."""
+
+
+def _stream_copy_out(
+    conn: psycopg.Connection[Any], statement: sql.Composed, sink: Callable[[bytearray], None]
+) -> int:
+    """Run a ``COPY ... TO STDOUT`` and hand its data to ``sink`` in batches of about
+    :data:`COPY_BATCH_BYTES`; returns the row count the server reports.
+
+    This talks to libpq directly: psycopg's ``Copy`` reads one row message per Python-level
+    call, which made a 1M-row range take 1.5 s where ``psql | psql`` takes 0.63 s; with blocking
+    ``PQgetCopyData`` and batched writes it takes 0.65 s. If anything fails mid-stream the
+    connection is closed, since it is stuck in COPY state and holds nothing worth keeping.
+    """
+    pgconn = conn.pgconn
+    pgconn.send_query(statement.as_bytes(conn))
+    first = pgconn.get_result()
+    if first is None or first.status != pq.ExecStatus.COPY_OUT:
+        while pgconn.get_result() is not None:
+            pass
+        if first is not None and first.status == pq.ExecStatus.FATAL_ERROR:
+            raise errors.error_from_result(first, encoding=conn.info.encoding)
+        raise SnapshotError(f"COPY TO STDOUT did not start a copy: {statement.as_string(conn)}")
+    try:
+        batch = bytearray()
+        while True:
+            size, data = pgconn.get_copy_data(0)
+            if size < 0:
+                break
+            batch += data
+            if len(batch) >= COPY_BATCH_BYTES:
+                sink(batch)
+                batch = bytearray()
+        if batch:
+            sink(batch)
+    except BaseException:
+        conn.close()
+        raise
+    rows = 0
+    while (result := pgconn.get_result()) is not None:
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            raise errors.error_from_result(result, encoding=conn.info.encoding)
+        rows = int(result.command_tuples or 0)
+    return rows
+
+
+def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearray]]:
+    """One attempt at a range: the source's COPY data goes to the target unparsed.
+
+    Both sessions speak UTF8 so that text values cross unchanged whatever the two databases'
+    encodings. The target session commits asynchronously: a crash loses the range, and a crash
+    mid-snapshot means a new snapshot anyway.
+    """
+    kept: list[bytearray] = []
+    nbytes = 0
+    with (
+        connect(task.source_dsn, role="source", client_encoding="UTF8") as src,
+        connect(task.target_dsn, role="target", client_encoding="UTF8") as tgt,
+    ):
+        tgt.execute("SET synchronous_commit = off")
+        with (
+            snapshot_transaction(src, task.snapshot_name),
+            tgt.cursor().copy(_insert_statement(task, copy_format)) as inp,
+        ):
+
+            def forward(batch: bytearray) -> None:
+                nonlocal nbytes
+                inp.write(batch)
+                nbytes += len(batch)
+                if task.export_dir is not None:
+                    kept.append(batch)
+
+            rows = _stream_copy_out(src, _select_statement(task, copy_format), forward)
+        tgt.commit()
+    return rows, nbytes, kept
+
+
+_BINARY_MISMATCH = (
+    errors.UndefinedFunction,  # no binary send/receive function for a type
+    errors.InvalidBinaryRepresentation,  # the target reads fewer bytes than were sent
+    errors.ProtocolViolation,  # ... or more ("insufficient data left in message")
+)
+
+
+def copy_range(task: CopyTask) -> RangeCopyResult:
+    """Copy one range in one target transaction; the function every Spark task runs.
+
+    Binary COPY is tried first (no text conversion on either side); a type without binary
+    input/output functions, or whose binary form the target reads differently, makes the range
+    start over in text format. Nothing is committed on the target unless the whole range is.
+    """
+    started = time.perf_counter()
+    if task.export_dir is not None:
+        attempts: tuple[str, ...] = ("csv",)
+    elif task.copy_format == "binary":
+        attempts = ("binary", "text")
+    else:
+        attempts = (task.copy_format,)
+    rows, nbytes, used = 0, 0, attempts[-1]
+    kept: list[bytearray] = []
+    for attempt, copy_format in enumerate(attempts):
+        try:
+            rows, nbytes, kept = _copy_once(task, copy_format)
+            used = copy_format
+            break
+        except _BINARY_MISMATCH as exc:
+            if attempt + 1 == len(attempts):
+                raise _range_error(task, exc) from None
+        except psycopg.Error as exc:
+            raise _range_error(task, exc) from None
+    parquet_file = None
+    if task.export_dir is not None:
+        parquet_file = write_parquet(task, kept)
+    return RangeCopyResult(
+        table=task.range.table,
+        start_block=task.range.start_block,
+        rows=rows,
+        bytes=nbytes,
+        seconds=time.perf_counter() - started,
+        copy_format=used,
+        parquet_file=parquet_file,
+    )
+
+
+def _range_error(task: CopyTask, exc: psycopg.Error) -> SnapshotError:
+    rng = task.range
+    return SnapshotError(
+        f"copying {rng.source} into {rng.table} (blocks {rng.start_block or 0} to "
+        f"{'the end' if rng.end_block is None else rng.end_block}) failed: "
+        f"{(exc.diag.message_primary or str(exc)).strip()}"
+    )

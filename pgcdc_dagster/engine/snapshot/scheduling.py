@@ -1,0 +1,259 @@
+"""Scheduling the copy tasks on Spark: an RDD on a classic session, a Python UDF over
+``spark.range`` on Spark Connect (which has no ``sparkContext``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import psycopg
+
+from ..connect import (
+    connect,
+    redact,
+)
+from ..identifiers import TableName
+from ..lsn import Lsn
+from .common import (
+    COLUMNS,
+    DEFAULT_ROWS_PER_TASK,
+    CopyFormat,
+    CopyTask,
+    RangeCopyResult,
+    SnapshotError,
+    TableCopyResult,
+    resolve_oids,
+    snapshot_transaction,
+)
+from .copy import copy_range, plan_table_ranges
+from .export import publish_export, snapshot_export_path
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def run_group(group: Sequence[CopyTask]) -> list[RangeCopyResult]:
+    """The tasks Spark gave one partition, one after the other (this is how ``parallelism``
+    bounds the number of simultaneous copies)."""
+    return [copy_range(task) for task in group]
+
+
+def run_group_row(groups: Sequence[Sequence[CopyTask]], index: int) -> list[dict[str, Any]]:
+    """Python-UDF form of :func:`run_group` for Spark Connect sessions (no RDD API there)."""
+    return [
+        {
+            "schema": r.table.schema,
+            "name": r.table.name,
+            "start_block": r.start_block,
+            "rows": r.rows,
+            "bytes": r.bytes,
+            "seconds": r.seconds,
+            "copy_format": r.copy_format,
+            "parquet_file": r.parquet_file,
+        }
+        for r in run_group(groups[index])
+    ]
+
+
+# ─── scheduling on Spark ──────────────────────────────────────────────────────────────────────
+
+
+def _groups(tasks: Sequence[CopyTask], parallelism: int | None) -> list[list[CopyTask]]:
+    """One group per Spark partition, largest tasks first; with ``parallelism`` below the task
+    count, tasks are dealt greedily to the least-loaded of ``parallelism`` groups."""
+    ordered = sorted(tasks, key=lambda t: t.range.estimated_rows, reverse=True)
+    if parallelism is None or parallelism >= len(ordered):
+        return [[t] for t in ordered]
+    groups: list[list[CopyTask]] = [[] for _ in range(max(1, parallelism))]
+    loads = [0] * len(groups)
+    for task in ordered:
+        i = loads.index(min(loads))
+        groups[i].append(task)
+        loads[i] += max(1, task.range.estimated_rows)
+    return groups
+
+
+def _run_on_spark(
+    spark: SparkSession, groups: list[list[CopyTask]], scheduler: str
+) -> list[RangeCopyResult]:
+    from ..spark_session import is_connect_session
+
+    use_rdd = scheduler == "rdd" or (scheduler == "auto" and not is_connect_session(spark))
+    if use_rdd:
+        sc = spark.sparkContext
+        sc.setJobDescription("pgcdc base snapshot: copy table ranges")
+        return list(sc.parallelize(groups, len(groups)).flatMap(run_group).collect())
+    # Spark Connect has no sparkContext: one row per group, each row handled by a
+    # nondeterministic Python UDF (so the optimizer never runs it twice or drops it).
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import (
+        ArrayType,
+        DoubleType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    result_type = ArrayType(
+        StructType(
+            [
+                StructField("schema", StringType()),
+                StructField("name", StringType()),
+                StructField("start_block", LongType()),
+                StructField("rows", LongType()),
+                StructField("bytes", LongType()),
+                StructField("seconds", DoubleType()),
+                StructField("copy_format", StringType()),
+                StructField("parquet_file", StringType()),
+            ]
+        )
+    )
+    with warnings.catch_warnings():
+        # pyspark tries to read a pandas-UDF kind off the type hints; this is a plain UDF.
+        warnings.simplefilter("ignore", UserWarning)
+        run = F.udf(
+            functools.partial(run_group_row, groups), result_type, useArrow=False
+        ).asNondeterministic()
+    frame = spark.range(len(groups), numPartitions=len(groups)).select(run("id").alias("r"))
+    results = []
+    for row in frame.collect():
+        for r in row["r"]:
+            results.append(
+                RangeCopyResult(
+                    table=TableName(r["schema"], r["name"]),
+                    start_block=r["start_block"],
+                    rows=r["rows"],
+                    bytes=r["bytes"],
+                    seconds=r["seconds"],
+                    copy_format=r["copy_format"],
+                    parquet_file=r["parquet_file"],
+                )
+            )
+    return results
+
+
+def _task_failure(exc: BaseException) -> str:
+    """The Python error line of a failed Spark task, without the JVM stack around it."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if "Error:" in ln or "Exception:" in ln]
+    python_lines = [ln for ln in lines if not ln.startswith(("org.", "java.", "at ", "py4j"))]
+    return (python_lines or lines or [text.strip().splitlines()[0] if text.strip() else ""])[-1]
+
+
+def copy_tables(
+    spark: SparkSession,
+    source_dsn: str,
+    target_dsn: str,
+    snapshot_name: str | None,
+    tables: Sequence[TableName],
+    *,
+    parallelism: int | None = None,
+    target_rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+    copy_format: CopyFormat = "binary",
+    export_store: str | os.PathLike[str] | None = None,
+    consistent_point: Lsn | None = None,
+    scheduler: Literal["auto", "rdd", "dataframe"] = "auto",
+) -> list[TableCopyResult]:
+    """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
+
+    Spark runs one task per ctid range (:func:`plan_table_ranges`); ``parallelism`` caps how
+    many run at once (each holds one source and one target connection), otherwise Spark's
+    cores are the cap. The snapshot must stay importable until this returns. ``snapshot_name``
+    ``None`` lets every task read the latest data: consistent per range only, for sources that
+    nobody writes to.
+
+    ``export_store`` also writes each table as Parquet under
+    :func:`snapshot_export_path`, stamped with ``consistent_point`` in ``_SNAPSHOT.json``
+    (written last: a folder without it is incomplete). The copy then uses CSV on the wire so the
+    same bytes feed the target and the Parquet writer; the folder must be reachable by every
+    Spark worker. It is off by default because it is not cheap: measured on 1M rows it added
+    46 % (pgbench_accounts) and 93 % (mixed types) to the copy time, against a 30 % budget.
+
+    ``scheduler``: ``rdd`` (classic sessions), ``dataframe`` (a plain Python UDF over
+    ``spark.range``, one row per group of tasks: the only way on Spark Connect, which has no
+    ``sparkContext``), ``auto`` picks by session kind. Both are tested: the ``dataframe`` path
+    on a classic session and against a local Spark Connect server (``test_spark_connect``).
+    """
+    if export_store is not None and consistent_point is None:
+        raise ValueError("export_store needs the consistent_point to stamp the export with")
+    if not tables:
+        return []
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        ranges = plan_table_ranges(src, tables, snapshot_name, target_rows_per_task)
+        column_types = _column_type_names(src, tables, snapshot_name)
+    staging: Path | None = None
+    if export_store is not None:
+        staging = Path(export_store) / "snapshot" / f".tmp-{uuid.uuid4().hex}"
+        for table in tables:
+            (staging / snapshot_export_path(export_store, table).name).mkdir(parents=True)
+    tasks = [
+        CopyTask(
+            range=rng,
+            source_dsn=source_dsn,
+            target_dsn=target_dsn,
+            snapshot_name=snapshot_name,
+            copy_format=copy_format,
+            export_dir=(
+                None
+                if staging is None or export_store is None
+                else str(staging / snapshot_export_path(export_store, rng.table).name)
+            ),
+            column_types=tuple(column_types[rng.table][c] for c in rng.columns),
+        )
+        for rng in ranges
+    ]
+    try:
+        results = _run_on_spark(spark, _groups(tasks, parallelism), scheduler)
+    except Exception as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, SnapshotError):
+            raise
+        message = redact(redact(_task_failure(exc), source_dsn), target_dsn)
+        raise SnapshotError(f"the table copy failed in a Spark task: {message}") from exc
+    by_table: dict[TableName, list[RangeCopyResult]] = {t: [] for t in tables}
+    for result in results:
+        by_table.setdefault(result.table, []).append(result)
+    summary = [
+        TableCopyResult(
+            table=table,
+            rows=sum(r.rows for r in parts),
+            bytes=sum(r.bytes for r in parts),
+            seconds=sum(r.seconds for r in parts),
+            tasks=len(parts),
+            copy_formats=tuple(sorted({r.copy_format for r in parts})),
+        )
+        for table, parts in by_table.items()
+    ]
+    if staging is not None and export_store is not None and consistent_point is not None:
+        publish_export(
+            export_store,
+            staging,
+            summary,
+            by_table,
+            ranges,
+            column_types,
+            snapshot_name,
+            consistent_point,
+        )
+    return summary
+
+
+def _column_type_names(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName], snapshot_name: str | None
+) -> dict[TableName, dict[str, str]]:
+    with snapshot_transaction(conn, snapshot_name):
+        oids = resolve_oids(conn, tables)
+        rows = conn.execute(COLUMNS, (list(oids.values()),)).fetchall()
+    by_oid = {oid: table for table, oid in oids.items()}
+    types: dict[TableName, dict[str, str]] = {t: {} for t in tables}
+    for relid, name, _, typname, _ in rows:
+        types[by_oid[int(relid)]][name] = typname
+    return types

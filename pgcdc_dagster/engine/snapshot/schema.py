@@ -1,0 +1,385 @@
+"""The schema: pg_dump's table of contents cut to what the tables need and the target lacks.
+
+Pre-data (types, sequences, tables) goes before the copy, post-data (indexes, keys) after it;
+objects already on the target are never replaced."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from ..connect import (
+    connect,
+    libpq_tool,
+)
+from ..identifiers import TableName
+from .common import (
+    RESOLVE_TABLES,
+    SchemaRestoreResult,
+    SnapshotError,
+    dump_pattern,
+    resolve_oids,
+    run_tool,
+    snapshot_transaction,
+)
+
+# ─── schema: dependency closure and filtered pg_dump sections ─────────────────────────────────
+
+_CLOSURE = """
+WITH RECURSIVE closure(classid, objid) AS (
+    SELECT 'pg_class'::regclass::oid, t.oid FROM unnest(%s::oid[]) AS t(oid)
+  UNION
+    SELECT step.classid, step.objid
+    FROM closure c
+    CROSS JOIN LATERAL (
+        -- what an object needs: its schema, types, functions, collations, owning extension,
+        -- and the object it is an internal part of
+        SELECT d.refclassid, d.refobjid FROM pg_depend d
+        WHERE d.classid = c.classid AND d.objid = c.objid AND d.deptype IN ('n', 'i', 'e')
+      UNION ALL
+        -- what belongs to an object: its internal parts (row and array types, identity
+        -- sequences, composite relations) and automatic members (defaults, check constraints,
+        -- owned sequences, indexes, triggers); not foreign keys, which would drag in the tables
+        -- they reference
+        SELECT d.classid, d.objid FROM pg_depend d
+        WHERE d.refclassid = c.classid AND d.refobjid = c.objid
+          AND (d.deptype = 'i'
+               OR (d.deptype = 'a' AND NOT EXISTS (
+                   SELECT 1 FROM pg_constraint fk
+                   WHERE d.classid = 'pg_constraint'::regclass AND fk.oid = d.objid
+                     AND fk.contype = 'f')))
+    ) AS step(classid, objid)
+)
+SELECT c.classid, c.objid,
+       CASE WHEN c.classid = 'pg_namespace'::regclass
+            THEN (SELECT nspname FROM pg_namespace WHERE oid = c.objid) END,
+       CASE WHEN c.classid = 'pg_extension'::regclass
+            THEN (SELECT extname FROM pg_extension WHERE oid = c.objid) END
+FROM closure c
+"""
+
+_ADDRESSES = """
+SELECT o.classid, o.objid, a.type, a.object_names, a.object_args, i.identity
+FROM unnest(%s::oid[], %s::oid[]) AS o(classid, objid)
+CROSS JOIN LATERAL pg_identify_object_as_address(o.classid, o.objid, 0) AS a
+CROSS JOIN LATERAL pg_identify_object(o.classid, o.objid, 0) AS i
+"""
+
+_COMPANION_ENTRIES = """
+SELECT s.oid, 'SEQUENCE OWNED BY ' || n.nspname || ' ' || s.relname || ' '
+              || pg_get_userbyid(s.relowner), d.refobjid
+FROM pg_class s
+JOIN pg_namespace n ON n.oid = s.relnamespace
+JOIN pg_depend d ON d.classid = 'pg_class'::regclass AND d.objid = s.oid
+                 AND d.refclassid = 'pg_class'::regclass AND d.deptype = 'a'
+WHERE s.relkind = 'S' AND s.oid = ANY(%(oids)s::oid[])
+UNION ALL
+SELECT p.oid, 'TABLE ATTACH ' || n.nspname || ' ' || p.relname || ' '
+              || pg_get_userbyid(p.relowner), i.inhparent
+FROM pg_class p
+JOIN pg_namespace n ON n.oid = p.relnamespace
+JOIN pg_inherits i ON i.inhrelid = p.oid
+WHERE p.relispartition AND p.oid = ANY(%(oids)s::oid[])
+"""
+"""TOC entries pg_dump writes without a catalog id, in ``pg_restore --list`` form, for the
+relation they complete (``SEQUENCE OWNED BY``, a partition's ``TABLE ATTACH``), each with the
+relation it ties to (the owning table, the parent)."""
+
+_FOREIGN_KEY_TARGETS = """
+SELECT c.oid, c.confrelid, a.type, a.object_names, a.object_args, i.identity
+FROM pg_constraint c
+CROSS JOIN LATERAL pg_identify_object_as_address('pg_class'::regclass, c.confrelid, 0) AS a
+CROSS JOIN LATERAL pg_identify_object('pg_class'::regclass, c.confrelid, 0) AS i
+WHERE c.contype = 'f' AND c.oid = ANY(%s::oid[])
+"""
+
+_SYSTEM_SCHEMAS = frozenset({"pg_catalog", "pg_toast", "information_schema"})
+_TOC_LINE = re.compile(r"^(\d+); (\d+) (\d+) (.*)$")
+
+
+@dataclass(frozen=True)
+class _TocEntry:
+    line: str
+    classid: int
+    objid: int
+    rest: str
+    """Description, schema, name and owner, separated by spaces (ambiguous when names hold
+    spaces: only ever compared against a string built the same way)."""
+
+
+@dataclass(frozen=True)
+class _Address:
+    type: str
+    names: list[str]
+    args: list[str]
+    identity: str
+
+
+def _read_toc(archive: Path, dsn: str) -> list[_TocEntry]:
+    listing = run_tool(
+        [libpq_tool("pg_restore"), "--list", str(archive)],
+        dsn,
+        role="source",
+        what="pg_restore --list",
+    )
+    entries = []
+    for line in listing.splitlines():
+        match = _TOC_LINE.match(line)
+        if match:
+            dump_id, classid, objid, rest = match.groups()
+            del dump_id
+            entries.append(_TocEntry(line, int(classid), int(objid), rest))
+    return entries
+
+
+def _addresses(
+    conn: psycopg.Connection[Any], objects: Iterable[tuple[int, int]]
+) -> dict[tuple[int, int], _Address]:
+    keys = sorted(set(objects))
+    rows = conn.execute(_ADDRESSES, ([k[0] for k in keys], [k[1] for k in keys])).fetchall()
+    return {
+        (int(c), int(o)): _Address(t, list(names or []), list(args or []), identity)
+        for c, o, t, names, args, identity in rows
+    }
+
+
+def _present_on_target(conn: psycopg.Connection[Any], address: _Address) -> bool:
+    """Whether the target has an object at the same address (same kind, same qualified name and
+    argument types). Each probe runs in its own (sub)transaction: a missing object is an
+    error, which must not abort the others."""
+    try:
+        with conn.transaction():
+            conn.execute(
+                "SELECT pg_get_object_address(%s, %s::text[], %s::text[])",
+                (address.type, address.names, address.args),
+            )
+    except psycopg.Error as exc:
+        state = exc.sqlstate or ""
+        if state.startswith("42") or state == "3F000":  # undefined object / schema, bad name
+            return False
+        raise
+    return True
+
+
+def _dump_archive(
+    source_dsn: str, archive: Path, section: str, snapshot_name: str | None, selection: list[str]
+) -> None:
+    argv = [
+        libpq_tool("pg_dump"),
+        "--format=custom",
+        "--schema-only",
+        f"--section={section}",
+        "--no-owner",
+        "--no-privileges",
+        "--no-publications",
+        "--no-subscriptions",
+        "--no-tablespaces",
+        "--no-security-labels",
+        "--no-comments",
+        f"--file={archive}",
+        *selection,
+    ]
+    if snapshot_name is not None:
+        argv.append(f"--snapshot={snapshot_name}")
+    run_tool(argv, source_dsn, role="source", what=f"pg_dump --section={section}")
+
+
+def _restore_entries(
+    archive: Path, entries: Sequence[_TocEntry], source_dsn: str, target_dsn: str
+) -> None:
+    """Replay ``entries`` of ``archive`` on the target in one transaction (psql, because
+    pg_restore's scripts may hold psql meta-commands such as ``\\restrict``)."""
+    if not entries:
+        return
+    listfile = archive.with_suffix(".list")
+    listfile.write_text("".join(entry.line + "\n" for entry in entries))
+    script = archive.with_suffix(".sql")
+    run_tool(
+        [
+            libpq_tool("pg_restore"),
+            f"--use-list={listfile}",
+            "--no-owner",
+            "--no-privileges",
+            "--no-tablespaces",
+            "--no-security-labels",
+            "--no-comments",
+            "--no-publications",
+            "--no-subscriptions",
+            f"--file={script}",
+            str(archive),
+        ],
+        source_dsn,
+        role="source",
+        what="pg_restore",
+    )
+    run_tool(
+        [
+            libpq_tool("psql"),
+            "--no-psqlrc",
+            "--quiet",
+            "--set=ON_ERROR_STOP=1",
+            "--single-transaction",
+            f"--file={script}",
+        ],
+        target_dsn,
+        role="target",
+        what="psql (restoring the schema)",
+    )
+
+
+def copy_schema_pre_data(
+    source_dsn: str,
+    target_dsn: str,
+    tables: Sequence[TableName],
+    snapshot_name: str | None,
+) -> SchemaRestoreResult:
+    """Create on the target what the tables need before their rows arrive: schemas, types,
+    functions, sequences and the tables themselves (with defaults and check constraints, not
+    indexes or keys). Reads the source as of ``snapshot_name`` when given.
+
+    Only the dependency closure of ``tables`` is created (see the module docstring), and only
+    what the target lacks; a table that already exists is left exactly as it is.
+    """
+    started = time.perf_counter()
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+    ):
+        oids = resolve_oids(src, tables)
+        closure_rows = src.execute(_CLOSURE, (list(oids.values()),)).fetchall()
+        closure = {(int(c), int(o)) for c, o, _, _ in closure_rows}
+        schemas = sorted({s for _, _, s, _ in closure_rows if s} - _SYSTEM_SCHEMAS)
+        extensions = sorted({e for _, _, _, e in closure_rows if e} - {"plpgsql"})
+        companion_rows = src.execute(
+            _COMPANION_ENTRIES, {"oids": [o for c, o in closure if c == _PG_CLASS]}
+        ).fetchall()
+        with tempfile.TemporaryDirectory(prefix="pgcdc-predata-") as tmp:
+            archive = Path(tmp) / "pre-data.dump"
+            selection = [f"--schema={dump_pattern(s)}" for s in schemas]
+            selection += [f"--extension={dump_pattern(e)}" for e in extensions]
+            _dump_archive(source_dsn, archive, "pre-data", snapshot_name, selection)
+            toc = _read_toc(archive, source_dsn)
+            wanted = [e for e in toc if (e.classid, e.objid) in closure]
+            addresses = _addresses(src, [(e.classid, e.objid) for e in wanted])
+            with connect(target_dsn, role="target", autocommit=True) as tgt:
+                created, present = _split_by_presence(tgt, wanted, addresses)
+            kept_ids = {(e.classid, e.objid) for e in created}
+            companions = {
+                rest
+                for oid, rest, tied_to in companion_rows
+                if (_PG_CLASS, int(oid)) in kept_ids and (_PG_CLASS, int(tied_to)) in closure
+            }
+            selected = [
+                e
+                for e in toc
+                if (e.classid, e.objid) in kept_ids or (e.classid == 0 and e.rest in companions)
+            ]
+            _restore_entries(archive, selected, source_dsn, target_dsn)
+    return SchemaRestoreResult(
+        section="pre-data",
+        created=tuple(_identity(addresses, e) for e in created),
+        already_present=tuple(_identity(addresses, e) for e in present),
+        skipped=(),
+        seconds=time.perf_counter() - started,
+    )
+
+
+_PG_CLASS = 1259  # the catalogs' own oids, fixed by initdb
+_PG_CONSTRAINT = 2606
+
+
+def _identity(addresses: dict[tuple[int, int], _Address], entry: _TocEntry) -> str:
+    address = addresses.get((entry.classid, entry.objid))
+    return address.identity if address is not None else entry.rest
+
+
+def _split_by_presence(
+    tgt: psycopg.Connection[Any],
+    entries: Sequence[_TocEntry],
+    addresses: dict[tuple[int, int], _Address],
+) -> tuple[list[_TocEntry], list[_TocEntry]]:
+    missing, present = [], []
+    for entry in entries:
+        address = addresses.get((entry.classid, entry.objid))
+        if address is not None and _present_on_target(tgt, address):
+            present.append(entry)
+        else:
+            missing.append(entry)
+    return missing, present
+
+
+def copy_schema_post_data(
+    source_dsn: str,
+    target_dsn: str,
+    tables: Sequence[TableName],
+    snapshot_name: str | None = None,
+) -> SchemaRestoreResult:
+    """Create the tables' indexes, primary/unique/exclusion keys, foreign keys, triggers, rules
+    and policies on the target, once the rows are in (building an index once is far cheaper than
+    maintaining it row by row).
+
+    What already exists on the target is kept. A foreign key is created only when the table it
+    references exists on the target; otherwise it is listed in ``skipped``. Trigger functions
+    were created by pre-data (they are in the tables' dependency closure).
+    """
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pgcdc-postdata-") as tmp:
+        archive = Path(tmp) / "post-data.dump"
+        selection = [
+            "--strict-names",
+            *(f"--table={dump_pattern(t.schema, t.name)}" for t in tables),
+        ]
+        _dump_archive(source_dsn, archive, "post-data", snapshot_name, selection)
+        toc = [e for e in _read_toc(archive, source_dsn) if e.classid != 0]
+        with (
+            connect(source_dsn, role="source", autocommit=True) as src,
+            snapshot_transaction(src, snapshot_name),
+            connect(target_dsn, role="target", autocommit=True) as tgt,
+        ):
+            existing = {
+                TableName(s, n)
+                for s, n, oid, _ in tgt.execute(
+                    RESOLVE_TABLES, ([t.schema for t in tables], [t.name for t in tables])
+                ).fetchall()
+                if oid is not None
+            }
+            absent = [str(t) for t in tables if t not in existing]
+            if absent:
+                raise SnapshotError(
+                    f"table(s) {', '.join(absent)} do not exist on the target, so their indexes "
+                    "and keys cannot be created: run copy_schema_pre_data for them first"
+                )
+            addresses = _addresses(src, [(e.classid, e.objid) for e in toc])
+            references = {
+                int(oid): _Address(t, list(n or []), list(a or []), identity)
+                for oid, _, t, n, a, identity in src.execute(
+                    _FOREIGN_KEY_TARGETS, ([e.objid for e in toc if e.classid == _PG_CONSTRAINT],)
+                ).fetchall()
+            }
+            missing, present = _split_by_presence(tgt, toc, addresses)
+            selected, skipped = [], []
+            for entry in missing:
+                referenced = references.get(entry.objid)
+                if referenced is not None and not _present_on_target(tgt, referenced):
+                    identity = _identity(addresses, entry)
+                    skipped.append(
+                        f"{identity}: references {referenced.identity}, which is not on the "
+                        "target (add it to the replicated tables to keep the foreign key)"
+                    )
+                else:
+                    selected.append(entry)
+        _restore_entries(archive, selected, source_dsn, target_dsn)
+    return SchemaRestoreResult(
+        section="post-data",
+        created=tuple(_identity(addresses, e) for e in selected),
+        already_present=tuple(_identity(addresses, e) for e in present),
+        skipped=tuple(skipped),
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,115 @@
+"""The one place that builds the SparkSession the engine schedules its work on.
+
+Spark is the scheduler of the bulk work (the base snapshot's table copy, and later the transforms),
+not a data path of its own: tasks are plain Python functions that talk to PostgreSQL directly.
+What must hold for that to work:
+
+- the Python workers run the interpreter of this process (``PYSPARK_PYTHON``), or they cannot
+  import ``pgcdc_dagster`` and ``psycopg``; Spark's own default is whatever ``python3`` is on the
+  PATH, which on this kind of machine is a different interpreter. This is set only for ``local``
+  masters: on a real cluster the workers' interpreter is the cluster's business;
+- Spark binds loopback (``SPARK_LOCAL_IP``) unless told otherwise, so a laptop or CI box with odd
+  interfaces neither warns nor exposes ports;
+- one process uses one session: ``getOrCreate`` hands back the running session, so a second call
+  with other arguments does **not** change its master (stop the session first to switch).
+
+The master comes from the argument (the settings' ``spark_master``), else ``local[*]``. A Spark
+Connect URL (``sc://host:port``, the settings' ``spark_remote``) wins over a master:
+a Connect session attaches in under a second to a running server, but has no ``sparkContext``
+(callers that need RDDs must check :func:`is_connect_session`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+DEFAULT_MASTER = "local[*]"
+LOCAL_SHUFFLE_PARTITIONS = 4
+"""Spark's default of 200 shuffle partitions makes every small local job pay 200 empty tasks."""
+
+
+def get_spark(
+    master: str | None = None,
+    remote: str | None = None,
+    app_name: str = "pgcdc_dagster",
+) -> SparkSession:
+    """The process's SparkSession: created on first call, reused afterwards."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if remote:
+        return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+
+    master = master or DEFAULT_MASTER
+    builder = (
+        SparkSession.builder.master(master)
+        .appName(app_name)
+        .config("spark.log.level", "WARN")
+        # A copy task may run for minutes and must never be duplicated behind our back.
+        .config("spark.speculation", "false")
+    )
+    if master.startswith("local"):
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+        builder = (
+            builder.config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", str(LOCAL_SHUFFLE_PARTITIONS))
+            .config("spark.default.parallelism", str(_local_cores(master)))
+            .config("spark.driver.host", os.environ["SPARK_LOCAL_IP"])
+            .config("spark.driver.bindAddress", os.environ["SPARK_LOCAL_IP"])
+        )
+    with _jvm_output_to(Path(tempfile.gettempdir()) / f"pgcdc-spark-{os.getpid()}.log"):
+        session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("WARN")
+    return session
+
+
+@contextlib.contextmanager
+def _jvm_output_to(log: Path) -> Iterator[None]:
+    """Send the output of the JVM started meanwhile to ``log``, not to our terminal.
+
+    The JVM inherits this process's stdout and stderr when it is launched; its start-up banner
+    and log lines would otherwise interleave with the one line a command prints. File
+    descriptors 1 and 2 point at ``log`` while the session is built (the JVM keeps them), and
+    are restored afterwards for this process.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log, "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def is_connect_session(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect client (no ``sparkContext``, no RDDs).
+
+    Tested by module name so that the check works without the Connect extras installed.
+    """
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _local_cores(master: str) -> int:
+    """The worker threads of a ``local``, ``local[N]``, ``local[*]`` or ``local[N,F]`` master."""
+    inner = master[len("local") :].strip("[]").split(",")[0]
+    if inner == "":
+        return 1
+    if inner == "*":
+        return os.cpu_count() or 1
+    try:
+        return max(1, int(inner))
+    except ValueError:
+        return os.cpu_count() or 1

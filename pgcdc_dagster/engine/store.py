@@ -1,0 +1,449 @@
+"""The decoded output store: one Parquet folder per LSN-range partition, plus its manifest.
+
+Layout under the store root::
+
+    changes/<range key>/part-00000.parquet ...   one row per change, commit order
+    changes/<range key>/_RANGE.json              the manifest: watermarks, counts, relations
+
+    _CHAIN.json                                  where the current chain of ranges begins
+
+The manifest is the store's single source of truth for "what each LSN range holds"; a range
+exists exactly when its folder (with manifest) exists. A range is written into a hidden
+temporary folder, fsynced, and renamed into place in one step, so a crash leaves either no
+range or a complete one: never a half partition that looks complete. Readers ignore hidden
+folders, and a writer sweeps stale ones of its own range before it starts.
+
+Row values are positional lists of the text the server sent (``new_row``, ``key``); the column
+names, types and key flags of each list live in the manifest's ``relations``, indexed by the
+row's ``relation_version``. That keeps a range self-describing across DDL (a Relation message
+re-sent mid-range becomes a new version) without repeating names in every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import PgcdcError
+from .lsn import Lsn, LsnRange
+
+MANIFEST = "_RANGE.json"
+CHAIN = "_CHAIN.json"
+FORMAT_VERSION = 1
+
+CHANGE_SCHEMA = pa.schema(
+    [
+        pa.field("commit_end_lsn", pa.int64(), nullable=False),
+        pa.field("commit_lsn", pa.int64(), nullable=False),
+        pa.field("lsn", pa.int64(), nullable=False),
+        pa.field("xid", pa.int64(), nullable=False),
+        pa.field("commit_ts", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("seq", pa.int32(), nullable=False),
+        pa.field("action", pa.string(), nullable=False),
+        pa.field("schema_name", pa.string(), nullable=False),
+        pa.field("table_name", pa.string(), nullable=False),
+        pa.field("relation_version", pa.int32(), nullable=False),
+        pa.field("key", pa.list_(pa.string())),
+        pa.field("new_row", pa.list_(pa.string())),
+        pa.field("unchanged_toast", pa.list_(pa.string())),
+        pa.field("flags", pa.int8(), nullable=False),
+    ]
+)
+"""One row per change.
+
+``action`` is ``I``/``U``/``D``/``T``. ``key`` holds the replica-identity values that find the
+row *before* the change (from the old tuple when one was sent, else from the new row): the key
+columns, or every column under REPLICA IDENTITY FULL. ``new_row`` is the row after the change
+(NULL for deletes and truncates). ``unchanged_toast`` names the columns whose value was not
+sent because it did not change. ``flags`` carries TRUNCATE's CASCADE (1) / RESTART IDENTITY (2).
+"""
+_PARTITIONING_HINT = "changes/<range key>/part-*.parquet"
+
+
+class StoreError(PgcdcError):
+    """The output store is missing, unreadable or inconsistent."""
+
+
+class EndposOutcome(StrEnum):
+    """Where a range's endpos fell relative to the transactions around it."""
+
+    AT_COMMIT_BOUNDARY = "at_commit_boundary"
+    BETWEEN_TRANSACTIONS = "between_transactions"
+    MID_TRANSACTION = "mid_transaction"
+    """A transaction began before endpos and commits after it: deferred, whole, to the next
+    range."""
+    EMPTY = "empty"
+    """No transaction of the range committed: nothing to apply."""
+
+
+@dataclass
+class RangeResult:
+    """Watermarks and counts of one received range: the manifest's ``result``."""
+
+    range_key: str
+    start_lsn: str
+    endpos: str
+    endpos_outcome: EndposOutcome
+    transform_lsn: str | None
+    """End of the last stored COMMIT; ``None`` when the range stored no transaction."""
+    safe_point: str
+    """Where the slot's confirmed position may be advanced once the range is stored."""
+    last_xid: int | None
+    last_commit_ts_us: int | None
+    transactions: int
+    changes: int
+    inserts: int = 0
+    updates: int = 0
+    deletes: int = 0
+    truncates: int = 0
+    messages: int = 0
+    straddlers: list[dict[str, int]] = field(default_factory=list)
+    bytes: int = 0
+    """Parquet bytes in the store."""
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    already_stored: bool = False
+    """Set on the result handed back when the range was found stored (never written)."""
+
+
+@dataclass(frozen=True)
+class RangeManifest:
+    """What a stored range holds (``_RANGE.json``): its result, and the relation versions and
+    type names its positional row values are read with."""
+
+    result: RangeResult
+    relations: list[dict[str, Any]]
+    """Per ``relation_version``: relid, schema, table, replica_identity and columns (name,
+    type_oid, typmod, key), as pgoutput's Relation message sent them."""
+    types: dict[str, str]
+    """Names of the non-built-in type oids the relations use."""
+    bytes: int = 0
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        result = {k: v for k, v in dataclasses.asdict(self.result).items() if k != "already_stored"}
+        return json.dumps(
+            {
+                "result": result,
+                "relations": self.relations,
+                "types": self.types,
+                "bytes": self.bytes,
+                "format_version": self.format_version,
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> RangeManifest:
+        raw = json.loads(text)
+        known = {f.name for f in dataclasses.fields(RangeResult)}
+        fields = {k: v for k, v in raw.get("result", {}).items() if k in known}
+        fields["endpos_outcome"] = EndposOutcome(fields.get("endpos_outcome", "empty"))
+        fields["bytes"] = raw.get("bytes", fields.get("bytes", 0))
+        return cls(
+            result=RangeResult(**fields),
+            relations=list(raw.get("relations", [])),
+            types=dict(raw.get("types", {})),
+            bytes=int(raw.get("bytes", 0)),
+            format_version=int(raw.get("format_version", FORMAT_VERSION)),
+        )
+
+
+SNAPSHOT_IN_PROGRESS = "snapshot_in_progress"
+CHAIN_COMPLETE = "complete"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Where the current base snapshot's ranges begin, or that a snapshot is under way.
+
+    The base snapshot writes ``snapshot_in_progress`` before it touches the slot or the target
+    and ``complete`` (with the consistent point) as its very last step: a snapshot killed at any
+    point in between leaves a chain that catch-up refuses and the next snapshot redoes.
+    """
+
+    slot: str
+    state: str
+    consistent_point: Lsn | None = None
+    snapshot: str | None = None
+    started_at: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.state == CHAIN_COMPLETE and self.consistent_point is not None
+
+
+@dataclass(frozen=True)
+class StoredRange:
+    range: LsnRange
+    path: Path
+    manifest: RangeManifest
+
+    @property
+    def transform_lsn(self) -> Lsn | None:
+        """End of the range's last COMMIT; ``None`` when it holds no transaction."""
+        value = self.manifest.result.transform_lsn
+        return None if value is None else Lsn.parse(value)
+
+    @property
+    def safe_point(self) -> Lsn:
+        """Where the slot may be confirmed once this range is stored."""
+        return Lsn.parse(self.manifest.result.safe_point)
+
+    @property
+    def changes(self) -> int:
+        return self.manifest.result.changes
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted(self.path.glob("part-*.parquet"))
+
+    def read_table(self) -> pa.Table:
+        files = self.files
+        if not files:
+            return CHANGE_SCHEMA.empty_table()
+        return pa.concat_tables([pq.read_table(f, schema=CHANGE_SCHEMA) for f in files])
+
+
+class OutputStore:
+    """A local-filesystem output store rooted at ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.changes_dir = self.root / "changes"
+        self._listing: tuple[int, list[LsnRange]] | None = None
+        self._manifests: dict[LsnRange, StoredRange] = {}
+
+    def range_path(self, rng: LsnRange) -> Path:
+        return self.changes_dir / rng.key
+
+    def get(self, rng: LsnRange) -> StoredRange | None:
+        """The stored range, or ``None``. A stored range never changes, so it is read once."""
+        cached = self._manifests.get(rng)
+        if cached is not None:
+            return cached
+        path = self.range_path(rng)
+        try:
+            manifest = RangeManifest.from_json((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            return None
+        stored = StoredRange(rng, path, manifest)
+        self._manifests[rng] = stored
+        return stored
+
+    def ranges(self) -> list[LsnRange]:
+        """Every stored range, in LSN order.
+
+        A folder appears only by an atomic rename of a complete one, so a listing is the truth;
+        it is reused while the folder's mtime is unchanged and more than a second old (an
+        mtime is coarser than the time between two renames: a fresh one may hide a second).
+        """
+        try:
+            stat = self.changes_dir.stat()
+        except FileNotFoundError:
+            return []
+        if (
+            self._listing is not None
+            and self._listing[0] == stat.st_mtime_ns
+            and time.time_ns() - stat.st_mtime_ns > 1_000_000_000
+        ):
+            return list(self._listing[1])
+        with os.scandir(self.changes_dir) as entries:
+            keys = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
+        ranges = [LsnRange.from_key(k) for k in keys]
+        self._listing = (stat.st_mtime_ns, ranges)
+        return list(ranges)
+
+    def range_ending_at(self, end: Lsn) -> StoredRange | None:
+        for rng in reversed(self.ranges()):
+            if rng.end == end:
+                return self.get(rng)
+            if rng.end < end:
+                break
+        return None
+
+    def writer(self, rng: LsnRange) -> RangeWriter:
+        return RangeWriter(self, rng)
+
+    # -- the chain: where the current base snapshot's ranges begin ---------------------------
+
+    def begin_snapshot(self, slot: str) -> None:
+        """Record, durably, that a base snapshot of ``slot`` is under way: from here until
+        :meth:`record_chain`, catch-up refuses to run and the next snapshot redoes this one."""
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
+
+    def record_chain(self, slot: str, consistent_point: Lsn, snapshot_name: str) -> None:
+        """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
+        last step, after the target's origin is set.
+
+        Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
+        new consistent point, since a new slot starts at the WAL position of its creation.
+        """
+        self._write_chain(
+            {
+                "slot": slot,
+                "state": CHAIN_COMPLETE,
+                "consistent_point": str(consistent_point),
+                "snapshot": snapshot_name,
+            }
+        )
+
+    def _write_chain(self, chain: dict[str, str]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".{CHAIN}.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(chain, indent=1, sort_keys=True))
+        _fsync_path(tmp)
+        os.replace(tmp, self.root / CHAIN)
+        _fsync_path(self.root)
+
+    def chain(self) -> Chain | None:
+        try:
+            raw = json.loads((self.root / CHAIN).read_text())
+        except FileNotFoundError:
+            return None
+        point = raw.get("consistent_point")
+        return Chain(
+            slot=raw["slot"],
+            # Chains written before snapshots recorded their state were always complete.
+            state=raw.get("state", CHAIN_COMPLETE),
+            consistent_point=None if point is None else Lsn.parse(point),
+            snapshot=raw.get("snapshot"),
+            started_at=raw.get("started_at"),
+        )
+
+    def consistent_point(self) -> Lsn:
+        """The current chain's start; :class:`StoreError` naming the fix when there is no
+        complete base snapshot."""
+        chain = self.chain()
+        if chain is None:
+            raise StoreError(
+                f"no base snapshot recorded in the output store {self.root}: take one first "
+                "(pgcdc snapshot, or materialise base_snapshot)"
+            )
+        if not chain.complete or chain.consistent_point is None:
+            raise StoreError(
+                f"the base snapshot of slot {chain.slot} started at {chain.started_at} did not "
+                "finish (the process was killed or failed): run pgcdc snapshot, which redoes it"
+            )
+        return chain.consistent_point
+
+    def chain_end(self) -> Lsn:
+        """Where the next range of the current chain starts: the end of its last stored range,
+        or the consistent point when none is stored yet."""
+        chain = self.chain_ranges()
+        return chain[-1].end if chain else self.consistent_point()
+
+    def last_stored(self) -> StoredRange | None:
+        """The last stored range of the current chain."""
+        chain = self.chain_ranges()
+        return self.get(chain[-1]) if chain else None
+
+    def chain_ranges(self) -> list[LsnRange]:
+        """Stored ranges of the current chain, in LSN order."""
+        start = self.consistent_point()
+        return [r for r in self.ranges() if r.start >= start]
+
+
+class RangeWriter:
+    """Writes one range's Parquet files into a temporary folder and publishes it atomically."""
+
+    def __init__(self, store: OutputStore, rng: LsnRange, row_group_rows: int = 131_072) -> None:
+        self.store = store
+        self.range = rng
+        self.row_group_rows = row_group_rows
+        store.changes_dir.mkdir(parents=True, exist_ok=True)
+        for stale in store.changes_dir.glob(f".tmp-{rng.key}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self.tmp = store.changes_dir / f".tmp-{rng.key}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir()
+        self._writer: pq.ParquetWriter | None = None
+        self.rows = 0
+        self._spill_seq = 0
+
+    def write(self, batch: pa.RecordBatch | pa.Table) -> None:
+        if batch.num_rows == 0:
+            return
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(
+                self.tmp / "part-00000.parquet",
+                CHANGE_SCHEMA,
+                compression="zstd",
+                compression_level=1,
+                use_dictionary=["action", "schema_name", "table_name"],
+                write_statistics=["commit_end_lsn", "lsn", "relation_version"],
+            )
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+        self._writer.write_table(table, row_group_size=self.row_group_rows)
+        self.rows += batch.num_rows
+
+    def spill_path(self) -> Path:
+        """A scratch file inside the temporary folder, gone with it."""
+        self._spill_seq += 1
+        return self.tmp / f".spill-{self._spill_seq:05d}.arrow"
+
+    def commit(self, manifest: RangeManifest) -> StoredRange:
+        """Close the files, write the manifest, fsync everything, rename into place."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        for spill in self.tmp.glob(".spill-*"):
+            spill.unlink()
+        parquet_bytes = sum(f.stat().st_size for f in self.tmp.glob("part-*.parquet"))
+        result = dataclasses.replace(manifest.result, bytes=parquet_bytes)
+        manifest = dataclasses.replace(manifest, result=result, bytes=parquet_bytes)
+        (self.tmp / MANIFEST).write_text(manifest.to_json())
+        for f in self.tmp.iterdir():
+            _fsync_path(f)
+        _fsync_path(self.tmp)
+        final = self.store.range_path(self.range)
+        if final.exists():
+            raise StoreError(f"range {self.range.key} is already stored at {final}")
+        os.rename(self.tmp, final)
+        _fsync_path(self.store.changes_dir)
+        stored = StoredRange(self.range, final, manifest)
+        self.store._manifests[self.range] = stored
+        self.store._listing = None
+        return stored
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> RangeWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self.tmp.exists():
+            self.abort()
+
+
+def iter_batches(path: Path) -> Iterator[pa.RecordBatch]:
+    """Stream an Arrow IPC spill file back batch by batch (memory stays one batch)."""
+    with pa.OSFile(str(path), "rb") as source:
+        reader = pa.ipc.open_file(source)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,98 @@
+"""The Dagster skin: definitions load, the asset graph's lineage, a missing source at load."""
+
+from __future__ import annotations
+
+from dagster import AssetKey, Definitions
+
+from pgcdc_dagster.definitions import build_definitions, resolve_tables
+from pgcdc_dagster.engine.catalog import ColumnInfo
+from pgcdc_dagster.engine.identifiers import TableName
+
+TABLES = [TableName("public", "orders"), TableName("Odd Schema", "select")]
+
+
+def graph_snapshot(defs: Definitions) -> dict[str, list[str]]:
+    graph = defs.resolve_asset_graph()
+    return {
+        key.to_user_string(): sorted(k.to_user_string() for k in graph.get(key).parent_keys)
+        for key in sorted(graph.get_all_asset_keys(), key=lambda k: k.to_user_string())
+    }
+
+
+def test_definitions_load_and_lineage_is_source_snapshot_changes_target():
+    defs = build_definitions(TABLES, None)
+    Definitions.validate_loadable(defs)
+    odd = "Odd_Schema_184896e9/select"
+    assert graph_snapshot(defs) == {
+        "base_snapshot": [f"source/{odd}", "source/public/orders"],
+        "cutover": [f"target/{odd}", "target/public/orders"],
+        "decoded_changes": ["base_snapshot", "replication_slot"],
+        "replication_slot": [f"source/{odd}", "source/public/orders"],
+        f"source/{odd}": [],
+        "source/public/orders": [],
+        f"target/{odd}": ["decoded_changes"],
+        "target/public/orders": ["decoded_changes"],
+    }
+    graph = defs.resolve_asset_graph()
+    partitioned = {
+        k.to_user_string()
+        for k in graph.get_all_asset_keys()
+        if graph.get(k).partitions_def is not None
+    }
+    assert partitioned == {"decoded_changes", f"target/{odd}", "target/public/orders"}
+    assert {j.name for j in defs.resolve_all_job_defs()} >= {
+        "catchup",
+        "snapshot",
+        "cutover_job",
+        "verify",
+        "slot_health",
+    }
+    assert defs.resolve_sensor_def("slot_progress_sensor") is not None
+
+
+def test_target_tables_cannot_be_applied_apart():
+    defs = build_definitions(TABLES, None)
+    node = defs.resolve_asset_graph().get(AssetKey(["target", "public", "orders"]))
+    assert not node.assets_def.can_subset
+
+
+def test_unreachable_source_at_load_keeps_the_location_loadable_and_says_why():
+    dsn = "host=127.0.0.1 port=1 user=nobody password=s3cret-at-load dbname=x connect_timeout=1"
+    tables, error = resolve_tables({"PGCDC_SOURCE_DSN": dsn})
+    assert tables == [] and error is not None
+    assert "s3cret-at-load" not in error
+    assert "cannot connect to the source PostgreSQL" in error
+    defs = build_definitions(tables, error)
+    Definitions.validate_loadable(defs)
+    snapshot = defs.resolve_asset_graph().get(AssetKey("base_snapshot"))
+    assert "Table list unavailable" in (snapshot.description or "")
+
+
+def test_table_list_from_environment_needs_no_source():
+    tables, error = resolve_tables({"PGCDC_TABLES": 'public.orders, "Odd Schema"."select"'})
+    assert error is None
+    assert tables == sorted(TABLES)
+
+
+def test_source_and_target_tables_carry_their_name_and_column_schema():
+    columns = {
+        TABLES[0]: [
+            ColumnInfo("id", "integer", True, True),
+            ColumnInfo("note", "text", False, False),
+        ]
+    }
+    defs = build_definitions(TABLES, None, columns=columns)
+    graph = defs.resolve_asset_graph()
+    for key in (AssetKey(["source", "public", "orders"]), AssetKey(["target", "public", "orders"])):
+        meta = graph.get(key).metadata
+        assert meta["dagster/table_name"] == "public.orders"
+        schema = meta["dagster/column_schema"].schema
+        assert [(c.name, c.type, c.constraints.nullable) for c in schema.columns] == [
+            ("id", "integer", False),
+            ("note", "text", True),
+        ]
+    odd = graph.get(AssetKey(["source", "Odd_Schema_184896e9", "select"])).metadata
+    assert odd["dagster/table_name"] == '"Odd Schema"."select"'
+    assert (
+        "dagster/column_schema" not in odd
+    )  # columns not known: no schema rather than a wrong one

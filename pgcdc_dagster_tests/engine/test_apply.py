@@ -1,0 +1,547 @@
+"""Applying received ranges to a real target: net effects, exactly once, drift, crash safety.
+
+Every test writes on a real source, receives ranges from a real pgoutput slot, applies them to
+a real target whose tables were created with the same DDL, and compares the two sides row by
+row.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from pgcdc_dagster.engine.apply import (
+    ApplyError,
+    ApplyGapError,
+    ApplyResult,
+    ApplyStatus,
+    SchemaDriftError,
+    apply_range,
+)
+from pgcdc_dagster.engine.compaction import (
+    compact_arrow,
+    compact_table,
+    compact_with_spark,
+    relations_of,
+)
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.receive import receive
+from pgcdc_dagster.engine.store import CHANGE_SCHEMA, OutputStore, StoredRange
+
+SLOT = "apply_slot"
+PUB = "apply_pub"
+ORIGIN = "pgcdc_apply_slot"
+
+BIG = "(SELECT string_agg(md5(g::text || {seed}), '') FROM generate_series(1, 200) g)"
+"""A 6400-character value; with STORAGE EXTERNAL it is always TOASTed out of line."""
+
+
+def big(seed: str | int) -> str:
+    return BIG.format(seed=f"'{seed}'")
+
+
+@dataclass
+class Replica:
+    source_dsn: str
+    target_dsn: str
+    store: OutputStore
+    tables: list[str]
+    start: Lsn
+    ranges: list[StoredRange] = field(default_factory=list)
+
+    def source(self, *statements: str) -> None:
+        _run(self.source_dsn, statements)
+
+    def target(self, *statements: str) -> None:
+        _run(self.target_dsn, statements)
+
+    def receive(self) -> StoredRange:
+        with psycopg.connect(self.source_dsn) as conn:
+            flush = Lsn.parse(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+        result = receive(self.source_dsn, SLOT, PUB, self.store, self.start, flush)
+        self.start = flush
+        stored = self.store.get(LsnRange.from_key(result.range_key))
+        assert stored is not None
+        self.ranges.append(stored)
+        return stored
+
+    def apply(self, stored: StoredRange, **kwargs) -> ApplyResult:
+        return apply_range(self.target_dsn, stored, ORIGIN, **kwargs)
+
+    def sync(self, **kwargs) -> ApplyResult:
+        return self.apply(self.receive(), **kwargs)
+
+    def progress(self) -> Lsn:
+        with psycopg.connect(self.target_dsn) as conn:
+            (text,) = conn.execute(
+                "SELECT pg_replication_origin_progress(%s, true)::text", (ORIGIN,)
+            ).fetchone()
+        return Lsn.parse(text)
+
+    def rows(self, dsn: str, table: str) -> list[str]:
+        with psycopg.connect(dsn) as conn:
+            return [r[0] for r in conn.execute(f"SELECT t::text FROM {table} t ORDER BY 1")]
+
+    def target_rows(self, table: str) -> list[str]:
+        return self.rows(self.target_dsn, table)
+
+    def assert_in_sync(self) -> None:
+        for table in self.tables:
+            assert self.rows(self.target_dsn, table) == self.rows(self.source_dsn, table), table
+
+
+def _run(dsn: str, statements: tuple[str, ...]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+@pytest.fixture
+def make_replica(source_dsn, target_dsn, tmp_path):
+    """Same DDL on both sides, a publication of ``tables``, a slot, and the target's origin at
+    the slot's consistent point (what the base snapshot leaves behind)."""
+
+    def make(ddl: str, tables: list[str]) -> Replica:
+        for dsn in (source_dsn, target_dsn):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(ddl)
+                conn.execute("CREATE TABLE unpublished (id serial PRIMARY KEY, note text)")
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE PUBLICATION {PUB} FOR TABLE {', '.join(tables)}")
+            (start,) = conn.execute(
+                "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,)
+            ).fetchone()
+        with psycopg.connect(target_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_replication_origin_create(%s)", (ORIGIN,))
+            conn.execute("SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (ORIGIN, start))
+        return Replica(source_dsn, target_dsn, OutputStore(tmp_path / "store"), tables, Lsn(start))
+
+    yield make
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
+            "WHERE roname = %s",
+            (ORIGIN,),
+        )
+
+
+ITEMS = """
+CREATE TABLE items (id int PRIMARY KEY, name text, n int, big text);
+ALTER TABLE items ALTER COLUMN big SET STORAGE EXTERNAL;
+"""
+
+
+def test_insert_update_delete_of_one_key_in_one_range_nets_out(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name, n) VALUES (1, 'a', 1), (2, 'b', 2), (3, 'c', 3)")
+    first = replica.sync()
+    assert first.status == ApplyStatus.APPLIED
+    assert first.tables["public.items"].inserted == 3
+    replica.source(
+        "INSERT INTO items (id, name, n) VALUES (4, 'd', 4)",
+        "UPDATE items SET name = 'd2' WHERE id = 4",
+        "DELETE FROM items WHERE id = 4",
+        "UPDATE items SET n = n + 10 WHERE id = 2",
+        "UPDATE items SET name = '' WHERE id = 2",  # an empty string is not NULL
+        "DELETE FROM items WHERE id = 3",
+        "INSERT INTO items (id, name, n) VALUES (3, 'c again', NULL)",
+    )
+    stored = replica.receive()
+    result = replica.apply(stored)
+    assert result.status == ApplyStatus.APPLIED
+    assert result.replay_lsn == stored.manifest.result.transform_lsn == str(replica.progress())
+    counts = result.tables["public.items"]
+    assert counts.changes == 7
+    assert counts.net_rows == 3  # delete 4 (the target never had it), upsert 2 and 3
+    assert (counts.inserted, counts.updated, counts.deleted) == (0, 2, 0)
+    replica.assert_in_sync()
+    assert '(2,"",12,)' in replica.target_rows("items")
+
+
+def test_primary_key_update_moves_the_row_and_its_unsent_toast_value(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source(
+        f"INSERT INTO items VALUES (1, 'a', 1, {big(1)}), (2, 'b', 2, {big(2)}), (3, 'c', 3, NULL)"
+    )
+    replica.sync()
+    replica.source(
+        "UPDATE items SET id = 10 WHERE id = 1",  # big is not sent: it lives at key 1
+        "UPDATE items SET id = 11, name = 'moved twice' WHERE id = 10",
+        # a swap of keys through a free one
+        "UPDATE items SET id = 99 WHERE id = 2",
+        "UPDATE items SET id = 2 WHERE id = 3",
+        "UPDATE items SET id = 3 WHERE id = 99",
+    )
+    result = replica.sync()
+    assert result.status == ApplyStatus.APPLIED
+    replica.assert_in_sync()
+    assert result.tables["public.items"].deleted == 1  # key 1; 2 and 3 were re-used
+
+
+def test_update_of_toasted_row_leaves_the_toast_column_untouched(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source(f"INSERT INTO items VALUES (1, 'a', 1, {big('a')}), (2, 'b', 2, {big('b')})")
+    replica.sync()
+    replica.source(
+        "UPDATE items SET name = 'renamed' WHERE id = 1",  # big not sent, kept on the target
+        f"UPDATE items SET big = {big('new')} WHERE id = 2",
+        "UPDATE items SET name = 'after new big' WHERE id = 2",  # big from within the range
+    )
+    stored = replica.receive()
+    table = stored.read_table()
+    assert ["big"] in table.column("unchanged_toast").to_pylist()
+    result = replica.apply(stored)
+    assert result.tables["public.items"].updated == 2
+    replica.assert_in_sync()
+
+
+def test_truncate_mid_range_discards_earlier_changes_and_keeps_later_ones(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'a'), (2, 'b')")
+    replica.sync()
+    replica.source(
+        "INSERT INTO items (id, name) VALUES (5, 'gone')",
+        "UPDATE items SET name = 'gone too' WHERE id = 1",
+        "TRUNCATE items",
+        "INSERT INTO items (id, name) VALUES (7, 'after')",
+        "UPDATE items SET n = 70 WHERE id = 7",
+    )
+    result = replica.sync()
+    counts = result.tables["public.items"]
+    assert counts.truncated and counts.net_rows == 1 and counts.inserted == 1
+    replica.assert_in_sync()
+    assert replica.target_rows("items") == ["(7,after,70,)"]
+
+
+def test_replica_identity_full_duplicates_change_exactly_one_row(make_replica):
+    replica = make_replica(
+        "CREATE TABLE dup (a int, b text, j json); ALTER TABLE dup REPLICA IDENTITY FULL;",
+        ["dup"],
+    )
+    replica.source(
+        "INSERT INTO dup VALUES (1, 'x', '{\"k\": 1}'), (1, 'x', '{\"k\": 1}'), "
+        "(2, 'y', NULL), (2, 'y', NULL), (3, NULL, NULL)"
+    )
+    replica.sync()
+    replica.source(
+        "UPDATE dup SET b = 'z' WHERE ctid = (SELECT ctid FROM dup WHERE a = 1 LIMIT 1)",
+        "DELETE FROM dup WHERE ctid = (SELECT ctid FROM dup WHERE a = 2 LIMIT 1)",
+        "UPDATE dup SET b = 'was null' WHERE a = 3",
+        "INSERT INTO dup VALUES (3, 'was null', NULL)",
+    )
+    result = replica.sync()
+    counts = result.tables["public.dup"]
+    assert (counts.inserted, counts.updated, counts.deleted, counts.missing) == (1, 2, 1, 0)
+    replica.assert_in_sync()
+    assert replica.target_rows("dup").count('(1,x,"{""k"": 1}")') == 1
+
+
+def test_replica_identity_using_index_works_like_a_primary_key(make_replica):
+    replica = make_replica(
+        """
+        CREATE TABLE coded (code text NOT NULL, v int, note text);
+        CREATE UNIQUE INDEX coded_code ON coded (code);
+        ALTER TABLE coded REPLICA IDENTITY USING INDEX coded_code;
+        """,
+        ["coded"],
+    )
+    replica.source("INSERT INTO coded VALUES ('a', 1, 'x'), ('b', 2, 'y'), ('c', 3, 'z')")
+    replica.sync()
+    replica.source(
+        "UPDATE coded SET v = 10 WHERE code = 'a'",
+        "UPDATE coded SET code = 'b2' WHERE code = 'b'",
+        "DELETE FROM coded WHERE code = 'c'",
+        "INSERT INTO coded VALUES ('c', 30, NULL)",
+    )
+    stored = replica.receive()
+    relation = relations_of(stored.manifest.relations)[TableName("public", "coded")]
+    assert relation.replica_identity == "i" and relation.identity == ("code",)
+    result = replica.apply(stored)
+    assert result.tables["public.coded"].deleted == 1  # 'b' moved away
+    replica.assert_in_sync()
+
+
+def test_generated_column_is_left_to_the_target(make_replica):
+    replica = make_replica(
+        "CREATE TABLE gen (id int PRIMARY KEY, a int, doubled int GENERATED ALWAYS AS (a * 2) "
+        "STORED, ident int GENERATED ALWAYS AS IDENTITY)",
+        ["gen"],
+    )
+    replica.source("INSERT INTO gen (id, a) VALUES (1, 1), (2, 2)")
+    replica.sync()
+    replica.source("UPDATE gen SET a = 21 WHERE id = 2", "INSERT INTO gen (id, a) VALUES (3, 3)")
+    stored = replica.receive()
+    names = [c["name"] for c in stored.manifest.relations[-1]["columns"]]
+    assert names == ["id", "a", "ident"]
+    replica.apply(stored)
+    replica.assert_in_sync()
+    assert "(2,21,42,2)" in replica.target_rows("gen")
+
+
+def test_reapplying_a_range_is_already_applied_and_changes_nothing(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'a')", "UPDATE items SET n = 5")
+    stored = replica.receive()
+    assert replica.apply(stored).status == ApplyStatus.APPLIED
+    before = replica.target_rows("items")
+    replica.target("UPDATE items SET name = 'changed on target'")  # a re-apply would undo this
+    again = replica.apply(stored)
+    assert again.status == ApplyStatus.ALREADY_APPLIED
+    assert again.replay_lsn == stored.manifest.result.transform_lsn
+    assert replica.target_rows("items") != before
+    assert replica.target_rows("items") == ['(1,"changed on target",5,)']
+
+
+def test_gap_is_refused_but_an_unapplied_empty_range_is_not_a_gap(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'a')")
+    first = replica.receive()
+    replica.source("INSERT INTO unpublished (note) VALUES ('no published change')")
+    empty = replica.receive()
+    assert empty.manifest.result.transform_lsn is None
+    replica.source("UPDATE items SET n = 2 WHERE id = 1")
+    third = replica.receive()
+
+    with pytest.raises(ApplyGapError) as refused:
+        replica.apply(third)
+    assert first.range.key in str(refused.value)
+    assert str(replica.progress()) in str(refused.value)
+
+    assert replica.apply(first).status == ApplyStatus.APPLIED
+    assert (
+        replica.apply(third).status == ApplyStatus.APPLIED
+    )  # the empty range between holds nothing
+    assert replica.apply(empty).status == ApplyStatus.EMPTY
+    replica.assert_in_sync()
+
+
+def test_missing_origin_is_a_clear_error(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id) VALUES (1)")
+    stored = replica.receive()
+    with pytest.raises(ApplyError, match=r"does not exist on the target.*base snapshot"):
+        apply_range(replica.target_dsn, stored, "pgcdc_no_such_slot")
+
+
+def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) SELECT g, 'v' || g FROM generate_series(1, 50) g")
+    replica.sync()
+    before, progress = replica.target_rows("items"), replica.progress()
+    replica.source(
+        "UPDATE items SET n = id WHERE id <= 25",
+        "DELETE FROM items WHERE id > 40",
+        "INSERT INTO items (id, name) VALUES (100, 'new')",
+    )
+    stored = replica.receive()
+
+    with psycopg.connect(replica.target_dsn) as blocker:
+        # SHARE lets the apply stage (it reads items' column types) but not write to items.
+        blocker.execute("LOCK TABLE items IN SHARE MODE")
+        script = (
+            "import sys; from pgcdc_dagster.engine.apply import apply_range; "
+            "from pgcdc_dagster.engine.store import OutputStore; "
+            "from pgcdc_dagster.engine.lsn import LsnRange; "
+            "store = OutputStore(sys.argv[1]); "
+            "apply_range(sys.argv[2], store.get(LsnRange.from_key(sys.argv[3])), sys.argv[4])"
+        )
+        child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                script,
+                str(replica.store.root),
+                replica.target_dsn,
+                stored.range.key,
+                ORIGIN,
+            ],
+            env={**os.environ, "PGAPPNAME": "pgcdc_killed_apply"},
+        )
+        try:
+            backend = _wait_for_blocked_apply(replica.target_dsn, timeout=60)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        assert child.returncode == -signal.SIGKILL
+        blocker.rollback()
+    _wait_for_backend_exit(replica.target_dsn, backend, timeout=30)
+
+    assert replica.progress() == progress
+    assert replica.target_rows("items") == before
+    result = replica.apply(stored)
+    assert result.status == ApplyStatus.APPLIED
+    replica.assert_in_sync()
+
+
+def _wait_for_blocked_apply(dsn: str, timeout: float) -> int:
+    """The pid of an apply backend waiting on our lock inside its open transaction."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgcdc_dagster' "
+                "AND wait_event_type = 'Lock' AND backend_xid IS NOT NULL "
+                "AND datname = current_database()"
+            ).fetchone()
+            if row:
+                return int(row[0])
+            time.sleep(0.05)
+    raise AssertionError("the apply never blocked on the table lock with its transaction open")
+
+
+def _wait_for_backend_exit(dsn: str, pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            if (
+                conn.execute("SELECT FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+                is None
+            ):
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"backend {pid} of the killed apply did not exit")
+
+
+def test_column_added_on_source_is_added_on_target_mid_range(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'a'), (2, 'b')")
+    replica.sync()
+    replica.source(
+        "UPDATE items SET name = 'before the column' WHERE id = 1",
+        "ALTER TABLE items ADD COLUMN price numeric(10,2)",
+        "UPDATE items SET price = 9.5 WHERE id = 2",
+        "INSERT INTO items (id, name, price) VALUES (3, 'c', 1.25)",
+    )
+    stored = replica.receive()
+    assert len(stored.manifest.relations) == 2  # a version before and after the ALTER
+    result = replica.apply(stored)
+    assert result.added_columns == ["public.items.price numeric(10,2)"]
+    replica.assert_in_sync()
+
+
+def test_column_dropped_on_source_stops_the_apply_naming_the_fix(make_replica):
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'a')")
+    replica.sync()
+    progress = replica.progress()
+    replica.source("ALTER TABLE items DROP COLUMN n", "UPDATE items SET name = 'b'")
+    with pytest.raises(SchemaDriftError, match=r"column\(s\) n of table public.items.*DROP COLUMN"):
+        replica.sync()
+    assert replica.progress() == progress
+
+
+def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, spark):
+    replica = make_replica(
+        ITEMS
+        + """
+        CREATE TABLE pairs (a int, b int, v text, PRIMARY KEY (a, b));
+        CREATE TABLE dup (a int, b text); ALTER TABLE dup REPLICA IDENTITY FULL;
+        CREATE TABLE fullpk (id int PRIMARY KEY, v text); ALTER TABLE fullpk REPLICA IDENTITY FULL;
+        """,
+        ["items", "pairs", "dup", "fullpk"],
+    )
+    replica.source(
+        f"INSERT INTO items SELECT g, 'n' || g, g, CASE WHEN g % 7 = 0 THEN {big(0)} END "
+        "FROM generate_series(1, 300) g",
+        "INSERT INTO pairs SELECT g % 10, g, 'p' FROM generate_series(1, 200) g",
+        "INSERT INTO dup SELECT g % 3, 'x' FROM generate_series(1, 12) g",
+        "INSERT INTO fullpk SELECT g, 'f' FROM generate_series(1, 40) g",
+    )
+    replica.sync()
+    replica.source(
+        "UPDATE items SET n = n * 2 WHERE id % 3 = 0",
+        "UPDATE items SET name = 'toast kept' WHERE id % 7 = 0",
+        "DELETE FROM items WHERE id % 5 = 0",
+        "INSERT INTO items (id, name) SELECT g, 'back' FROM generate_series(5, 100, 5) g",
+        "UPDATE items SET id = id + 1000 WHERE id % 14 = 0",  # moves, half of them TOASTed
+        "UPDATE items SET id = id + 1000 WHERE id > 1000 AND id % 4 = 0",  # chains
+        "UPDATE pairs SET v = 'q' WHERE a = 3",
+        "TRUNCATE pairs",
+        "INSERT INTO pairs VALUES (1, 1, 'after')",
+        "UPDATE dup SET b = 'y' WHERE ctid = (SELECT ctid FROM dup WHERE a = 1 LIMIT 1)",
+        "DELETE FROM dup WHERE a = 2",
+        "UPDATE fullpk SET v = 'g' WHERE id < 20",
+        "UPDATE fullpk SET id = id + 100 WHERE id % 9 = 0",
+        "DELETE FROM fullpk WHERE id > 30 AND id < 100",
+    )
+    stored = replica.receive()
+    relations = relations_of(stored.manifest.relations)
+    fullpk = TableName("public", "fullpk")
+    relations[fullpk] = relations[fullpk].with_identity(["id"])
+
+    in_process = compact_arrow(stored.read_table(), relations)
+    on_spark = compact_with_spark(spark, [str(f) for f in stored.files], relations, partitions=3)
+    assert set(in_process) == set(on_spark) == set(relations)
+    for table, net in in_process.items():
+        other = on_spark[table]
+        assert (net.changes, net.truncate, net.truncate_flags, net.ordered) == (
+            other.changes,
+            other.truncate,
+            other.truncate_flags,
+            other.ordered,
+        ), table
+        assert net.sorted_rows() == other.sorted_rows(), table
+    assert any(r["f0"] is not None for r in in_process[TableName("public", "items")].sorted_rows())
+
+    result = replica.apply(stored, spark=spark, spark_min_changes=0)
+    assert result.compaction_path == "spark"
+    replica.assert_in_sync()
+
+
+def _changes(rows: list[tuple]) -> pa.Table:
+    """CHANGE_SCHEMA rows of ``public.t`` (id key, v, big), one transaction per change."""
+    columns: dict[str, list] = {f.name: [] for f in CHANGE_SCHEMA}
+    for i, (action, key, new_row, unchanged) in enumerate(rows):
+        values = {
+            "commit_end_lsn": 100 + i, "commit_lsn": 99 + i, "lsn": 98 + i, "xid": i,
+            "commit_ts": 0, "seq": 0, "action": action, "schema_name": "public",
+            "table_name": "t", "relation_version": 0, "key": key, "new_row": new_row,
+            "unchanged_toast": unchanged, "flags": 2 if action == "T" else 0,
+        }  # fmt: skip
+        for name, value in values.items():
+            columns[name].append(value)
+    return pa.table(columns, schema=CHANGE_SCHEMA)
+
+
+def test_kernel_follows_moves_back_to_the_key_holding_unsent_values():
+    (relation,) = relations_of(
+        [
+            {
+                "relid": 1, "schema": "public", "table": "t", "replica_identity": "d",
+                "columns": [
+                    {"name": "id", "type_oid": 23, "typmod": -1, "key": True},
+                    {"name": "v", "type_oid": 25, "typmod": -1, "key": False},
+                    {"name": "big", "type_oid": 25, "typmod": -1, "key": False},
+                ],
+            }
+        ]
+    ).values()  # fmt: skip
+    rows = [
+        ("I", ["9"], ["9", "gone", "x"], None),
+        ("T", None, None, None),  # everything above is discarded
+        ("U", ["2"], ["3", "a", None], ["big"]),  # move 2 -> 3: big is at 2 on the target
+        ("U", ["3"], ["4", "b", None], ["big"]),  # and on to 4: still at 2
+        ("I", ["5"], ["5", "c", "B5"], None),
+        ("U", ["5"], ["6", "d", None], ["big"]),  # big sent earlier in the range
+        ("U", ["7"], ["7", "e", None], ["big"]),  # big stays as the target has it
+    ]
+    net = compact_table(_changes(rows), relation)
+    assert (net.changes, net.truncates, net.truncate, net.truncate_flags) == (7, 1, True, 2)
+    summary = [(r["op"], r["k0"], r["c1"], r["c2"], r["u2"], r["f0"]) for r in net.sorted_rows()]
+    assert summary == [
+        ("D", "2", None, None, False, None),
+        ("D", "3", None, None, False, None),
+        ("D", "5", None, None, False, None),
+        ("U", "4", "b", None, True, "2"),
+        ("U", "6", "d", "B5", False, None),
+        ("U", "7", "e", None, True, None),
+    ]

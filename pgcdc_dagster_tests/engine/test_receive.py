@@ -1,0 +1,409 @@
+"""Receiving LSN ranges from a real source slot: endpos outcomes, the collision, safe points."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pyarrow.compute as pc
+import pytest
+
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.receive import (
+    ReceiveError,
+    receive,
+)
+from pgcdc_dagster.engine.slot import read_slot
+from pgcdc_dagster.engine.store import EndposOutcome, OutputStore
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+
+SLOT = "recv_slot"
+PUB = "recv_pub"
+
+
+@dataclass
+class Source:
+    dsn: str
+    store: OutputStore
+    start: Lsn
+
+    def sql(self, *statements: str) -> None:
+        run_sql(self.dsn, *statements)
+
+    def flush_lsn(self) -> Lsn:
+        return flush_lsn(self.dsn)
+
+    def confirmed(self) -> Lsn:
+        with psycopg.connect(self.dsn) as conn:
+            return read_slot(conn, SLOT).confirmed_flush_lsn
+
+    def receive(self, endpos, start=None, **kwargs):
+        result = receive(self.dsn, SLOT, PUB, self.store, start or self.start, endpos, **kwargs)
+        self.start = Lsn.parse(result.endpos)
+        return result
+
+    def stored(self, result):
+        return self.store.get(LsnRange.from_key(result.range_key))
+
+    def rows(self, result):
+        return self.stored(result).read_table()
+
+    def peek_transactions(self) -> list[dict]:
+        """(first_lsn, commit_lsn, end_lsn, xid) of every pending transaction, from the slot."""
+        with psycopg.connect(self.dsn) as conn:
+            rows = conn.execute(
+                "SELECT lsn::text, xid::text::bigint, get_byte(data, 0), data "
+                "FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
+                "'proto_version', '1', 'publication_names', %s)",
+                (SLOT, PUB),
+            ).fetchall()
+        txns, current = [], None
+        for lsn, xid, kind, data in rows:
+            if kind == ord("B"):
+                current = {"first_lsn": Lsn(lsn), "xid": xid}
+            elif kind == ord("C"):
+                current["commit_lsn"] = Lsn(int.from_bytes(data[2:10], "big"))
+                current["end_lsn"] = Lsn(int.from_bytes(data[10:18], "big"))
+                txns.append(current)
+        return txns
+
+
+@pytest.fixture
+def source(source_dsn, tmp_path) -> Source:
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            """
+            CREATE TYPE mood AS ENUM ('sad', 'happy');
+            CREATE TABLE items (id int PRIMARY KEY, name text, big text, feeling mood);
+            CREATE SCHEMA "Odd Schema";
+            CREATE TABLE "Odd Schema"."select" ("Key" int PRIMARY KEY, "order" text);
+            CREATE TABLE nopk (a int, b text);
+            ALTER TABLE nopk REPLICA IDENTITY FULL;
+            CREATE TABLE unpublished (id serial PRIMARY KEY, payload text);
+            """
+        )
+        conn.execute('CREATE PUBLICATION recv_pub FOR TABLE items, "Odd Schema"."select", nopk')
+        start = conn.execute(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,)
+        ).fetchone()[0]
+    return Source(source_dsn, OutputStore(tmp_path / "store"), Lsn(start))
+
+
+def test_endpos_at_commit_boundary_stores_the_transaction_and_advances_to_it(source):
+    source.sql("INSERT INTO items VALUES (1, 'a'), (2, 'b')")
+    (txn,) = source.peek_transactions()
+    result = source.receive(txn["end_lsn"])
+    assert result.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
+    assert result.transform_lsn == str(txn["end_lsn"])
+    assert result.last_xid == txn["xid"]
+    assert (result.transactions, result.changes, result.inserts) == (1, 2, 2)
+    assert source.confirmed() == txn["end_lsn"]
+    table = source.rows(result)
+    assert table.column("new_row").to_pylist() == [["1", "a", None, None], ["2", "b", None, None]]
+    assert table.column("key").to_pylist() == [["1"], ["2"]]
+    assert set(table.column("commit_end_lsn").to_pylist()) == {int(txn["end_lsn"])}
+    assert table.column("seq").to_pylist() == [0, 1]
+
+
+def test_consecutive_transactions_share_the_collision_lsn_and_split_cleanly(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')", "INSERT INTO items VALUES (2, 'b')")
+    first, second = source.peek_transactions()
+    assert first["end_lsn"] == second["first_lsn"]  # the collision
+    r1 = source.receive(first["end_lsn"])
+    assert r1.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY and r1.transactions == 1
+    r2 = source.receive(second["end_lsn"])
+    assert r2.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY and r2.transactions == 1
+    assert source.rows(r1).column("key").to_pylist() == [["1"]]
+    assert source.rows(r2).column("key").to_pylist() == [["2"]]
+
+
+def test_endpos_between_transactions_keeps_transform_lsn_at_last_commit(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')")
+    (txn,) = source.peek_transactions()
+    source.sql("INSERT INTO unpublished (payload) VALUES ('x')", "SELECT pg_switch_wal()")
+    source.sql("INSERT INTO unpublished (payload) VALUES ('y')")
+    endpos = source.flush_lsn()
+    assert endpos > txn["end_lsn"]
+    result = source.receive(endpos)
+    assert result.endpos_outcome == EndposOutcome.BETWEEN_TRANSACTIONS
+    assert result.transform_lsn == str(txn["end_lsn"])
+    assert result.safe_point == str(endpos)
+    assert source.confirmed() == endpos
+
+
+def test_endpos_mid_transaction_defers_whole_txn_to_next_range(source):
+    source.sql("INSERT INTO items VALUES (1, 'before')")
+    with psycopg.connect(source.dsn) as open_txn:
+        open_txn.execute("INSERT INTO items VALUES (10, 'straddler part 1')")
+        with psycopg.connect(source.dsn) as other:
+            endpos = Lsn(other.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+        open_txn.execute("INSERT INTO items VALUES (11, 'straddler part 2')")
+        open_txn.commit()
+    source.sql("SELECT pg_switch_wal()")  # make sure endpos is flushed
+    before, straddler = source.peek_transactions()
+    assert straddler["first_lsn"] < endpos < straddler["commit_lsn"]
+
+    result = source.receive(endpos)
+    assert result.endpos_outcome == EndposOutcome.MID_TRANSACTION
+    assert result.transform_lsn == str(before["end_lsn"])
+    assert result.transactions == 1
+    assert source.rows(result).column("key").to_pylist() == [["1"]]
+    assert [s["xid"] for s in result.straddlers] == [straddler["xid"]]
+    assert Lsn.parse(result.safe_point) <= straddler["commit_lsn"]
+
+    nxt = source.receive(straddler["end_lsn"])
+    assert nxt.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
+    assert source.rows(nxt).column("key").to_pylist() == [["10"], ["11"]]  # whole, both parts
+
+
+def test_endpos_inside_commit_record_defers_txn_and_never_skips_it(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')", "INSERT INTO items VALUES (2, 'b')")
+    first, second = source.peek_transactions()
+    endpos = second["end_lsn"] - 1  # inside the second COMMIT record
+    assert second["commit_lsn"] < endpos
+    result = source.receive(endpos)
+    assert result.endpos_outcome == EndposOutcome.MID_TRANSACTION
+    assert result.transactions == 1 and result.transform_lsn == str(first["end_lsn"])
+    # The slot must stop at the start of the COMMIT record, or PostgreSQL skips it for ever.
+    assert source.confirmed() == second["commit_lsn"]
+    nxt = source.receive(second["end_lsn"])
+    assert nxt.transactions == 1
+    assert source.rows(nxt).column("key").to_pylist() == [["2"]]
+
+
+def test_empty_range_still_advances_the_slot(source):
+    source.sql("INSERT INTO unpublished (payload) VALUES ('x')")
+    endpos = source.flush_lsn()
+    result = source.receive(endpos)
+    assert result.endpos_outcome == EndposOutcome.EMPTY
+    assert result.transform_lsn is None and result.transactions == 0
+    assert source.confirmed() == endpos
+    assert source.rows(result).num_rows == 0
+
+
+def test_retained_wal_stays_bounded_on_idle_published_tables(source):
+    segment = 16 * 1024 * 1024
+    for _ in range(6):
+        source.sql(
+            "INSERT INTO unpublished (payload) SELECT 'w' FROM generate_series(1, 2000)",
+            "SELECT pg_switch_wal()",
+            "CHECKPOINT",
+        )
+        result = source.receive(source.flush_lsn())
+        assert result.endpos_outcome == EndposOutcome.EMPTY
+    with psycopg.connect(source.dsn) as conn:
+        retained = conn.execute(
+            "SELECT pg_current_wal_flush_lsn() - restart_lsn FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (SLOT,),
+        ).fetchone()[0]
+    # Six segment switches happened; without advancing, the slot would hold all of them.
+    assert retained < 3 * segment
+
+
+def test_large_transaction_streams_with_bounded_memory(source):
+    source.sql("INSERT INTO items SELECT g, 'row ' || g FROM generate_series(1, 200000) g")
+    endpos = source.flush_lsn()
+    tracemalloc.start()
+    try:
+        result = source.receive(endpos, spill_rows=20_000, fetch_rows=5_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.transactions == 1 and result.changes == 200_000 == result.inserts
+    table = source.rows(result)
+    assert table.num_rows == 200_000
+    assert (
+        pc.min(table.column("commit_end_lsn")).as_py()
+        == pc.max(table.column("commit_end_lsn")).as_py()
+    )
+    assert table.column("seq").to_pylist() == list(range(200_000))
+    # All 200k rows held as Python objects would take well over 60 MB.
+    assert peak < 40 * 1024 * 1024, f"peak Python memory {peak / 1e6:.1f} MB"
+
+
+def test_update_leaving_toasted_column_unchanged(source):
+    big = "x" * 1_000_000
+    source.sql(
+        "ALTER TABLE items ALTER COLUMN big SET STORAGE EXTERNAL",
+        f"INSERT INTO items VALUES (1, 'a', '{big}')",
+        "UPDATE items SET name = 'b' WHERE id = 1",
+    )
+    result = source.receive(source.flush_lsn())
+    table = source.rows(result)
+    assert table.column("action").to_pylist() == ["I", "U"]
+    assert len(table.column("new_row")[0].as_py()[2]) == 1_000_000
+    assert table.column("new_row")[1].as_py() == ["1", "b", None, None]
+    assert table.column("unchanged_toast").to_pylist() == [None, ["big"]]
+
+
+def test_truncate_with_cascade_and_restart_identity_flags(source):
+    source.sql(
+        "INSERT INTO items VALUES (1, 'a')",
+        "TRUNCATE items RESTART IDENTITY CASCADE",
+        "TRUNCATE nopk",
+    )
+    result = source.receive(source.flush_lsn())
+    assert result.truncates == 2
+    table = source.rows(result).filter(pc.equal(source.rows(result).column("action"), "T"))
+    assert table.column("table_name").to_pylist() == ["items", "nopk"]
+    assert table.column("flags").to_pylist() == [3, 0]
+
+
+def test_replica_identity_full_without_primary_key(source):
+    source.sql(
+        "INSERT INTO nopk VALUES (1, 'dup'), (1, 'dup')",
+        "UPDATE nopk SET b = 'changed' WHERE ctid = (SELECT min(ctid) FROM nopk)",
+        "DELETE FROM nopk WHERE b = 'changed'",
+    )
+    result = source.receive(source.flush_lsn())
+    table = source.rows(result)
+    assert table.column("action").to_pylist() == ["I", "I", "U", "D"]
+    assert table.column("key").to_pylist() == [
+        ["1", "dup"],
+        ["1", "dup"],
+        ["1", "dup"],
+        ["1", "changed"],
+    ]
+    assert table.column("new_row").to_pylist()[2] == ["1", "changed"]
+    stored = source.stored(result).manifest
+    (rel,) = [r for r in stored.relations if r["table"] == "nopk"]
+    assert rel["replica_identity"] == "f"
+
+
+def test_nulls_unicode_enums_and_odd_identifiers(source):
+    source.sql(
+        "INSERT INTO items VALUES (1, NULL, 'ünïcødé ✓ 漢字', 'happy')",
+        """INSERT INTO "Odd Schema"."select" VALUES (7, 'quote '' and "dq"')""",
+        """UPDATE "Odd Schema"."select" SET "Key" = 8 WHERE "Key" = 7""",
+    )
+    result = source.receive(source.flush_lsn())
+    table = source.rows(result)
+    assert table.column("new_row").to_pylist()[0] == ["1", None, "ünïcødé ✓ 漢字", "happy"]
+    assert table.column("schema_name").to_pylist()[1:] == ["Odd Schema", "Odd Schema"]
+    assert table.column("table_name").to_pylist()[1:] == ["select", "select"]
+    assert table.column("new_row").to_pylist()[1] == ["7", 'quote \' and "dq"']
+    # A key change: the old key finds the row, the new row carries the new key.
+    assert table.column("key").to_pylist()[2] == ["7"]
+    assert table.column("new_row").to_pylist()[2][0] == "8"
+
+
+def test_relation_re_sent_after_ddl_replaces_the_cached_one(source):
+    source.sql(
+        "INSERT INTO items VALUES (1, 'a')",
+        "ALTER TABLE items ADD COLUMN extra int DEFAULT 5",
+        "INSERT INTO items VALUES (2, 'b')",
+    )
+    result = source.receive(source.flush_lsn())
+    table = source.rows(result)
+    assert [len(r) for r in table.column("new_row").to_pylist()] == [4, 5]
+    versions = table.column("relation_version").to_pylist()
+    manifest = source.stored(result).manifest
+    widths = [len(manifest.relations[v]["columns"]) for v in versions]
+    assert widths == [4, 5]
+
+
+def test_re_receiving_a_stored_range_returns_it_unchanged(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')")
+    endpos = source.flush_lsn()
+    first = source.receive(endpos)
+    files = sorted(p.stat().st_mtime_ns for p in Path(source.store.root).rglob("*.parquet"))
+    again = receive(source.dsn, SLOT, PUB, source.store, first.start_lsn, endpos)
+    assert again.already_stored
+    assert (again.transactions, again.changes, again.transform_lsn) == (1, 1, first.transform_lsn)
+    assert sorted(p.stat().st_mtime_ns for p in Path(source.store.root).rglob("*.parquet")) == files
+
+
+def test_crash_between_store_and_slot_advance_is_finished_on_rerun(source):
+    # Two slots at the same point: storing through one leaves the other exactly where a
+    # crash between "range stored" and "slot advanced" would leave it.
+    with psycopg.connect(source.dsn, autocommit=True) as conn:
+        (point,) = conn.execute(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot('behind', 'pgoutput')"
+        ).fetchone()
+        conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (SLOT, point))
+    source.start = Lsn(point)
+    source.sql("INSERT INTO items VALUES (1, 'a')")
+    endpos = source.flush_lsn()
+    start = source.start
+    result = source.receive(endpos)
+    again = receive(source.dsn, "behind", PUB, source.store, start, endpos)
+    assert again.already_stored and again.transactions == 1
+    with psycopg.connect(source.dsn) as conn:
+        assert read_slot(conn, "behind").confirmed_flush_lsn == Lsn.parse(result.safe_point)
+
+
+def test_range_starting_before_the_slot_and_not_stored_is_refused(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')")
+    endpos = source.flush_lsn()
+    with psycopg.connect(source.dsn) as conn:
+        conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (SLOT, str(endpos)))
+    source.sql("INSERT INTO items VALUES (2, 'b')")
+    with pytest.raises(ReceiveError, match="consumed elsewhere"):
+        source.receive(source.flush_lsn())
+
+
+def test_range_with_a_gap_is_refused(source):
+    source.sql("INSERT INTO items VALUES (1, 'a')")
+    flush = source.flush_lsn()
+    with pytest.raises(ReceiveError, match="no stored range ends at"):
+        source.receive(flush, start=source.start + 8)
+
+
+def test_endpos_beyond_flushed_wal_is_refused(source):
+    with pytest.raises(ReceiveError, match="beyond the source's flushed WAL"):
+        source.receive(source.flush_lsn() + 10_000_000)
+
+
+def test_slot_never_moves_past_a_stored_commit_under_concurrent_writes(source):
+    stop = threading.Event()
+
+    def writer():
+        with psycopg.connect(source.dsn, autocommit=True) as conn:
+            i = 100
+            while not stop.is_set():
+                with conn.transaction():
+                    conn.execute("INSERT INTO items VALUES (%s, 'w')", (i,))
+                    conn.execute("UPDATE items SET name = 'w2' WHERE id = %s", (i,))
+                i += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        results = []
+        for _ in range(8):
+            results.append(source.receive(source.flush_lsn()))
+            assert source.confirmed() == Lsn.parse(results[-1].safe_point)
+    finally:
+        stop.set()
+        thread.join()
+    results.append(source.receive(source.flush_lsn()))
+    keys = []
+    for result in results:
+        table = source.rows(result)
+        ends = table.column("commit_end_lsn").to_pylist()
+        assert all(Lsn.parse(result.start_lsn) < e <= Lsn.parse(result.endpos) for e in ends)
+        if result.transform_lsn:
+            assert Lsn.parse(result.safe_point) >= Lsn.parse(result.transform_lsn)
+        keys += [
+            k[0]
+            for k, a in zip(
+                table.column("key").to_pylist(), table.column("action").to_pylist(), strict=True
+            )
+            if a == "I"
+        ]
+    with psycopg.connect(source.dsn) as conn:
+        expected = [str(r[0]) for r in conn.execute("SELECT id FROM items ORDER BY id")]
+    assert sorted(keys, key=int) == expected  # every committed insert exactly once
+
+
+def test_missing_publication_and_missing_slot_name_the_fix(source):
+    from pgcdc_dagster.engine.slot import SlotError
+
+    with pytest.raises(ReceiveError, match="create the publication"):
+        receive(source.dsn, SLOT, "no_such_pub", source.store, source.start, source.flush_lsn())
+    with pytest.raises(SlotError, match="no_such_slot"):
+        receive(source.dsn, "no_such_slot", PUB, source.store, source.start, source.flush_lsn())

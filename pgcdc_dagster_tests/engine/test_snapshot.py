@@ -1,0 +1,439 @@
+"""The base snapshot against real clusters and a real local Spark: schema, rows, consistency with
+the slot, the populated-target guard, the replication origin and sequences."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow.parquet as pq
+import pytest
+
+from pgcdc_dagster.engine.connect import libpq_tool_environment
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.sequences import sync_sequences
+from pgcdc_dagster.engine.slot import create_slot_with_snapshot
+from pgcdc_dagster.engine.snapshot import (
+    SnapshotError,
+    TargetNotEmptyError,
+    copy_schema_post_data,
+    copy_schema_pre_data,
+    copy_tables,
+    plan_table_ranges,
+    snapshot_export_path,
+    take_base_snapshot,
+)
+
+ODD = TableName("Odd Schema", "Mixed Case")
+KEYWORD = TableName("public", "select")
+BIG = TableName("public", "big")
+
+
+def run(dsn: str, *statements: str, params: Any = None) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement, params)
+
+
+def rows_of(dsn: str, table: TableName, order: str = "1") -> list[str]:
+    """Every row as PostgreSQL's own text form, so types compare exactly as stored."""
+    with psycopg.connect(dsn) as conn:
+        query = psycopg.sql.SQL("SELECT t::text FROM {} AS t ORDER BY {}").format(
+            table.sql, psycopg.sql.SQL(order)
+        )
+        return [r[0] for r in conn.execute(query).fetchall()]
+
+
+def origin_progress(dsn: str, name: str) -> Lsn | None:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT pg_replication_origin_progress(%s, false)::text", (name,)
+        ).fetchone()
+    return None if row is None or row[0] is None else Lsn(row[0])
+
+
+def make_odd_tables(dsn: str) -> None:
+    run(
+        dsn,
+        'CREATE SCHEMA "Odd Schema"',
+        """CREATE TYPE "Odd Schema".mood AS ENUM ('sad', 'ok', 'happy')""",
+        "CREATE DOMAIN public.posint AS integer CHECK (VALUE > 0)",
+        """
+        CREATE TABLE "Odd Schema"."Mixed Case" (
+            id serial PRIMARY KEY,
+            "Mood" "Odd Schema".mood,
+            moods "Odd Schema".mood[],
+            "my col" text,
+            big_text text,
+            n posint,
+            doubled integer GENERATED ALWAYS AS (id * 2) STORED
+        )""",
+        """
+        CREATE TABLE public."select" (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            "from" text,
+            "order" numeric,
+            at timestamptz
+        )""",
+        """CREATE INDEX "select lower from" ON public."select" (lower("from"))""",
+    )
+    run(
+        dsn,
+        """
+        INSERT INTO "Odd Schema"."Mixed Case" ("Mood", moods, "my col", big_text, n)
+        SELECT (ARRAY['sad','ok','happy'])[1 + i % 3]::"Odd Schema".mood,
+               CASE WHEN i % 4 = 0 THEN NULL ELSE ARRAY['ok','sad']::"Odd Schema".mood[] END,
+               CASE WHEN i % 5 = 0 THEN NULL
+                    ELSE 'zeile ' || i || ' — 日本語 ✓ 🐘 "quoted", comma' || E'\\t' || 'tab' END,
+               CASE WHEN i % 50 = 0
+                    THEN (SELECT string_agg(md5(i::text || g::text), '')
+                          FROM generate_series(1, 4000) g)
+               END,
+               CASE WHEN i % 7 = 0 THEN NULL ELSE i END
+        FROM generate_series(1, 500) i
+        """,
+        """INSERT INTO public."select" ("from", "order", at)
+           SELECT CASE WHEN i % 3 = 0 THEN NULL ELSE 'line' || E'\\n' || i END,
+                  i / 7.0, '2024-01-01 00:00+00'::timestamptz + i * interval '1 minute'
+           FROM generate_series(1, 300) i""",
+        'INSERT INTO public."select" ("from") VALUES (\'\')',
+    )
+
+
+def test_odd_identifiers_types_and_toast_arrive_exactly(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    make_odd_tables(source_dsn)
+
+    result = take_base_snapshot(
+        source_dsn, target_dsn, "snap_odd", "pub_odd", [ODD, KEYWORD], spark=spark
+    )
+
+    assert {t.table: t.rows for t in result.tables} == {ODD: 500, KEYWORD: 301}
+    for table in (ODD, KEYWORD):
+        assert rows_of(target_dsn, table) == rows_of(source_dsn, table)
+    with psycopg.connect(target_dsn) as conn:
+        # The toasted values really are large, the generated column was computed by the target.
+        assert conn.execute(
+            'SELECT max(length(big_text)), sum(doubled) FROM "Odd Schema"."Mixed Case"'
+        ).fetchone() == (128000, 500 * 501)
+        indexes = {r[0] for r in conn.execute("SELECT indexname FROM pg_indexes").fetchall()}
+        assert {"Mixed Case_pkey", "select_pkey", "select lower from"} <= indexes
+        with pytest.raises(psycopg.errors.CheckViolation):  # the domain came along
+            conn.execute('INSERT INTO "Odd Schema"."Mixed Case" (n) VALUES (-1)')
+    with psycopg.connect(source_dsn) as conn:
+        slot_lsn = conn.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            ("snap_odd",),
+        ).fetchone()
+    assert slot_lsn is not None and Lsn(slot_lsn[0]) == result.consistent_point
+    assert origin_progress(target_dsn, "pgcdc_snap_odd") == result.consistent_point
+    assert result.sequences['"Odd Schema"."Mixed Case_id_seq"'] == 500
+
+
+def test_large_table_split_into_ctid_ranges_copies_every_row_once(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, payload text, flag boolean)",
+        "INSERT INTO big SELECT i, repeat(md5(i::text), 2), i % 2 = 0 "
+        "FROM generate_series(1, 40000) i",
+        # Holes and moved row versions, so ranges hold unequal, non-contiguous rows.
+        "DELETE FROM big WHERE id % 10 = 3",
+        "UPDATE big SET payload = 'moved' WHERE id % 100 = 7",
+        "ANALYZE big",
+    )
+    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
+    with psycopg.connect(source_dsn) as conn:
+        ranges = plan_table_ranges(conn, [BIG], None, target_rows_per_task=5000)
+    assert len(ranges) >= 5
+    assert ranges[0].start_block is None and ranges[-1].end_block is None
+    for before, after in itertools.pairwise(ranges):
+        assert before.end_block == after.start_block
+
+    # Two partitions for seven-plus tasks: the parallelism cap groups tasks per Spark task.
+    results = copy_tables(
+        spark, source_dsn, target_dsn, None, [BIG], parallelism=2, target_rows_per_task=5000
+    )
+
+    assert results[0].rows == 36000 and results[0].tasks == len(ranges)
+    assert results[0].copy_formats == ("binary",)
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+
+
+def test_dataframe_scheduler_for_spark_connect_copies_the_same(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, payload text)",
+        "INSERT INTO big SELECT i, md5(i::text) FROM generate_series(1, 20000) i",
+    )
+    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
+
+    results = copy_tables(
+        spark,
+        source_dsn,
+        target_dsn,
+        None,
+        [BIG],
+        target_rows_per_task=4000,
+        scheduler="dataframe",
+    )
+
+    assert results[0].rows == 20000 and results[0].tasks > 1
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+
+
+def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, v text NOT NULL)",
+        "INSERT INTO big SELECT i, 'before' FROM generate_series(1, 30000) i",
+    )
+    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
+    may_write = threading.Event()
+    may_write.set()
+    idle = threading.Event()
+    stop = threading.Event()
+    commits: list[float] = []
+
+    def writer() -> None:
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            next_id = 30001
+            while not stop.is_set():
+                if not may_write.is_set():
+                    idle.set()
+                    may_write.wait()
+                    continue
+                with conn.transaction():
+                    conn.execute("INSERT INTO big VALUES (%s, 'new')", (next_id,))
+                    conn.execute(
+                        "UPDATE big SET v = 'changed' WHERE id = %s", (next_id % 30000 + 1,)
+                    )
+                    conn.execute("DELETE FROM big WHERE id = %s", ((next_id * 7) % 30000 + 1,))
+                commits.append(time.monotonic())
+                next_id += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.3)
+        # Pause the writer only around slot creation, so "in the snapshot" is exactly
+        # "committed before the pause"; it writes again during the whole copy.
+        may_write.clear()
+        idle.wait(10)
+        with create_slot_with_snapshot(source_dsn, "snap_writer") as exported:
+            expected = rows_of(source_dsn, BIG)
+            may_write.set()
+            copy_started = time.monotonic()
+            results = copy_tables(
+                spark,
+                source_dsn,
+                target_dsn,
+                exported.slot.snapshot_name,
+                [BIG],
+                target_rows_per_task=5000,
+            )
+            copy_ended = time.monotonic()
+    finally:
+        stop.set()
+        may_write.set()
+        thread.join(10)
+
+    during_copy = [t for t in commits if copy_started <= t <= copy_ended]
+    assert len(during_copy) > 10, "the writer must really have written during the copy"
+    assert results[0].tasks > 1
+    assert rows_of(target_dsn, BIG) == expected
+    assert rows_of(source_dsn, BIG) != expected
+
+
+def test_populated_target_is_refused_and_resnapshot_starts_over(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, v text)",
+        "INSERT INTO big SELECT i, 'first' FROM generate_series(1, 1000) i",
+    )
+    run(target_dsn, "CREATE TABLE big (id int PRIMARY KEY, v text)", "INSERT INTO big VALUES (0)")
+
+    with pytest.raises(TargetNotEmptyError, match=r"public\.big.*--resnapshot"):
+        take_base_snapshot(source_dsn, target_dsn, "snap_guard", "pub_guard", [BIG], spark=spark)
+    with psycopg.connect(source_dsn) as conn:  # refused before anything was created
+        assert conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
+
+    first = take_base_snapshot(
+        source_dsn, target_dsn, "snap_guard", "pub_guard", [BIG], spark=spark, resnapshot=True
+    )
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+    with pytest.raises(TargetNotEmptyError):
+        take_base_snapshot(source_dsn, target_dsn, "snap_guard", "pub_guard", [BIG], spark=spark)
+
+    run(source_dsn, "UPDATE big SET v = 'second' WHERE id <= 10", "DELETE FROM big WHERE id > 900")
+    second = take_base_snapshot(
+        source_dsn, target_dsn, "snap_guard", "pub_guard", [BIG], spark=spark, resnapshot=True
+    )
+
+    assert second.tables[0].rows == 900
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+    assert second.consistent_point > first.consistent_point
+    assert origin_progress(target_dsn, "pgcdc_snap_guard") == second.consistent_point
+    assert second.pre_data.created == ()  # the truncated table was kept, not re-created
+    assert second.post_data.created == ()
+
+
+def test_failed_copy_drops_the_new_slot(source_dsn: str, target_dsn: str, spark: Any) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, v text)",
+        "INSERT INTO big SELECT i, 'x' FROM generate_series(1, 100) i",
+    )
+    # An empty target table that cannot take the rows: the copy fails mid-snapshot.
+    run(target_dsn, "CREATE TABLE big (id int PRIMARY KEY, v text CHECK (v <> 'x'))")
+
+    with pytest.raises(SnapshotError, match="big"):
+        take_base_snapshot(source_dsn, target_dsn, "snap_fail", "pub_fail", [BIG], spark=spark)
+
+    with psycopg.connect(source_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
+
+
+def test_binary_copy_falls_back_to_text_when_target_types_differ(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, amount int4)",
+        "INSERT INTO big SELECT i, i * 3 FROM generate_series(1, 2000) i",
+    )
+    # int4 on the source, int8 on the target: the binary forms differ, the text forms do not.
+    run(target_dsn, "CREATE TABLE big (id int PRIMARY KEY, amount int8)")
+
+    results = copy_tables(spark, source_dsn, target_dsn, None, [BIG])
+
+    assert results[0].copy_formats == ("text",)
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+
+
+def test_foreign_keys_to_tables_not_on_the_target_are_skipped(
+    source_dsn: str, target_dsn: str
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE parent (id int PRIMARY KEY)",
+        "CREATE TABLE lookup (id int PRIMARY KEY)",
+        "CREATE TABLE child (id int PRIMARY KEY, parent_id int REFERENCES parent, "
+        "lookup_id int REFERENCES lookup)",
+    )
+    tables = [TableName("public", "child"), TableName("public", "parent")]
+    copy_schema_pre_data(source_dsn, target_dsn, tables, None)
+
+    post = copy_schema_post_data(source_dsn, target_dsn, tables)
+
+    assert any("child_parent_id_fkey" in c for c in post.created)
+    assert len(post.skipped) == 1 and "lookup" in post.skipped[0]
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT to_regclass('public.lookup')").fetchone() == (None,)
+
+
+def test_partitioned_table_is_copied_leaf_by_leaf_through_its_root(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    run(
+        source_dsn,
+        "CREATE TABLE events (id int, day date, PRIMARY KEY (id, day)) PARTITION BY RANGE (day)",
+        "CREATE TABLE events_a PARTITION OF events "
+        "FOR VALUES FROM ('2024-01-01') TO ('2024-02-01')",
+        "CREATE TABLE events_b PARTITION OF events "
+        "FOR VALUES FROM ('2024-02-01') TO ('2024-03-01')",
+        "INSERT INTO events SELECT i, '2024-01-01'::date + i % 59 FROM generate_series(1, 3000) i",
+    )
+    events = TableName("public", "events")
+
+    result = take_base_snapshot(
+        source_dsn, target_dsn, "snap_parts", "pub_parts", [events], spark=spark
+    )
+
+    assert result.tables[0].rows == 3000 and result.tables[0].tasks == 2
+    assert rows_of(target_dsn, events, "t.id") == rows_of(source_dsn, events, "t.id")
+    assert rows_of(target_dsn, TableName("public", "events_b"), "t.id") == rows_of(
+        source_dsn, TableName("public", "events_b"), "t.id"
+    )
+
+
+def test_parquet_export_is_stamped_with_the_consistent_point(
+    source_dsn: str, target_dsn: str, spark: Any, tmp_path: Path
+) -> None:
+    make_odd_tables(source_dsn)
+
+    result = take_base_snapshot(
+        source_dsn,
+        target_dsn,
+        "snap_export",
+        "pub_export",
+        [ODD, KEYWORD],
+        spark=spark,
+        export_store=tmp_path,
+        target_rows_per_task=100,
+    )
+
+    folder = snapshot_export_path(tmp_path, ODD)
+    assert folder.name == "Odd%20Schema.Mixed%20Case"
+    manifest = json.loads((folder / "_SNAPSHOT.json").read_text())
+    assert Lsn(manifest["consistent_point"]) == result.consistent_point
+    assert manifest["rows"] == 500
+    exported = pq.read_table([folder / f for f in manifest["files"]]).sort_by("id")
+    with psycopg.connect(source_dsn) as conn:
+        source = conn.execute(
+            'SELECT id, "Mood"::text, "my col", n FROM "Odd Schema"."Mixed Case" ORDER BY id'
+        ).fetchall()
+    assert exported.select(["id", "Mood", "my col", "n"]).to_pylist() == [
+        {"id": i, "Mood": m, "my col": c, "n": n} for i, m, c, n in source
+    ]
+    keyword = pq.read_table(snapshot_export_path(tmp_path, KEYWORD))
+    assert keyword.num_rows == 301 and "" in keyword.column("from").to_pylist()
+    assert rows_of(target_dsn, KEYWORD) == rows_of(source_dsn, KEYWORD)
+
+
+def test_sync_sequences_copies_positions(source_dsn: str, target_dsn: str) -> None:
+    sequences = (
+        "CREATE SEQUENCE used_seq",
+        "CREATE SEQUENCE fresh_seq START 100",
+        'CREATE SEQUENCE "Odd Seq" INCREMENT 5',
+    )
+    run(source_dsn, *sequences)
+    run(target_dsn, *sequences, "SELECT setval('fresh_seq', 555)")
+    run(
+        source_dsn,
+        "SELECT nextval('used_seq') FROM generate_series(1, 42)",
+        """SELECT nextval('"Odd Seq"'), nextval('"Odd Seq"')""",
+        "CREATE SEQUENCE source_only_seq",
+    )
+
+    synced = sync_sequences(source_dsn, target_dsn)
+
+    assert synced == {"public.used_seq": 42, "public.fresh_seq": 100, 'public."Odd Seq"': 6}
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute(
+            """SELECT nextval('used_seq'), nextval('fresh_seq'), nextval('"Odd Seq"')"""
+        ).fetchone() == (43, 100, 11)
+
+
+def test_libpq_tool_environment_keeps_the_password_off_the_command_line() -> None:
+    env, argv = libpq_tool_environment(
+        "host=db.example port=5433 dbname='my db' user=u password='p w' keepalives=1"
+    )
+
+    assert env["PGPASSWORD"] == "p w" and env["PGDATABASE"] == "my db"
+    assert not any("p w" in arg for arg in argv)
+    assert argv == ["--dbname=keepalives=1 dbname='my db'"]

@@ -1,0 +1,35 @@
+"""Output stores written by hand, for tests of what is decided from a store (no database)."""
+
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.store import EndposOutcome, OutputStore, RangeManifest, RangeResult
+
+
+def range_manifest(start: str, end: str, transform: str | None) -> RangeManifest:
+    """The manifest of a range without rows, whose last commit ends at ``transform``."""
+    rng = LsnRange(start, end)
+    outcome = EndposOutcome.EMPTY if transform is None else EndposOutcome.AT_COMMIT_BOUNDARY
+    result = RangeResult(
+        range_key=rng.key,
+        start_lsn=start,
+        endpos=end,
+        endpos_outcome=outcome,
+        transform_lsn=transform,
+        safe_point=end,
+        last_xid=None,
+        last_commit_ts_us=None,
+        transactions=0 if transform is None else 1,
+        changes=0,
+    )
+    return RangeManifest(result=result, relations=[], types={})
+
+
+def store_ranges(
+    store: OutputStore, ranges: list[tuple[str, str, str | None]], consistent_point: str
+) -> OutputStore:
+    """Record a chain at ``consistent_point`` and store ``(start, end, transform_lsn)`` ranges
+    without rows: what a receive of those ranges would leave, watermarks only."""
+    store.record_chain("slot", Lsn(consistent_point), "snap")
+    for start, end, transform in ranges:
+        with store.writer(LsnRange(start, end)) as writer:
+            writer.commit(range_manifest(start, end, transform))
+    return store

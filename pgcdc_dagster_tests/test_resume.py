@@ -1,0 +1,626 @@
+"""Crash anywhere, re-run converges: real ``pgcdc`` processes, real SIGKILL, real servers.
+
+Every scenario runs the command a user runs (``pgcdc catchup`` / ``pgcdc snapshot``, fresh
+processes, the shipped ``dagster.yaml`` on PostgreSQL storage) against its own source, target
+and Dagster-storage clusters (this module crashes and restarts them). A process is killed with
+its whole process group at a named fault point (``PGCDC_FAILPOINT``, :mod:`.failpoints`) or at
+a random moment; then one plain command must finish the job: the target equals the source
+(row counts and content hashes), the insert-only table without a key has exactly the source's
+rows, and no Dagster run is left not finished.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+import pytest
+from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
+from psycopg import sql
+
+from pgcdc_dagster.defs.partitions import LSN_RANGES
+from pgcdc_dagster.demo.local_cluster import (
+    LOGICAL_SOURCE_SETTINGS,
+    LocalCluster,
+    temporary_cluster,
+)
+from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.lsn import LsnRange
+from pgcdc_dagster.engine.settings import ReplicationSettings
+
+REPO = Path(__file__).resolve().parent.parent
+PGCDC = str(Path(sys.executable).parent / "pgcdc")
+
+SCHEMA = """
+CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL, filler text);
+INSERT INTO accounts SELECT g, 0, repeat('a', 60) FROM generate_series(1, 20000) g;
+CREATE TABLE history (account int, delta int, at timestamptz NOT NULL DEFAULT now());
+ALTER TABLE history REPLICA IDENTITY FULL;
+CREATE TABLE docs (id int PRIMARY KEY, title text, body text);
+ALTER TABLE docs ALTER COLUMN body SET STORAGE EXTERNAL;
+INSERT INTO docs SELECT g, 't' || g, repeat(md5(g::text), 300) FROM generate_series(1, 30) g;
+"""
+
+BULK = """
+CREATE TABLE bulk (id int PRIMARY KEY, v text NOT NULL);
+INSERT INTO bulk SELECT g, md5(g::text) FROM generate_series(1, 1000000) g;
+"""
+"""Makes the snapshot's copy last about a second, so a kill can land in the middle of it."""
+
+
+class Writer:
+    """Small transactions on the source, as a busy application commits them: account updates
+    with a history insert (no key, REPLICA IDENTITY FULL), title updates that leave a TOASTed
+    body unchanged, new TOASTed documents."""
+
+    def __init__(self, dsn: str, seed: int) -> None:
+        self.dsn = dsn
+        self.random = random.Random(seed)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.committed = 0
+        self.next_doc = 1000 + seed * 100000
+
+    def _run(self) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop_event.is_set():
+                with conn.transaction():
+                    for _ in range(self.random.randrange(1, 4)):
+                        account = self.random.randrange(1, 20001)
+                        delta = self.random.randrange(-50, 50)
+                        conn.execute(
+                            "UPDATE accounts SET balance = balance + %s WHERE id = %s",
+                            (delta, account),
+                        )
+                        conn.execute(
+                            "INSERT INTO history (account, delta) VALUES (%s, %s)",
+                            (account, delta),
+                        )
+                    roll = self.random.random()
+                    if roll < 0.1:
+                        conn.execute(
+                            "UPDATE docs SET title = title || '.' WHERE id = %s",
+                            (self.random.randrange(1, 31),),
+                        )
+                    elif roll < 0.13:
+                        self.next_doc += 1
+                        conn.execute(
+                            "INSERT INTO docs VALUES (%s, 'new', repeat(md5(%s::text), 300))",
+                            (self.next_doc, self.next_doc),
+                        )
+                self.committed += 1
+                time.sleep(0.004)
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+
+@dataclass
+class Clusters:
+    source: LocalCluster
+    target: LocalCluster
+    storage: LocalCluster
+
+
+@pytest.fixture(scope="module")
+def clusters() -> Iterator[Clusters]:
+    """Clusters of this module alone: its tests crash and restart them."""
+    made = [
+        temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-resume-source-").start(),
+        temporary_cluster(prefix="pgcdc-resume-target-").start(),
+        temporary_cluster(prefix="pgcdc-resume-storage-").start(),
+    ]
+    try:
+        yield Clusters(*made)
+    finally:
+        for cluster in made:
+            cluster.destroy()
+
+
+@dataclass
+class Site:
+    """One replication (source and target databases, store, slot, Dagster storage) driven
+    through the ``pgcdc`` command in fresh processes."""
+
+    clusters: Clusters
+    env: dict[str, str]
+    settings: ReplicationSettings
+    home: Path
+    killed_runs: list[str] = field(default_factory=list)
+
+    def pgcdc(
+        self, *args: str, failpoint: str | None = None, timeout: float = 240
+    ) -> subprocess.CompletedProcess[str]:
+        running = self.start(*args, failpoint=failpoint)
+        try:
+            out, err = running.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # A hang is a bug to read, not a timeout to retry: Python's fault handler prints
+            # every thread's stack on SIGABRT.
+            servers = self.server_activity()
+            os.kill(running.pid, signal.SIGABRT)
+            out, err = running.communicate(timeout=30)
+            os.killpg(running.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"pgcdc {' '.join(args)} hung for {timeout} s:\n{servers}\n{err}"
+            ) from None
+        return subprocess.CompletedProcess(running.args, running.returncode, out, err)
+
+    def start(self, *args: str, failpoint: str | None = None) -> subprocess.Popen[str]:
+        env = {**os.environ, **self.env, "PYTHONFAULTHANDLER": "1"}
+        env.pop("PGCDC_FAILPOINT", None)
+        if failpoint:
+            env["PGCDC_FAILPOINT"] = failpoint
+        return subprocess.Popen(
+            [PGCDC, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def server_activity(self) -> str:
+        """What the servers are doing (for a hang's report)."""
+        lines = []
+        for role, dsn in (
+            ("source", self.settings.source_dsn),
+            ("target", self.settings.target_dsn),
+        ):
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                lsns = conn.execute(
+                    "SELECT pg_current_wal_flush_lsn(), pg_current_wal_insert_lsn()"
+                ).fetchone()
+                lines.append(f"{role} flush/insert {lsns}")
+                for row in conn.execute(
+                    "SELECT pid, state, wait_event_type, wait_event, left(query, 120) "
+                    "FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND pid <> pg_backend_pid()"
+                ):
+                    lines.append(f"{role} {row}")
+        return "\n".join(lines)
+
+    def instance(self) -> DagsterInstance:
+        storage = {"postgres": {"postgres_url": self.env["DAGSTER_POSTGRES_URL"]}}
+        ref = InstanceRef.from_dir(str(self.home), overrides={"storage": storage})
+        return DagsterInstance.from_ref(ref)
+
+    def writer(self, seed: int) -> Writer:
+        return Writer(self.settings.source_dsn, seed)
+
+    def assert_converged(self) -> None:
+        comparisons = verify.compare_tables(
+            self.settings, pipeline.replicated_tables(self.settings)
+        )
+        assert comparisons and all(c.equal for c in comparisons), [
+            (str(c.table), c.source_rows, c.target_rows) for c in comparisons if not c.equal
+        ]
+        history = {str(c.table): c for c in comparisons}["public.history"]
+        assert history.target_rows == history.source_rows > 0
+        with self.instance() as instance:
+            unfinished = instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+            assert unfinished == [], [(r.job_name, r.status) for r in unfinished]
+
+    def assert_killed_run_marked_failed(self) -> None:
+        """The run of the killed process is failed, and says why, in the UI's event log."""
+        with self.instance() as instance:
+            failed = [
+                run
+                for run in instance.get_runs(RunsFilter(statuses=[DagsterRunStatus.FAILURE]))
+                if run.run_id not in self.killed_runs
+                and any(
+                    "worker is gone" in (e.message or "") for e in instance.all_logs(run.run_id)
+                )
+            ]
+            assert failed, "no run was marked failed for the killed process"
+            self.killed_runs += [run.run_id for run in failed]
+
+
+def error_line(stderr: str) -> str:
+    """The one line of a failed command, after any notice about runs it found dead."""
+    lines = stderr.strip().splitlines()
+    notices = [ln for ln in lines[:-1] if "was left unfinished" in ln]
+    assert len(notices) == len(lines) - 1, stderr
+    return lines[-1] if lines else ""
+
+
+def _create_database(cluster: LocalCluster, name: str) -> str:
+    with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    return cluster.dsn(name)
+
+
+def make_site(clusters: Clusters, tmp: Path, *, bulk: bool = False) -> Site:
+    suffix = uuid.uuid4().hex[:8]
+    source = _create_database(clusters.source, f"src_{suffix}")
+    target = _create_database(clusters.target, f"tgt_{suffix}")
+    _create_database(clusters.storage, f"dagster_{suffix}")
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+        if bulk:
+            conn.execute(BULK)
+    home = tmp / f"dagster_home_{suffix}"
+    home.mkdir(parents=True)
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        "PGCDC_SOURCE_DSN": source,
+        "PGCDC_TARGET_DSN": target,
+        "PGCDC_STORE": str(tmp / f"store_{suffix}"),
+        "PGCDC_SLOT": f"resume_{suffix}",
+        "PGCDC_RANGE_MAX_BYTES": str(256 * 1024),
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": (
+            f"postgresql+psycopg2://postgres@127.0.0.1:{clusters.storage.port}/dagster_{suffix}"
+        ),
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
+    return Site(clusters, env, ReplicationSettings.from_env(env), home)
+
+
+@pytest.fixture(scope="module")
+def site(clusters: Clusters, tmp_path_factory: pytest.TempPathFactory) -> Site:
+    """A replication with its base snapshot taken: the catch-up scenarios share it, each one
+    starting from the converged state the previous one left. (They come first in this module:
+    the snapshot and daemon scenarios after them write hundreds of MB of WAL in other
+    databases of the same source, which this slot would then cross in 256 KiB ranges.)"""
+    made = make_site(clusters, tmp_path_factory.mktemp("resume"))
+    taken = made.pgcdc("snapshot")
+    assert taken.returncode == 0, taken.stderr
+    return made
+
+
+CATCHUP_POINTS = [
+    "receive.fetching",
+    "receive.after_store",
+    "catchup.before_apply",
+    "apply.in_transaction",
+    "apply.after_commit",
+]
+
+
+@pytest.mark.parametrize("point", CATCHUP_POINTS)
+def test_kill_at_a_catchup_fault_point_then_a_plain_catchup_converges(site: Site, point: str):
+    with site.writer(seed=CATCHUP_POINTS.index(point)) as writer:
+        time.sleep(1.0)
+        killed = site.pgcdc("catchup", "--endpos", "current", failpoint=f"{point}=kill-group")
+    assert writer.committed > 0
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    assert "caught up to" in done.stdout
+    assert "left unfinished" in done.stderr  # the killed run was found dead and said so
+    site.assert_converged()
+    site.assert_killed_run_marked_failed()
+
+
+SENSOR_TICK = """
+from dagster import DagsterInstance, build_sensor_context
+from pgcdc_dagster.definitions import defs
+loaded = defs()
+sensor = loaded.resolve_sensor_def("slot_progress_sensor")
+with build_sensor_context(
+    instance=DagsterInstance.get(), resources={"pgcdc": loaded.resources["pgcdc"]}
+) as context:
+    sensor(context)
+"""
+
+
+def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_converges(site: Site):
+    with site.writer(seed=11):
+        time.sleep(1.0)
+    env = {**os.environ, **site.env, "PGCDC_FAILPOINT": "sensor.after_register"}
+    tick = subprocess.run(
+        [sys.executable, "-c", SENSOR_TICK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert tick.returncode == -signal.SIGKILL, tick.stderr
+    store = pipeline.store_of(site.settings)
+    with site.instance() as instance:
+        orphans = [
+            key
+            for key in instance.get_dynamic_partitions(LSN_RANGES)
+            if store.get(LsnRange.from_key(key)) is None
+        ]
+    assert len(orphans) == 1  # registered, never run
+
+    with site.writer(seed=12):
+        time.sleep(0.5)
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+    with site.instance() as instance:
+        keys = instance.get_dynamic_partitions(LSN_RANGES)
+    # The partitions are a view of the store's chain again: the orphan was replaced.
+    assert all(store.get(LsnRange.from_key(key)) is not None for key in keys)
+
+
+def _wait_for(condition, what: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _session_waiting(dsn: str, state: str, query_like: str = "%") -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state = %s AND query LIKE %s AND pid <> pg_backend_pid()",
+            (state, query_like),
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def server_gone_under_a_running_catchup(
+    site: Site,
+    seed: int,
+    pause: str,
+    reached: Callable[[], bool],
+    restart: Callable[[], None],
+    server: str,
+) -> None:
+    """Pause a running catch-up at a fault point, restart a server under it: the command fails
+    with one line naming that server, and the next plain catch-up converges."""
+    with site.writer(seed=seed):
+        time.sleep(1.0)
+    running = site.start("catchup", "--endpos", "current", failpoint=pause)
+    _wait_for(reached, f"the catch-up to reach {pause}")
+    restart()
+    _, err = running.communicate(timeout=120)
+    assert running.returncode not in (0, -signal.SIGKILL)
+    line = error_line(err)
+    assert f"{server} PostgreSQL" in line and "lost the connection" in line, line
+
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+def test_target_crash_under_a_running_catchup_fails_in_one_line_and_the_next_converges(site: Site):
+    target = site.clusters.target
+
+    def crash() -> None:
+        target.crash()
+        target.start()
+
+    server_gone_under_a_running_catchup(
+        site,
+        seed=21,
+        pause="apply.in_transaction=sleep(10)",
+        reached=lambda: _session_waiting(site.settings.target_dsn, "idle in transaction"),
+        restart=crash,
+        server="target",
+    )
+
+
+def test_source_restart_under_a_running_catchup_fails_in_one_line_and_the_next_converges(
+    site: Site,
+):
+    source = site.clusters.source
+
+    def restart() -> None:
+        source.stop()
+        source.start()
+
+    server_gone_under_a_running_catchup(
+        site,
+        seed=31,
+        pause="receive.fetching=sleep(10)@1",
+        reached=lambda: _session_waiting(
+            site.settings.source_dsn, "idle in transaction", "%pgcdc_receive%"
+        ),
+        restart=restart,
+        server="source",
+    )
+
+
+def test_random_kills_of_catchup_then_a_plain_catchup_converges(site: Site):
+    """Seeded, bounded: five runs killed at random moments (during start-up, receive or apply)
+    while a writer commits, under 25 s of kills; then one plain catch-up."""
+    chance = random.Random(20261123)
+    kills = 0
+    with site.writer(seed=41):
+        for _ in range(5):
+            running = site.start("catchup", "--endpos", "current")
+            time.sleep(chance.uniform(1.0, 4.5))
+            if running.poll() is None:
+                os.killpg(running.pid, signal.SIGKILL)
+                kills += 1
+            running.communicate(timeout=60)
+    assert kills >= 3
+    started = time.monotonic()
+    done = site.pgcdc("catchup", "--endpos", "current")
+    converged_s = time.monotonic() - started
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+    print(f"\nrandom kills: {kills}; plain catch-up converged in {converged_s:.1f} s")
+
+
+def test_wiping_dagsters_storage_changes_nothing_catchup_does(site: Site, clusters: Clusters):
+    """Dagster's runs and partitions are a view: a fresh, empty Dagster storage plans the same
+    next range and converges."""
+    fresh = f"dagster_wiped_{uuid.uuid4().hex[:8]}"
+    _create_database(clusters.storage, fresh)
+    wiped = Site(
+        clusters,
+        {
+            **site.env,
+            "DAGSTER_POSTGRES_URL": (
+                f"postgresql+psycopg2://postgres@127.0.0.1:{clusters.storage.port}/{fresh}"
+            ),
+        },
+        site.settings,
+        site.home,
+    )
+    store = pipeline.store_of(site.settings)
+    chain_end = store.chain_end()
+    with site.writer(seed=61):
+        time.sleep(1.0)
+    done = wiped.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    wiped.assert_converged()
+    with wiped.instance() as instance:
+        keys = sorted(instance.get_dynamic_partitions(LSN_RANGES))
+    assert keys and LsnRange.from_key(keys[0]).start == chain_end
+
+
+SNAPSHOT_POINTS = [
+    "snapshot.after_marker",
+    "snapshot.after_slot",
+    "snapshot.copying",
+    "snapshot.after_copy",
+    "snapshot.after_post_data",
+    "snapshot.after_origin",
+]
+
+
+def test_snapshot_killed_at_every_step_is_never_taken_for_a_snapshot_and_is_redone(
+    clusters: Clusters, tmp_path: Path
+):
+    fresh = make_site(clusters, tmp_path, bulk=True)
+    for point in SNAPSHOT_POINTS:
+        killed = fresh.pgcdc("snapshot", failpoint=f"{point}=kill-group")
+        assert killed.returncode == -signal.SIGKILL, (point, killed.stderr)
+        # Whatever the killed snapshot left, catch-up refuses it in one line naming the fix.
+        refused = fresh.pgcdc("catchup", "--endpos", "current")
+        assert refused.returncode != 0, (point, refused.stdout)
+        line = error_line(refused.stderr)
+        assert "pgcdc snapshot" in line, (point, line)
+
+    redone = fresh.pgcdc("snapshot")
+    assert redone.returncode == 0, redone.stderr
+    assert "did not finish" in redone.stderr and "taking it again" in redone.stderr
+    with fresh.writer(seed=51):
+        time.sleep(1.0)
+    done = fresh.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    fresh.assert_converged()
+    with psycopg.connect(fresh.settings.source_dsn) as conn:
+        slots = conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s",
+            (fresh.settings.slot,),
+        ).fetchone()
+    assert slots == (1,)  # every killed attempt's slot was dropped and replaced by one
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every live descendant of ``root``: pid -> command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            commands[int(entry.name)] = (
+                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            )
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: dict[int, str] = {}
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in found:
+                found[child] = commands.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_killed(
+    clusters: Clusters, tmp_path: Path
+):
+    """dagster-daemon with the slot sensor and the shipped dagster.yaml: run workers SIGKILLed
+    at random moments while a writer commits, the code server killed once; after the writer
+    stops, the sensor alone brings the target to the source within a bounded time."""
+    fresh = make_site(clusters, tmp_path)
+    fresh.env.update(
+        {
+            "PGCDC_SENSOR_INTERVAL": "1",
+            "PGCDC_DEAD_RUN_GRACE": "5",
+            "PGCDC_RANGE_MAX_BYTES": str(4 * 1024 * 1024),
+        }
+    )
+    taken = fresh.pgcdc("snapshot")
+    assert taken.returncode == 0, taken.stderr
+    daemon = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "dagster-daemon"),
+            "run",
+            "-w",
+            str(REPO / "workspace.yaml"),
+        ],
+        cwd=REPO,
+        env={**os.environ, **fresh.env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    chance = random.Random(7)
+    workers_killed = 0
+    code_server_killed = False
+    try:
+        with fresh.writer(seed=71):
+            writing_until = time.monotonic() + 35
+            while time.monotonic() < writing_until:
+                time.sleep(chance.uniform(1.0, 4.0))
+                tree = _descendants(daemon.pid)
+                # The code server spawns each run worker through multiprocessing.
+                workers = [pid for pid, cmd in tree.items() if "multiprocessing.spawn" in cmd]
+                if workers:
+                    os.kill(chance.choice(workers), signal.SIGKILL)
+                    workers_killed += 1
+                if not code_server_killed and time.monotonic() > writing_until - 20:
+                    servers = [pid for pid, cmd in tree.items() if "api grpc" in cmd]
+                    for pid in servers:
+                        os.kill(pid, signal.SIGKILL)
+                    code_server_killed = bool(servers)
+        stopped = time.monotonic()
+        endpos = pipeline.resolve_endpos(fresh.settings, "current")
+
+        def converged() -> bool:
+            from pgcdc_dagster.engine.next_step import CaughtUp
+
+            try:
+                if not isinstance(pipeline.next_step(fresh.settings, endpos), CaughtUp):
+                    return False
+            except Exception:
+                return False
+            with fresh.instance() as instance:
+                return not instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+
+        _wait_for(converged, "the daemon to catch up", timeout=240)
+        converge_s = time.monotonic() - stopped
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+    assert workers_killed >= 2 and code_server_killed
+    fresh.assert_converged()
+    print(
+        f"\ndaemon: {workers_killed} run workers and the code server killed; "
+        f"converged {converge_s:.1f} s after the writer stopped"
+    )
