@@ -8,9 +8,12 @@ run shows in the UI beside the sensor's. Errors are one line (``--debug`` for th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from .defs.runner import (
@@ -50,39 +53,84 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_catchup(args: argparse.Namespace) -> int:
+    """Follow with an endpos: one pipelined run up to it."""
+    return _follow(args, args.endpos, "pgcdc catchup")
+
+
+def cmd_follow(args: argparse.Namespace) -> int:
+    """Follow until SIGTERM/SIGINT (or an endpos, when given)."""
+    return _follow(args, args.endpos, "pgcdc follow")
+
+
+def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
+    from .defs.jobs import NO_ENDPOS
     from .engine import pipeline
     from .engine.next_step import CaughtUp
 
     settings = ReplicationSettings.from_env()
     instance = dagster_instance()
-    clear_the_way(instance, settings, args.wait, "pgcdc catchup")
-    target = pipeline.resolve_endpos(settings, args.endpos)
-    result = run_job(
-        "follow", run_config={"ops": {"follow_stream": {"config": {"endpos": str(target)}}}}
-    )
+    clear_the_way(instance, settings, args.wait, command)
+    target = pipeline.resolve_endpos(settings, endpos) if endpos else None
+    config = {"endpos": str(target) if target else NO_ENDPOS}
+    with _stop_follow_on_signals():
+        result = run_job("follow", run_config={"ops": {"follow_stream": {"config": config}}})
     ran = [
         event.step_materialization_data.materialization.partition
         for event in result.get_asset_materialization_events()
         if event.step_materialization_data.materialization.asset_key.to_user_string()
         == "decoded_changes"
     ]
+    summary = _range_summary(settings, ran)
+    if target is None:
+        summary["stopped"] = True
+        _print_summary(args, summary, f"stopped at a range boundary: {len(ran)} range(s) run")
+        return 0
     # "Caught up" is the origin's word, read again now, not the run's.
     step = pipeline.next_step(settings, target)
     if not isinstance(step, CaughtUp):
+        if _stop_requested:
+            _print_summary(args, summary, f"stopped before {target}: {len(ran)} range(s) run")
+            return 0
         raise CliError(f"not caught up to {target}: the next step is to {step.describe()}")
-    summary = _range_summary(settings, ran)
     summary["endpos_requested"] = str(target)
+    _print_summary(args, summary, f"caught up to {target}: {len(ran)} range(s) run")
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: str) -> None:
     if args.json:
         print(json.dumps(summary, indent=2))
-    else:
-        last = summary.get("last_range") or {}
-        print(
-            f"caught up to {target}: {len(ran)} range(s) run; last range "
-            f"{last.get('range_key', '-')} outcome {last.get('endpos_outcome', '-')}, "
-            f"transform_lsn {last.get('transform_lsn', '-')}, replay_lsn "
-            f"{summary.get('replay_lsn')}"
-        )
-    return 0
+        return
+    last = summary.get("last_range") or {}
+    print(
+        f"{headline}; last range {last.get('range_key', '-')} outcome "
+        f"{last.get('endpos_outcome', '-')}, transform_lsn {last.get('transform_lsn', '-')}, "
+        f"replay_lsn {summary.get('replay_lsn')}"
+    )
+
+
+_stop_requested = False
+
+
+@contextlib.contextmanager
+def _stop_follow_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT stop the follower at its next range boundary (exit 0); a second one,
+    or one before the follower runs, interrupts as usual."""
+    from .engine.follow import stop_all
+
+    def handler(signum: int, frame: Any) -> None:
+        global _stop_requested
+        if not _stop_requested and stop_all(signal.Signals(signum).name):
+            _stop_requested = True
+            return
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, Any]:
@@ -210,11 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resnapshot", action="store_true", help="re-copy a populated target")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
     p.set_defaults(func=cmd_snapshot)
-    p = sub.add_parser("catchup", help="receive and apply ranges up to endpos")
+    p = sub.add_parser("catchup", help="receive and apply up to endpos (follow with an endpos)")
     p.add_argument("--endpos", default="current", help="an LSN X/Y, or 'current' (default)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
     p.set_defaults(func=cmd_catchup)
+    p = sub.add_parser("follow", help="receive and apply continuously, until SIGTERM/SIGINT")
+    p.add_argument("--endpos", default=None, help="stop at this LSN X/Y, or 'current'")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
+    p.set_defaults(func=cmd_follow)
     p = sub.add_parser("status", help="slot positions, lag, last range, replay LSN")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)

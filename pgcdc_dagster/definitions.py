@@ -163,7 +163,9 @@ def build_definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
-        sensors=[build_slot_sensor(settings.sensor_interval, settings.dead_run_grace)],
+        sensors=[
+            build_slot_sensor(settings.sensor_interval, settings.dead_run_grace, settings.mode)
+        ],
         resources=default_resources(settings),
     )
 

@@ -71,8 +71,8 @@ def test_snapshot_catchup_status_verify_from_the_command_line(cli_env, capsys):
         conn.execute("UPDATE items SET name = 'changed' WHERE id = 5")
         conn.execute("DELETE FROM items WHERE id = 6")
 
-    code, out, _ = run_cli(capsys, "catchup", "--json")
-    assert code == 0
+    code, out, err = run_cli(capsys, "catchup", "--json")
+    assert code == 0, err
     summary = json.loads(out)
     assert len(summary["ranges"]) == 1
     last = summary["last_range"]

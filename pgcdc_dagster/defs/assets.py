@@ -25,7 +25,8 @@ from ..engine import pipeline, verify
 from ..engine.catalog import ColumnInfo
 from ..engine.errors import PgcdcError
 from ..engine.identifiers import TableName
-from ..engine.lsn import Lsn, LsnRange
+from ..engine.lsn import LsnRange
+from .following import follow_events, new_follower
 from .keys import (
     BASE_SNAPSHOT_KEY,
     CUTOVER_KEY,
@@ -42,7 +43,7 @@ from .metadata import (
     table_metadata,
 )
 from .partitions import lsn_ranges
-from .range_events import NO_GAP, no_gap_evaluation, range_events, register_range
+from .range_events import NO_GAP, no_gap_evaluation
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .row_counts import TargetRowCounts
 from .runs import lock_holder_name
@@ -257,20 +258,20 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         settings = pgcdc.settings(spark)
         try:
             target_lsn = pipeline.resolve_endpos(settings, config.endpos)
-            steps = catch_up_logging_ranges(
-                context, settings, tables, target_lsn, lambda: spark.spark_session
-            )
+            follower = new_follower(settings, target_lsn, lambda: spark.spark_session)
+            for event in follow_events(context, settings, tables, follower):
+                context.log_event(event)
             sequences = sync_sequences(settings.source_dsn, settings.target_dsn)
             comparisons = verify.compare_tables(settings, tables)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
-        last = steps[-1].received if steps else None
+        last = follower.summary.last
         differing = [str(c.table) for c in comparisons if not c.equal]
         yield MaterializeResult(
             metadata={
                 "endpos": str(target_lsn),
                 "endpos_outcome": str(last.endpos_outcome) if last else "empty",
-                "ranges": len(steps),
+                "ranges": follower.summary.ranges,
                 "sequences_synced": len(sequences),
                 **comparison_metadata(comparisons),
             }
@@ -286,37 +287,6 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         )
 
     return cutover
-
-
-def catch_up_logging_ranges(
-    context: Any,
-    settings: pipeline.ReplicationSettings,
-    tables: Sequence[TableName],
-    endpos: Lsn,
-    spark: Any,
-) -> list[pipeline.RangeDone]:
-    """Catch up to ``endpos`` inside this run (which holds the range lock), recording each range
-    as the per-range job would: its partition, its materialisations, its ``no_gap`` evaluation.
-    A failed ``no_gap`` is blocking: it stops the run."""
-    done: list[pipeline.RangeDone] = []
-    row_counts = TargetRowCounts(context.instance, settings, tables)
-    for step in pipeline.catch_up(
-        settings,
-        endpos,
-        run_step=lambda step: pipeline.run_step_in_process(settings, step, spark),
-    ):
-        rng = LsnRange.from_key(step.received.range_key)
-        register_range(context.instance, settings, rng)
-        lag = _lag(settings)
-        for event in range_events(tables, settings, step, lag, row_counts.after(step.applied)):
-            context.log_event(event)
-        if tables:
-            gap = no_gap_evaluation(settings, target_key(tables[0]), rng)
-            context.log_event(gap)
-            if not gap.passed:
-                raise Failure(description=gap.description)
-        done.append(step)
-    return done
 
 
 def _lag(settings: pipeline.ReplicationSettings) -> int | None:

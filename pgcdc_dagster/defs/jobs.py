@@ -1,34 +1,41 @@
-"""The ``follow`` job: one run that catches the target up, range after range.
+"""The ``follow`` job: one long-lived run that receives and applies continuously.
 
-``pgcdc catchup --endpos L`` runs it. The run holds the range lock for its whole life (through
-:class:`~pgcdc_dagster.defs.resources.RangeLockResource`); every range it receives and applies is
-registered as an ``lsn_ranges`` partition and materialised from inside the run, with the same
-metadata as a per-range run, so the UI's partitions and lineage look the same whichever way a
-range was taken.
+``pgcdc follow`` runs it until stopped, ``pgcdc catchup --endpos L`` runs it up to ``L``, and the
+slot sensor in ``follow`` mode keeps one alive. The run holds the range lock for its whole life
+(through :class:`~pgcdc_dagster.defs.resources.RangeLockResource`); every range it takes is
+registered as an ``lsn_ranges`` partition and materialised from inside the run as it is applied
+(:mod:`.following`), so the UI's partitions and lineage look the same whichever way a range was
+taken. Terminating the run from the UI (or SIGINT/SIGTERM to ``pgcdc``) stops it at a range
+boundary.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from dagster import Config, JobDefinition, OpExecutionContext, in_process_executor, job, op
 
 from ..engine import pipeline
 from ..engine.identifiers import TableName
-from .assets import ENGINE_ERRORS, as_failure, catch_up_logging_ranges
+from .assets import ENGINE_ERRORS, as_failure
+from .following import follow_events, new_follower
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .runs import RANGE_LOCK_TAG
 
 FOLLOW_JOB = "follow"
+NO_ENDPOS = "none"
 
 
 class FollowConfig(Config):
-    endpos: str = "current"
-    """Where to stop: ``current`` (the source's flushed WAL when the run starts) or ``X/Y``."""
+    endpos: str = NO_ENDPOS
+    """Where to stop: ``none`` (follow until stopped), ``current`` (the source's flushed WAL
+    when the run starts) or an LSN ``X/Y``."""
 
 
 def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
     @op(
         name="follow_stream",
-        description="Receive and apply ranges until the target has caught up to endpos.",
+        out={},  # it yields events only
+        description="Receive and apply ranges continuously, until endpos or a stop.",
     )
     def follow_stream(
         context: OpExecutionContext,
@@ -36,22 +43,28 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
         pgcdc: PgcdcResource,
         spark: SparkResource,
         range_lock: RangeLockResource,
-    ) -> None:
+    ) -> Iterator[Any]:
         settings = pgcdc.settings(spark)
         try:
-            endpos = pipeline.resolve_endpos(settings, config.endpos)
-            done = catch_up_logging_ranges(
-                context, settings, tables, endpos, lambda: spark.spark_session
+            endpos = (
+                None
+                if config.endpos.strip().lower() == NO_ENDPOS
+                else pipeline.resolve_endpos(settings, config.endpos)
             )
+            follower = new_follower(settings, endpos, lambda: spark.spark_session)
+            context.log.info(
+                f"following slot {settings.slot}" + (f" up to {endpos}" if endpos else "")
+            )
+            yield from follow_events(context, settings, tables, follower)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
-        context.log.info(f"caught up to {endpos}: {len(done)} range(s) received and applied")
 
     @job(
         name=FOLLOW_JOB,
         executor_def=in_process_executor,
         tags={RANGE_LOCK_TAG: "follow"},
-        description="Catch the target up to endpos in one run, range after range.",
+        description="Follow the source: receive and apply continuously in one run, every "
+        "range a partition; up to an endpos or until stopped.",
     )
     def follow() -> None:
         follow_stream()

@@ -22,7 +22,7 @@ from dagster import (
 
 from ..engine import pipeline
 from ..engine.identifiers import TableName
-from ..engine.lsn import LsnRange
+from ..engine.lsn import Lsn, LsnRange
 from .keys import DECODED_CHANGES_KEY, target_key
 from .metadata import apply_metadata, receive_metadata, text
 from .partitions import LSN_RANGES
@@ -45,12 +45,18 @@ def register_range(
 
 
 def no_gap_evaluation(
-    settings: pipeline.ReplicationSettings, key: AssetKey, rng: LsnRange
+    settings: pipeline.ReplicationSettings,
+    key: AssetKey,
+    rng: LsnRange,
+    origin_progress: Lsn | None = None,
 ) -> AssetCheckEvaluation:
     """Whether the target's origin stands exactly at the last commit stored up to ``rng``: no
-    range before it skipped, none half applied. Blocking: a failure stops the run."""
+    range before it skipped, none half applied. Blocking: a failure stops the run.
+
+    ``origin_progress`` is the origin's progress as the apply of ``rng`` left it, read in its
+    transaction (a follower passes it instead of asking the target again for every range)."""
     expected = pipeline.expected_origin_progress(settings, through=rng)
-    actual = pipeline.origin_progress(settings)
+    actual = origin_progress or pipeline.origin_progress(settings)
     passed = expected is None or actual == expected
     return AssetCheckEvaluation(
         asset_key=key,

@@ -10,8 +10,11 @@ Each tick (every query has a 3 s timeout):
 3. ask the engine for the next step (:func:`pipeline.next_step`, the durable facts only) towards
    the flushed WAL position: a stored range not yet applied, the next range to receive (capped
    in bytes), or nothing;
-4. register that range as a partition (idempotently) and request its ``catchup`` run. No
-   ``run_key``: Dagster never launches a run key twice, and a retry must be able to.
+4. in ``range`` mode, register that range as a partition (idempotently) and request its
+   ``catchup`` run; in ``follow`` mode (``PGCDC_MODE=follow``), request one ``follow`` run that
+   receives and applies continuously, whatever the next step is: a follower is kept alive, and
+   when it dies the next tick finds it dead and starts another. No ``run_key``: Dagster never
+   launches a run key twice, and a retry must be able to.
 """
 
 from dagster import (
@@ -28,6 +31,7 @@ from ..engine.failpoints import failpoint
 from ..engine.next_step import CaughtUp
 from ..engine.range_lock import lock_holders
 from .assets import ENGINE_ERRORS
+from .jobs import FOLLOW_JOB
 from .keys import SLOT_KEY
 from .metadata import number, text
 from .range_events import register_range
@@ -37,15 +41,17 @@ from .runs import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
 CATCHUP_JOB = "catchup"
 
 
-def build_slot_sensor(interval_s: int, grace_s: float, job_name: str = CATCHUP_JOB):  # type: ignore[no-untyped-def]
+def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # type: ignore[no-untyped-def]
+    follow = mode == "follow"
+
     @sensor(
         name="slot_progress_sensor",
-        job_name=job_name,
+        job_name=FOLLOW_JOB if follow else CATCHUP_JOB,
         minimum_interval_seconds=interval_s,
         default_status=DefaultSensorStatus.RUNNING,
-        description="Requests the next catch-up run when the source has new WAL or a stored "
-        "range is not applied, fails runs whose worker died, reports the slot's lag and "
-        "retained WAL.",
+        description="Keeps catch-up going: a follow run alive (follow mode) or the next "
+        "per-range catch-up run (range mode); fails runs whose worker died; reports the slot's "
+        "lag and retained WAL.",
     )
     def slot_progress_sensor(
         context: SensorEvaluationContext,
@@ -93,6 +99,8 @@ def build_slot_sensor(interval_s: int, grace_s: float, job_name: str = CATCHUP_J
             step = pipeline.next_step(settings, positions.flush_lsn, timeout_s=3)
         except ENGINE_ERRORS as exc:
             return SensorResult(asset_events=events, skip_reason=str(exc))
+        if follow:
+            return SensorResult(asset_events=events, run_requests=[RunRequest()])
         if isinstance(step, CaughtUp):
             return SensorResult(asset_events=events, skip_reason=f"{step.describe()}: no new WAL")
         register_range(context.instance, settings, step.range)

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -89,6 +90,7 @@ def demo_environment(base: Path, clusters: DemoClusters) -> dict[str, str]:
         "PGCDC_STORE": str(base / "store"),
         "PGCDC_RANGE_MAX_BYTES": str(8 * 1024 * 1024),
         "PGCDC_SENSOR_INTERVAL": "1",
+        "PGCDC_MODE": "follow",
         "DAGSTER_HOME": str(home),
         "DAGSTER_POSTGRES_URL": storage_url,
         "SPARK_LOCAL_IP": "127.0.0.1",
@@ -167,7 +169,7 @@ def probe_freshness(
                 seen = max(seen, probe)
             if not writing.is_set() and seen >= len(sent_at):
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)
 
 
 def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measurements) -> None:
@@ -204,6 +206,9 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
         print(f"  consistent point {consistent_point}")
 
         daemon = start_dagster_process(base, "dagster-daemon", ["run"])
+        print("starting dagster-daemon; its slot sensor starts a follow run ...")
+        follow_start = wait_follow_run(dagster_instance(), settings, timeout_s=120)
+        print(f"  follow run holds the range lock {follow_start:.1f} s after the daemon started")
         print(
             f"workload: pgbench at {tps} tps for {seconds:.0f} s plus side writes; the daemon's "
             "slot sensor catches up ..."
@@ -234,9 +239,11 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
         probes.join(timeout=60)
         stop_probes.set()
         lag.join()
-        clear_the_way(instance, settings, 120, "pgcdc demo")
+        # Stopping the daemon stops its sensor and sends the follow run's worker SIGTERM, which
+        # stops it at a range boundary; then nothing holds the range lock.
         stop_process(daemon)
         daemon = None
+        clear_the_way(instance, settings, 60, "pgcdc demo")
 
         print(
             "cutover (Dagster run of job 'cutover_job'): catch up to the flush LSN, sync "
@@ -246,7 +253,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
         cutover = materialization_metadata(result, "cutover")
         # The cutover run compared every table (its data_consistency check): report that.
         comparisons = [record.data for record in cutover["tables"].records]
-        runs = catchup_run_costs(instance)
+        runs = follow_run_costs(instance)
         print_report(settings, measurements, cutover, comparisons, runs, time.monotonic() - started)
         if ui:
             serve_ui(base)
@@ -255,6 +262,21 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
         if daemon is not None:
             stop_process(daemon)
         clusters.stop()
+
+
+def wait_follow_run(instance: Any, settings: Any, timeout_s: float) -> float:
+    """Seconds until a follow run holds the range lock (the sensor started it)."""
+    from ..engine.range_lock import lock_holders
+
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        with contextlib.suppress(Exception):
+            if lock_holders(settings.target_dsn, settings.slot):
+                return time.monotonic() - started
+        time.sleep(0.2)
+    raise RuntimeError(
+        f"no follow run started within {timeout_s:.0f} s: see {instance.root_directory}"
+    )
 
 
 def wait_caught_up(settings: object, endpos: Lsn, timeout_s: float) -> None:
@@ -291,12 +313,12 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def catchup_run_costs(instance) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
-    """(queued to finished, started to finished) seconds of each successful catch-up run."""
+def follow_run_costs(instance) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
+    """(queued to finished, started to finished) seconds of each successful follow run."""
     from dagster import DagsterRunStatus, RunsFilter
 
     records = instance.get_run_records(
-        RunsFilter(job_name="catchup", statuses=[DagsterRunStatus.SUCCESS])
+        RunsFilter(job_name="follow", statuses=[DagsterRunStatus.SUCCESS])
     )
     costs = []
     for record in records:
@@ -340,11 +362,9 @@ def print_report(settings, measurements, cutover, comparisons, runs, elapsed) ->
         )
         print(f"slot lag over time (bytes)  : {series} (peak {peak // 1024} KiB)")
     if runs:
-        total = statistics.median(r[0] for r in runs)
-        inside = statistics.median(r[1] for r in runs)
         print(
-            f"catch-up runs               : {len(runs)} sensor-driven runs; median {total:.2f} s "
-            f"from run request to done, {inside:.2f} s of it inside the run worker"
+            f"follow runs                 : {len(runs)} (the sensor keeps one alive; each range "
+            "is a partition materialised from inside it)"
         )
     print(
         f"cutover                     : endpos {cutover.get('endpos')}, outcome "

@@ -170,9 +170,11 @@ def receive_range(settings: ReplicationSettings, rng: LsnRange) -> RangeResult:
     store = store_of(settings)
     check_range_order(store, rng)
     with server_errors("source", settings.source_dsn):
-        return receive(
+        result = receive(
             settings.source_dsn, settings.slot, settings.publication, store, rng.start, rng.end
         )
+    assert result is not None  # ranges are kept even when empty unless asked otherwise
+    return result
 
 
 def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:

@@ -90,41 +90,84 @@ def receive(
     lookahead_bytes: int = DEFAULT_LOOKAHEAD_BYTES,
     fetch_rows: int = 20_000,
     spill_rows: int = 100_000,
-) -> RangeResult:
+    conn: psycopg.Connection[Any] | None = None,
+    keep_empty: bool = True,
+) -> RangeResult | None:
     """Store every transaction of ``(range_start, endpos]`` and advance the slot past them.
 
     Idempotent: a range already stored is returned from the store (and the slot advanced to
     its safe point if a crash came between the store and the advance); it is never
     overwritten, even once the slot has moved past its changes.
+
+    ``conn`` is a source connection to reuse (a follower keeps one); otherwise one is opened.
+    With ``keep_empty=False`` a range that would hold no transaction is not stored and the slot
+    is not moved (``None`` is returned): a follower polling an idle source stores an empty
+    range only now and then, to keep the slot moving, not every poll.
     """
-    rng = LsnRange(range_start, endpos)
-    started = time.monotonic()
-    with connect(source_dsn, role="source") as conn:
-        stored = store.get(rng)
-        if stored is not None:
-            advance_slot(conn, slot_name, stored.safe_point)
-            conn.commit()
-            result = dataclasses.replace(stored.manifest.result, already_stored=True)
-            return result
-        _check_publication(conn, publication)
-        flush = _check_position(conn, slot_name, store, rng)
-        upto = Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
-        with store.writer(rng) as writer:
-            decoder = RangeDecoder(rng, writer, spill_rows)
-            _stream_peek(conn, slot_name, publication, rng.end, upto, decoder, fetch_rows)
-            conn.commit()
-            result = decoder.finish(time.monotonic() - started)
-            stored = writer.commit(
-                RangeManifest(
-                    result=result,
-                    relations=decoder.relations_meta,
-                    types={str(oid): name for oid, name in decoder.types.items()},
-                )
+    if conn is None:
+        with connect(source_dsn, role="source") as own:
+            return _receive(
+                own,
+                slot_name,
+                publication,
+                store,
+                LsnRange(range_start, endpos),
+                lookahead_bytes,
+                fetch_rows,
+                spill_rows,
+                keep_empty,
             )
-        result = stored.manifest.result
-        failpoint("receive.after_store")
-        advance_slot(conn, slot_name, Lsn(result.safe_point))
+    return _receive(
+        conn,
+        slot_name,
+        publication,
+        store,
+        LsnRange(range_start, endpos),
+        lookahead_bytes,
+        fetch_rows,
+        spill_rows,
+        keep_empty,
+    )
+
+
+def _receive(
+    conn: psycopg.Connection[Any],
+    slot_name: str,
+    publication: str,
+    store: OutputStore,
+    rng: LsnRange,
+    lookahead_bytes: int,
+    fetch_rows: int,
+    spill_rows: int,
+    keep_empty: bool,
+) -> RangeResult | None:
+    started = time.monotonic()
+    stored = store.get(rng)
+    if stored is not None:
+        advance_slot(conn, slot_name, stored.safe_point)
         conn.commit()
+        return dataclasses.replace(stored.manifest.result, already_stored=True)
+    _check_publication(conn, publication)
+    flush = _check_position(conn, slot_name, store, rng)
+    upto = Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
+    with store.writer(rng) as writer:
+        decoder = RangeDecoder(rng, writer, spill_rows)
+        _stream_peek(conn, slot_name, publication, rng.end, upto, decoder, fetch_rows)
+        conn.commit()
+        result = decoder.finish(time.monotonic() - started)
+        if not keep_empty and result.transactions == 0:
+            return None  # the writer's exit removes its temporary folder
+        stored = writer.commit(
+            RangeManifest(
+                result=result,
+                relations=decoder.relations_meta,
+                types={str(oid): name for oid, name in decoder.types.items()},
+            )
+        )
+    result = stored.manifest.result
+    failpoint("receive.after_store")
+    advance_slot(conn, slot_name, Lsn(result.safe_point))
+    conn.commit()
     result.seconds = round(time.monotonic() - started, 4)
     return result
 

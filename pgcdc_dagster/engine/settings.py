@@ -74,6 +74,15 @@ class ReplicationSettings(BaseModel):
     """``slot_health`` fails above this many bytes of WAL retained by the slot."""
     mode: Literal["follow", "range"] = "range"
     """What the slot sensor keeps going: one long-lived ``follow`` run, or one run per range."""
+    follow_cut_ms: PositiveInt = 200
+    """``follow`` cuts a range at most this often while changes flow (milliseconds)."""
+    follow_range_bytes: PositiveInt = 32 * MiB
+    """``follow``'s cap on one range's WAL: small enough that applying a range overlaps
+    receiving the next one on a backlog, large enough to amortise each range's fixed cost."""
+    follow_idle_s: PositiveFloat = 10.0
+    """On a source with no published change, ``follow`` still stores an (empty) range this
+    often, or once 16 MiB of WAL went by, so the slot keeps moving and retained WAL stays
+    bounded."""
 
     @field_validator("tables", mode="before")
     @classmethod

@@ -1,0 +1,81 @@
+"""The Dagster side of a follower: every range it takes, recorded as a per-range run would.
+
+A follower (:mod:`pgcdc_dagster.engine.follow`) receives and applies inside one long-lived run;
+this turns each range it finishes into the events a per-range run records (its ``lsn_ranges``
+partition, the ``decoded_changes`` and target-table materialisations with the same metadata,
+the blocking ``no_gap`` evaluation), as they happen. The events are *yielded*: an op's
+``context.log_event`` only reaches the event log when the op yields or returns, which for a
+run that follows for hours would be never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from dagster import AssetCheckEvaluation, AssetMaterialization, Failure
+from dagster._core.errors import DagsterExecutionInterruptedError
+
+from ..engine import pipeline
+from ..engine.follow import Follower
+from ..engine.identifiers import TableName
+from ..engine.lsn import Lsn, LsnRange
+from .keys import target_key
+from .range_events import no_gap_evaluation, range_events, register_range
+from .row_counts import TargetRowCounts
+
+INTERRUPTS = (KeyboardInterrupt, DagsterExecutionInterruptedError)
+"""What a stop of the run looks like inside it: SIGINT, or Dagster's termination."""
+
+
+def follow_events(
+    context: Any,
+    settings: pipeline.ReplicationSettings,
+    tables: Sequence[TableName],
+    follower: Follower,
+) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
+    """Run ``follower`` (this run holds the range lock) and yield each range's events as soon
+    as the range is applied. A failed ``no_gap`` stops the follower and fails the run."""
+    row_counts = TargetRowCounts(context.instance, settings, tables)
+    try:
+        yield from _events(context, settings, tables, follower, row_counts)
+    finally:
+        follower.stop("the run ended")  # however it ends: its threads stop at a boundary
+    summary = follower.summary
+    context.log.info(
+        f"follow ended ({summary.stopped_by}): {summary.ranges} range(s), "
+        f"{summary.transactions} transaction(s), {summary.changes} change(s) in "
+        f"{summary.seconds} s; receive busy {summary.receive_busy_s} s, apply busy "
+        f"{summary.apply_busy_s} s, both at once {summary.overlap_s} s"
+    )
+
+
+def _events(
+    context: Any,
+    settings: pipeline.ReplicationSettings,
+    tables: Sequence[TableName],
+    follower: Follower,
+    row_counts: TargetRowCounts,
+) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
+    for followed in follower.run():
+        done = followed.done
+        rng = LsnRange.from_key(done.received.range_key)
+        register_range(context.instance, settings, rng)
+        yield from range_events(
+            tables, settings, done, followed.lag_bytes, row_counts.after(done.applied)
+        )
+        if tables:
+            replay = done.applied.replay_lsn
+            gap = no_gap_evaluation(
+                settings, target_key(tables[0]), rng, Lsn(replay) if replay else None
+            )
+            yield gap
+            if not gap.passed:
+                follower.stop("no_gap failed")
+                raise Failure(description=gap.description)
+
+
+def new_follower(
+    settings: pipeline.ReplicationSettings, endpos: Lsn | None, spark: Any
+) -> Follower:
+    return Follower(settings, endpos, spark=spark, interrupts=INTERRUPTS)

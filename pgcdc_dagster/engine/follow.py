@@ -1,0 +1,334 @@
+"""Follow the source: receive and apply continuously in one process, range after range.
+
+Data flow::
+
+    receiver thread ──(stored range, lag)──▶ bounded queue ──▶ applier thread ──▶ done queue
+    (peek, store, advance the slot)             (2 ranges)     (one target txn     │
+                                                                with the origin)    ▼
+                                                                   caller: yields each range
+
+Ranges are cut at commit boundaries by construction (a range holds the transactions whose
+COMMIT ends in it, see :mod:`.receive`): while changes flow, the receiver cuts one at most every
+``follow_cut_ms`` and caps each at ``follow_range_bytes`` of WAL, so on a backlog the applier
+works on range N while the receiver reads range N+1. Every range goes through the same store,
+the same slot advance (only once it is durable) and the same apply (one target transaction that
+also moves the replication origin) as a range run on its own: follow adds no durable state and
+no new invariant, so a follower killed anywhere is resumed by anything that asks
+:mod:`.next_step` (another follower, a per-range run, ``pgcdc catchup``).
+
+Idle source: a poll that finds no committed published change stores nothing and leaves the slot
+where it is; an empty range is still stored (and the slot moved) every ``follow_idle_s`` or once
+16 MiB of WAL went by, so retained WAL stays bounded while the published tables are idle.
+
+Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
+endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
+or SIGINT, a Dagster termination, the caller closing the generator). A stop lets the range being
+received be stored and every queued range be applied, then returns: nothing is left half done,
+and the position is wherever the last range ended.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .connect import connect, server_errors
+from .lsn import Lsn, LsnRange
+from .next_step import ApplyStored, CaughtUp
+from .pipeline import (
+    CatchUpStalledError,
+    RangeDone,
+    SparkProvider,
+    apply_stored_range,
+    confirm_stored,
+    next_step,
+    store_of,
+)
+from .receive import receive
+from .settings import MiB, ReplicationSettings
+from .slot import current_flush_lsn
+from .store import RangeResult
+
+IDLE_WAL_BYTES = 16 * MiB
+"""On an idle source, store an empty range (and move the slot) once this much WAL went by."""
+POLL_S = 0.05
+"""How often the receiver looks at the source's flushed WAL position when nothing moved."""
+QUEUE_RANGES = 2
+"""Stored ranges waiting for the applier: the receiver is at most this far ahead."""
+
+
+class Followed(NamedTuple):
+    """One range through the follower: what was stored and applied, and the source's WAL not
+    yet received when it was cut (``None`` for a range found stored, from an earlier run)."""
+
+    done: RangeDone
+    lag_bytes: int | None
+
+
+@dataclass
+class FollowSummary:
+    """How a follow ended, and where its time went (for the CLI, the run log, benchmarks)."""
+
+    stopped_by: str = ""
+    """``endpos``, or why it was stopped (``SIGTERM``, ``terminated``...)."""
+    ranges: int = 0
+    transactions: int = 0
+    changes: int = 0
+    last: RangeResult | None = None
+    """The last range applied."""
+    seconds: float = 0.0
+    receive_busy_s: float = 0.0
+    apply_busy_s: float = 0.0
+    overlap_s: float = 0.0
+    """Seconds during which a receive and an apply ran at the same time."""
+    receiving: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    applying: list[tuple[float, float]] = field(default_factory=list, repr=False)
+
+    def close(self, started: float) -> None:
+        self.seconds = round(time.monotonic() - started, 3)
+        self.receive_busy_s = round(sum(b - a for a, b in self.receiving), 3)
+        self.apply_busy_s = round(sum(b - a for a, b in self.applying), 3)
+        self.overlap_s = round(_overlap(self.receiving, self.applying), 3)
+
+
+def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    total, j = 0.0, 0
+    for a, b in xs:  # both lists are sorted and their intervals disjoint
+        while j < len(ys) and ys[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(ys) and ys[k][0] < b:
+            total += max(0.0, min(b, ys[k][1]) - max(a, ys[k][0]))
+            k += 1
+    return total
+
+
+_END = object()
+_active: set[Follower] = set()
+_active_lock = threading.Lock()
+
+
+def stop_all(reason: str) -> int:
+    """Stop every follower running in this process at its next range boundary (a signal
+    handler's job: it only sets events). Returns how many there were."""
+    with _active_lock:
+        followers = list(_active)
+    for follower in followers:
+        follower.stop(reason)
+    return len(followers)
+
+
+class Follower:
+    """One follow of the slot. Use :meth:`run` once; :meth:`stop` from any thread or a signal
+    handler. The caller must hold the range lock (a Dagster run does, for its whole life)."""
+
+    def __init__(
+        self,
+        settings: ReplicationSettings,
+        endpos: Lsn | None = None,
+        *,
+        spark: SparkProvider = None,
+        interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+    ) -> None:
+        self.settings = settings
+        self.endpos = endpos
+        self.spark = spark
+        self.interrupts = interrupts
+        self.summary = FollowSummary()
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
+        self._done: queue.Queue[Any] = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._reached_endpos = False
+
+    def stop(self, reason: str) -> None:
+        """Stop at the next range boundary. Safe from a signal handler."""
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> Iterator[Followed]:
+        """Yield every range as it is applied, until ``endpos`` or a stop. An interrupt (one of
+        ``interrupts``) raised while waiting is taken as a stop; an error of either thread is
+        raised here once both have ended."""
+        started = time.monotonic()
+        with _active_lock:
+            _active.add(self)
+        try:
+            yield from self._finish_stored()
+            if self._caught_up():
+                self.summary.stopped_by = "endpos"
+                return
+            if self._stop.is_set():
+                self.summary.stopped_by = self._stop_reason
+                return
+            yield from self._stream()
+        finally:
+            with _active_lock:
+                _active.discard(self)
+            self.summary.close(started)
+
+    # -- before streaming: ranges an earlier run stored and did not apply ------------------
+
+    def _finish_stored(self) -> Iterator[Followed]:
+        confirm_stored(self.settings)
+        store = store_of(self.settings)
+        previous = None
+        while not self._stop.is_set():
+            step = next_step(self.settings, store.chain_end())
+            if not isinstance(step, ApplyStored):
+                return
+            if step == previous:
+                raise CatchUpStalledError(f"{step.describe()} was applied but made no progress")
+            applied = apply_stored_range(self.settings, step.range, self.spark)
+            self._count(step.stored.manifest.result)
+            yield Followed(RangeDone(step.stored.manifest.result, applied), None)
+            previous = step
+
+    def _caught_up(self) -> bool:
+        if self.endpos is None:
+            return False
+        return isinstance(next_step(self.settings, self.endpos), CaughtUp)
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    def _stream(self) -> Iterator[Followed]:
+        # Daemon threads: a process that ends (or a caller that drops this generator without
+        # closing it) never waits on them; dying mid-range is safe (see the module docstring).
+        threads = [
+            threading.Thread(
+                target=self._guard(self._receive_loop), name="pgcdc-follow-receive", daemon=True
+            ),
+            threading.Thread(
+                target=self._guard(self._apply_loop), name="pgcdc-follow-apply", daemon=True
+            ),
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            while True:
+                try:
+                    item = self._done.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except self.interrupts as exc:
+                    self.stop(type(exc).__name__)
+                    continue
+                if item is _END:
+                    break
+                yield item
+        finally:
+            self.stop(self._stop_reason or "closed")
+            for thread in threads:
+                while thread.is_alive():
+                    try:
+                        thread.join(timeout=0.2)
+                    except self.interrupts:
+                        continue  # already stopping: finish the boundary
+        if self._errors:
+            raise self._errors[0]
+        self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
+
+    def _guard(self, loop: Any) -> Any:
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as exc:  # handed to the caller's thread by run()
+                self._errors.append(exc)
+                self.stop("error")
+                # Let the other side end: the applier applies what is queued, then ends.
+                if loop == self._receive_loop:
+                    self._put_to_apply(None)
+                else:
+                    self._done.put(_END)
+
+        return run
+
+    def _receive_loop(self) -> None:
+        settings = self.settings
+        store = store_of(settings)
+        start = store.chain_end()
+        cap = settings.follow_range_bytes
+        cut_s = settings.follow_cut_ms / 1000
+        last_kept = time.monotonic()
+        with (
+            server_errors("source", settings.source_dsn),
+            connect(settings.source_dsn, role="source") as conn,
+        ):
+            while not self._stop.is_set():
+                cycle = time.monotonic()
+                flush = current_flush_lsn(conn)
+                conn.commit()
+                goal = flush if self.endpos is None else min(flush, self.endpos)
+                end = Lsn(min(goal, start + cap))
+                if end <= start:
+                    time.sleep(POLL_S)
+                    continue
+                final = self.endpos is not None and end == self.endpos
+                capped = end == start + cap
+                due = (
+                    final
+                    or capped
+                    or end - start >= IDLE_WAL_BYTES
+                    or cycle - last_kept >= settings.follow_idle_s
+                )
+                result = receive(
+                    settings.source_dsn,
+                    settings.slot,
+                    settings.publication,
+                    store,
+                    start,
+                    end,
+                    conn=conn,
+                    keep_empty=due,
+                )
+                self.summary.receiving.append((cycle, time.monotonic()))
+                if result is not None:
+                    last_kept = time.monotonic()
+                    self._put_to_apply((result, int(flush - end)))
+                    start = end
+                    if final:
+                        self._reached_endpos = True
+                        break
+                    if capped and end < goal:
+                        continue  # a backlog: the next range right away
+                self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
+        self._put_to_apply(None)
+
+    def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:
+        """Blocks while the applier is ``QUEUE_RANGES`` behind (the bound on how far receive
+        runs ahead), unless the applier has failed."""
+        while not self._errors or item is None:
+            try:
+                self._to_apply.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                if self._errors:
+                    return
+
+    def _apply_loop(self) -> None:
+        while (item := self._to_apply.get()) is not None:
+            received, lag = item
+            began = time.monotonic()
+            applied = apply_stored_range(
+                self.settings, LsnRange.from_key(received.range_key), self.spark
+            )
+            self.summary.applying.append((began, time.monotonic()))
+            self._count(received)
+            self._done.put(Followed(RangeDone(received, applied), lag))
+        self._done.put(_END)
+
+    def _count(self, received: RangeResult) -> None:
+        self.summary.ranges += 1
+        self.summary.transactions += received.transactions
+        self.summary.changes += received.changes
+        self.summary.last = received

@@ -1,0 +1,211 @@
+"""Following the source: continuous receive and apply in one process, on real servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+import tracemalloc
+import uuid
+
+import psycopg
+import pyarrow as pa
+import pytest
+
+from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.follow import Follower
+from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.slot import read_slot
+from pgcdc_dagster.engine.store import EndposOutcome
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+
+SCHEMA = """
+CREATE TABLE items (id int PRIMARY KEY, name text);
+INSERT INTO items SELECT g, 'seed' FROM generate_series(1, 1000) g;
+CREATE TABLE log (n int, note text);
+ALTER TABLE log REPLICA IDENTITY FULL;
+CREATE TABLE unpublished (id serial PRIMARY KEY, payload text);
+"""
+
+
+@pytest.fixture
+def settings(source_dsn, target_dsn, spark, tmp_path) -> ReplicationSettings:
+    run_sql(source_dsn, SCHEMA)
+    settings = ReplicationSettings(
+        source_dsn=source_dsn,
+        target_dsn=target_dsn,
+        slot=f"follow_{uuid.uuid4().hex[:8]}",
+        store=str(tmp_path / "store"),
+        tables="public.items,public.log",
+        follow_cut_ms=100,
+        follow_idle_s=1.0,
+    )
+    pipeline.take_snapshot(settings, spark)
+    return settings
+
+
+def follow_to(settings: ReplicationSettings, endpos: Lsn) -> tuple[Follower, list]:
+    follower = Follower(settings, endpos)
+    with pipeline.range_lock(settings):
+        ranges = list(follower.run())
+    return follower, ranges
+
+
+def count(dsn: str, table: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+
+
+def equal(settings: ReplicationSettings) -> bool:
+    comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
+    return all(c.equal for c in comparisons)
+
+
+def insert_lsn(dsn: str) -> Lsn:
+    with psycopg.connect(dsn) as conn:
+        return Lsn(conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+
+
+def test_follow_stops_at_an_endpos_in_each_of_the_four_outcomes(settings):
+    src = settings.source_dsn
+
+    # At a commit boundary: the endpos is the last commit's end.
+    run_sql(src, "INSERT INTO items VALUES (2001, 'a')")
+    boundary = insert_lsn(src)
+    follower, ranges = follow_to(settings, boundary)
+    assert follower.summary.stopped_by == "endpos"
+    last = ranges[-1].done.received
+    assert last.endpos == str(boundary)
+    assert last.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
+    assert pipeline.origin_progress(settings) == boundary
+
+    # Between transactions: WAL of an unpublished table after the last commit.
+    run_sql(src, "INSERT INTO items VALUES (2002, 'b')")
+    committed = insert_lsn(src)
+    run_sql(src, "INSERT INTO unpublished (payload) VALUES ('x')", "SELECT pg_switch_wal()")
+    between = flush_lsn(src)
+    follower, ranges = follow_to(settings, between)
+    last = ranges[-1].done.received
+    assert (last.endpos, last.endpos_outcome) == (str(between), EndposOutcome.BETWEEN_TRANSACTIONS)
+    assert pipeline.origin_progress(settings) == committed  # never past the last commit
+
+    # Mid-transaction: the straddler is not applied, and goes whole to the next range.
+    with psycopg.connect(src) as open_txn:
+        open_txn.execute("INSERT INTO items VALUES (3001, 'straddler 1')")
+        mid = insert_lsn(src)
+        open_txn.execute("INSERT INTO items VALUES (3002, 'straddler 2')")
+        open_txn.commit()
+    run_sql(src, "SELECT pg_switch_wal()")
+    follower, ranges = follow_to(settings, mid)
+    last = ranges[-1].done.received
+    assert (last.endpos, last.endpos_outcome) == (str(mid), EndposOutcome.MID_TRANSACTION)
+    assert count(settings.target_dsn, "items WHERE id > 3000") == 0
+
+    # Empty: nothing published between the previous endpos and this one... except the
+    # straddler, which commits after it: so first take the straddler, then an empty range.
+    follow_to(settings, flush_lsn(src))
+    assert count(settings.target_dsn, "items WHERE id > 3000") == 2
+    run_sql(src, "INSERT INTO unpublished (payload) VALUES ('y')")
+    empty = flush_lsn(src)
+    follower, ranges = follow_to(settings, empty)
+    (only,) = ranges
+    assert (only.done.received.endpos_outcome, only.done.received.endpos) == (
+        EndposOutcome.EMPTY,
+        str(empty),
+    )
+    assert follower.summary.stopped_by == "endpos"
+    assert equal(settings)
+
+    # Asking again for an endpos already reached does nothing.
+    follower, ranges = follow_to(settings, empty)
+    assert ranges == [] and follower.summary.stopped_by == "endpos"
+
+
+def writer(dsn: str, stop: threading.Event) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            with conn.transaction():
+                conn.execute("INSERT INTO log VALUES (%s, 'w')", (n,))
+                conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"v{n}", n % 1000 + 1))
+            time.sleep(0.002)
+
+
+def test_a_stop_mid_stream_ends_at_a_boundary_and_the_next_follow_resumes_exactly_once(settings):
+    stop_writing = threading.Event()
+    writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
+    writing.start()
+    try:
+        follower = Follower(settings)
+        seen = []
+        with pipeline.range_lock(settings):
+            for followed in follower.run():
+                seen.append(followed)
+                if len(seen) == 5:
+                    follower.stop("test")
+        assert follower.summary.stopped_by == "test"
+        assert len(seen) >= 5
+        # Nothing half done: the origin is exactly at the last stored commit.
+        assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
+        time.sleep(1)
+    finally:
+        stop_writing.set()
+        writing.join()
+    follower, _ = follow_to(settings, flush_lsn(settings.source_dsn))
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+
+
+def test_an_idle_source_with_wal_moving_elsewhere_keeps_the_slot_moving(settings):
+    follower = Follower(settings)
+    thread = threading.Thread(target=lambda: list(follower.run()))
+    with pipeline.range_lock(settings):
+        thread.start()
+        try:
+            for _ in range(4):
+                run_sql(
+                    settings.source_dsn,
+                    "INSERT INTO unpublished (payload) SELECT 'w' FROM generate_series(1, 2000)",
+                    "SELECT pg_switch_wal()",
+                )
+                time.sleep(0.8)
+            moved_to = flush_lsn(settings.source_dsn)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with psycopg.connect(settings.source_dsn) as conn:
+                    confirmed = read_slot(conn, settings.slot).confirmed_flush_lsn
+                if confirmed >= moved_to:
+                    break
+                time.sleep(0.2)
+            assert confirmed >= moved_to
+        finally:
+            follower.stop("test")
+            thread.join()
+    assert follower.summary.transactions == 0
+    # Empty ranges were stored now and then, not at every poll.
+    assert 1 <= follower.summary.ranges <= 10
+
+
+def test_a_200k_row_transaction_under_follow_keeps_memory_bounded(settings):
+    run_sql(
+        settings.source_dsn,
+        "INSERT INTO log SELECT g, repeat('z', 40) FROM generate_series(1, 200000) g",
+    )
+    pool = pa.default_memory_pool()
+    before = pool.max_memory()
+    tracemalloc.start()
+    try:
+        follower, _ = follow_to(settings, flush_lsn(settings.source_dsn))
+        _, python_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert follower.summary.changes == 200_000
+    assert count(settings.target_dsn, "log") == 200_000
+    # No row is ever a Python object for long: the decoder builds columns and spills past
+    # 100k rows, the queue between receive and apply holds manifests, not rows. (200k rows as
+    # Python tuples would take well over 60 MB.)
+    assert python_peak < 40 * 1024 * 1024, f"peak Python memory {python_peak / 1e6:.1f} MB"
+    # The in-process compaction holds one range's changes as Arrow (~600 bytes a change here);
+    # ranges past DEFAULT_SPARK_MIN_CHANGES go to Spark, which bounds it.
+    assert pool.max_memory() - before < 200 * 1024 * 1024, pool.max_memory()
