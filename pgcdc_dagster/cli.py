@@ -8,12 +8,11 @@ run shows in the UI beside the sensor's. Errors are one line (``--debug`` for th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import signal
 import sys
-from collections.abc import Iterator
+import threading
 from typing import Any
 
 from .defs.runner import (
@@ -72,8 +71,7 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     clear_the_way(instance, settings, args.wait, command)
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
     config = {"endpos": str(target) if target else NO_ENDPOS}
-    with _stop_follow_on_signals():
-        result = run_job("follow", run_config={"ops": {"follow_stream": {"config": config}}})
+    result = _run_stoppable({"ops": {"follow_stream": {"config": config}}})
     ran = [
         event.step_materialization_data.materialization.partition
         for event in result.get_asset_materialization_events()
@@ -112,25 +110,47 @@ def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: 
 _stop_requested = False
 
 
-@contextlib.contextmanager
-def _stop_follow_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT stop the follower at its next range boundary (exit 0); a second one,
-    or one before the follower runs, interrupts as usual."""
+def _run_stoppable(run_config: dict[str, Any]) -> Any:
+    """Run the follow job so that SIGTERM and SIGINT stop it at a range boundary (exit 0).
+
+    The run executes on a worker thread: Dagster installs its own SIGINT/SIGTERM handlers only
+    on the main thread (they turn a signal into an interrupted, failed step), so here the
+    signals stay ours. The first one stops the follower once it runs; a second one interrupts
+    as usual."""
     from .engine.follow import stop_all
+
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            outcome["result"] = run_job("follow", run_config=run_config)
+        except BaseException as exc:  # re-raised on the main thread
+            outcome["error"] = exc
 
     def handler(signum: int, frame: Any) -> None:
         global _stop_requested
-        if not _stop_requested and stop_all(signal.Signals(signum).name):
-            _stop_requested = True
-            return
-        raise KeyboardInterrupt
+        if _stop_requested:
+            raise KeyboardInterrupt
+        _stop_requested = True
+        print(
+            f"pgcdc: {signal.Signals(signum).name}: stopping at the next range boundary",
+            file=sys.stderr,
+        )
 
+    worker = threading.Thread(target=work, name="pgcdc-follow-run", daemon=True)
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        yield
+        worker.start()
+        while worker.is_alive():
+            if _stop_requested:
+                stop_all("stopped by a signal")  # again each turn: the follower may start late
+            worker.join(timeout=0.2)
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, Any]:

@@ -312,6 +312,34 @@ def test_kill_at_a_catchup_fault_point_then_a_plain_catchup_converges(site: Site
     site.assert_killed_run_marked_failed()
 
 
+def test_sigterm_stops_follow_at_a_range_boundary_and_the_next_resumes_exactly_once(site: Site):
+    """``pgcdc follow`` under a writer, SIGTERM: exit 0, its run finished, the origin exactly at
+    the last stored commit (nothing half applied); the next command takes it from there."""
+    before = _ranges_stored(site)
+    with site.writer(seed=31) as writer:
+        follow = site.start("follow")
+        _wait_for(lambda: _ranges_stored(site) >= before + 3, "three ranges followed", 120)
+        assert writer.committed > 0
+        follow.send_signal(signal.SIGTERM)
+        out, err = follow.communicate(timeout=60)
+        assert follow.returncode == 0, err
+        assert "stopped at a range boundary" in out
+        assert pipeline.origin_progress(site.settings) == pipeline.expected_origin_progress(
+            site.settings
+        )
+        with site.instance() as instance:
+            (run,) = instance.get_runs(RunsFilter(job_name="follow"), limit=1)
+            assert run.status == DagsterRunStatus.SUCCESS
+        time.sleep(1.0)  # more commits after the stop
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+def _ranges_stored(site: Site) -> int:
+    return len(pipeline.store_of(site.settings).chain_ranges())
+
+
 SENSOR_TICK = """
 from dagster import DagsterInstance, build_sensor_context
 from pgcdc_dagster.definitions import defs
@@ -548,18 +576,21 @@ def _descendants(root: int) -> dict[int, str]:
     return found
 
 
+@pytest.mark.parametrize("mode", ["range", "follow"])
 def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_killed(
-    clusters: Clusters, tmp_path: Path
+    clusters: Clusters, tmp_path: Path, mode: str
 ):
     """dagster-daemon with the slot sensor and the shipped dagster.yaml: run workers SIGKILLed
     at random moments while a writer commits, the code server killed once; after the writer
-    stops, the sensor alone brings the target to the source within a bounded time."""
+    stops, the sensor alone brings the target to the source within a bounded time. In follow
+    mode the worker killed is the follow run's: the sensor finds it dead and starts another."""
     fresh = make_site(clusters, tmp_path)
     fresh.env.update(
         {
             "PGCDC_SENSOR_INTERVAL": "1",
             "PGCDC_DEAD_RUN_GRACE": "5",
             "PGCDC_RANGE_MAX_BYTES": str(4 * 1024 * 1024),
+            "PGCDC_MODE": mode,
         }
     )
     taken = fresh.pgcdc("snapshot")
@@ -608,7 +639,9 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
             except Exception:
                 return False
             with fresh.instance() as instance:
-                return not instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+                runs = instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+            # In follow mode one follow run stays alive by design.
+            return all(run.job_name == "follow" for run in runs) if mode == "follow" else not runs
 
         _wait_for(converged, "the daemon to catch up", timeout=240)
         converge_s = time.monotonic() - stopped
@@ -619,8 +652,21 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
     assert workers_killed >= 2 and code_server_killed
+    if mode == "follow":
+        # The daemon's SIGTERM reached the follow run's worker: it stops at a range boundary.
+        def finished() -> bool:
+            with fresh.instance() as instance:
+                return not instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+
+        _wait_for(finished, "the follow run to stop", timeout=60)
     fresh.assert_converged()
+    if mode == "follow":
+        with fresh.instance() as instance:
+            failed = instance.get_runs(
+                RunsFilter(job_name="follow", statuses=[DagsterRunStatus.FAILURE])
+            )
+        assert failed, "no killed follow run was marked failed"
     print(
-        f"\ndaemon: {workers_killed} run workers and the code server killed; "
+        f"\ndaemon ({mode} mode): {workers_killed} run workers and the code server killed; "
         f"converged {converge_s:.1f} s after the writer stopped"
     )

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .connect import connect, server_errors
+from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp
 from .pipeline import (
@@ -318,6 +319,7 @@ class Follower:
     def _apply_loop(self) -> None:
         while (item := self._to_apply.get()) is not None:
             received, lag = item
+            failpoint("catchup.before_apply")
             began = time.monotonic()
             applied = apply_stored_range(
                 self.settings, LsnRange.from_key(received.range_key), self.spark
