@@ -79,6 +79,7 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
         == "decoded_changes"
     ]
     summary = _range_summary(settings, ran)
+    summary["follow"] = _follow_totals(result)
     if target is None:
         summary["stopped"] = True
         _print_summary(args, summary, f"stopped at a range boundary: {len(ran)} range(s) run")
@@ -93,6 +94,16 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     summary["endpos_requested"] = str(target)
     _print_summary(args, summary, f"caught up to {target}: {len(ran)} range(s) run")
     return 0
+
+
+def _follow_totals(result: Any) -> dict[str, Any]:
+    """The follow run's totals (its closing observation of ``decoded_changes``)."""
+    for event in result.all_events:
+        if event.is_asset_observation:
+            observation = event.asset_observation_data.asset_observation
+            if "overlap_s" in observation.metadata:
+                return {k: v.value for k, v in observation.metadata.items()}
+    return {}
 
 
 def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: str) -> None:

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dagster import AssetCheckEvaluation, AssetMaterialization, Failure
+from dagster import AssetCheckEvaluation, AssetMaterialization, AssetObservation, Failure
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
-from ..engine.follow import Follower
+from ..engine.follow import Follower, FollowSummary
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
-from .keys import target_key
+from .keys import DECODED_CHANGES_KEY, target_key
 from .range_events import no_gap_evaluation, range_events, register_range
 from .row_counts import TargetRowCounts
 
@@ -33,7 +33,7 @@ def follow_events(
     settings: pipeline.ReplicationSettings,
     tables: Sequence[TableName],
     follower: Follower,
-) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
+) -> Iterator[AssetMaterialization | AssetCheckEvaluation | AssetObservation]:
     """Run ``follower`` (this run holds the range lock) and yield each range's events as soon
     as the range is applied. A failed ``no_gap`` stops the follower and fails the run."""
     row_counts = TargetRowCounts(context.instance, settings, tables)
@@ -42,12 +42,32 @@ def follow_events(
     finally:
         follower.stop("the run ended")  # however it ends: its threads stop at a boundary
     summary = follower.summary
+    yield AssetObservation(
+        DECODED_CHANGES_KEY,
+        description="this follow run's totals",
+        metadata=follow_summary_metadata(summary),
+    )
     context.log.info(
         f"follow ended ({summary.stopped_by}): {summary.ranges} range(s), "
         f"{summary.transactions} transaction(s), {summary.changes} change(s) in "
         f"{summary.seconds} s; receive busy {summary.receive_busy_s} s, apply busy "
         f"{summary.apply_busy_s} s, both at once {summary.overlap_s} s"
     )
+
+
+def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
+    """How the run ended and where its time went: receive and apply busy seconds, and how
+    long both ran at once (the pipelining)."""
+    return {
+        "stopped_by": summary.stopped_by,
+        "ranges": summary.ranges,
+        "transactions": summary.transactions,
+        "changes": summary.changes,
+        "seconds": summary.seconds,
+        "receive_busy_s": summary.receive_busy_s,
+        "apply_busy_s": summary.apply_busy_s,
+        "overlap_s": summary.overlap_s,
+    }
 
 
 def _events(

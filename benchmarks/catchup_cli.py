@@ -1,0 +1,155 @@
+"""Catch-up through the command a user runs, against native logical replication, same backlog.
+
+Where the user stands: ``pgcdc catchup --endpos L1`` started as a fresh process (Python,
+Dagster and definitions load, the Dagster run, the follow pipeline: receive of range N+1
+overlapping the apply of range N) with Dagster on PostgreSQL storage, timed from the moment the
+process is started to its exit. The backlog, the snapshot, the cloned target database and the
+native side are :mod:`apply`'s (``benchmarks/apply.py``): pgbench TPC-B on scale ``--scale``,
+``--transactions`` per client and 4 clients, a ``CREATE SUBSCRIPTION`` over a slot made right
+after our snapshot, timed from ``ENABLE`` until its slot confirms the backlog's end. The two
+sides alternate order between repeats.
+
+Reported per run: both wall times, the ratio (native seconds / ours, > 1: we are faster), and
+from the follow run's own totals how long receive and apply were busy and how long they ran at
+the same time.
+
+Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
+[--transactions 20000] [--scale 10] [--repeat 1]`` (80k transactions = 4 x 20000).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from apply import (
+    QUIET,
+    CpuMeter,
+    Setup,
+    prepare,
+    run_native,
+    verify_target,
+)
+
+from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
+from pgcdc_dagster.engine.spark_session import get_spark
+
+REPO = Path(__file__).resolve().parent.parent
+PGCDC = str(Path(sys.executable).parent / "pgcdc")
+
+
+def run_ours_cli(setup: Setup, target: Any, work: Path, meter: CpuMeter) -> dict[str, Any]:
+    storage_db = "dagster_storage"
+    with psycopg.connect(target.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {storage_db}")
+    home = work / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    settings = setup.settings
+    env = {
+        **os.environ,
+        "PGCDC_SOURCE_DSN": settings.source_dsn,
+        "PGCDC_TARGET_DSN": settings.target_dsn,
+        "PGCDC_SLOT": settings.slot,
+        "PGCDC_PUBLICATION": settings.publication,
+        "PGCDC_STORE": settings.store,
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": (
+            f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage_db}"
+        ),
+    }
+    # Dagster creates its storage schema on first use: do that outside the timing, as a user's
+    # instance already has it.
+    subprocess.run([PGCDC, "status"], env=env, capture_output=True, check=False, cwd=work)
+    with meter:
+        started = time.perf_counter()
+        done = subprocess.run(
+            [PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=work,
+        )
+        seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"pgcdc catchup failed: {done.stderr[-3000:]}")
+    summary = json.loads(done.stdout)
+    return {
+        "seconds": seconds,
+        "cpu_s": meter.seconds,
+        "follow": summary.get("follow", {}),
+        "ranges": len(summary["ranges"]),
+        "verify": verify_target(settings.model_copy(update={"target_dsn": settings.target_dsn})),
+    }
+
+
+def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
+    with contextlib.ExitStack() as cleanup:
+        work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cli-"))
+        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+        source = temporary_cluster({**LOGICAL_SOURCE_SETTINGS, **QUIET}, prefix="pgcdc-bench-src-")
+        cleanup.callback(source.destroy)
+        target = temporary_cluster(QUIET, prefix="pgcdc-bench-tgt-")
+        cleanup.callback(target.destroy)
+        source.start()
+        target.start()
+        args.range_mb = 256
+        setup = prepare(source, target, spark, work / "store", args)
+        meter = CpuMeter(source, target)
+        order = ["ours", "native"] if index % 2 == 0 else ["native", "ours"]
+        results = {}
+        for side in order:
+            if side == "ours":
+                results[side] = run_ours_cli(setup, target, work, meter)
+            else:
+                results[side] = run_native(setup, source, target, meter, args.native_timeout)
+    ours, native = results["ours"], results["native"]
+    follow = ours["follow"]
+    return {
+        "order": order,
+        "transactions": 4 * args.transactions,
+        "wal_mb": round((setup.end - setup.start) / 1e6, 1),
+        "ours_s": round(ours["seconds"], 3),
+        "native_s": round(native["seconds"], 3),
+        "ratio": round(native["seconds"] / ours["seconds"], 3),
+        "ours_ranges": ours["ranges"],
+        "follow": follow,
+        "ours_equal": ours["verify"]["equal"],
+        "native_equal": native["verify"]["equal"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", type=int, default=10)
+    parser.add_argument("--transactions", type=int, default=20_000, help="per client (4)")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--native-timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    spark = get_spark()  # for the untimed snapshot; the timed command starts its own
+    runs = [one_run(args, spark, i) for i in range(args.repeat)]
+    report = {
+        "command": "pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
+        "transactions": 4 * args.transactions,
+        "median_ratio": statistics.median(r["ratio"] for r in runs),
+        "runs": runs,
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
