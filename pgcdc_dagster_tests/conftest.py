@@ -34,7 +34,9 @@ def source_cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="session")
 def target_cluster() -> Iterator[LocalCluster]:
-    cluster = temporary_cluster(prefix="pgcdc-test-target-")
+    # Every test's snapshot leaves a replication origin with progress on this shared cluster;
+    # each takes one of max_replication_slots' origin state slots (default 10).
+    cluster = temporary_cluster({"max_replication_slots": "100"}, prefix="pgcdc-test-target-")
     with cluster:
         yield cluster
     cluster.destroy()
