@@ -363,7 +363,8 @@ class RangeDecoder:
                 continue
             self.open = None
             if not self.range.holds_commit(end_lsn):
-                self._drop_pending()  # ended at or before the range start: stored already
+                # Ended at or before the range start: stored already.
+                self._forget(txn)
                 continue
             completed.append((txn.position, position, end_lsn, lsn_field, txn.xid, ts))
         return np.array(completed, np.int64).reshape(-1, 6)
@@ -420,7 +421,15 @@ class RangeDecoder:
     def _straddler(self, txn: _OpenTxn) -> None:
         if txn.first_lsn < self.range.end:
             self.straddlers.append(Straddler(txn.xid, txn.first_lsn, txn.final_lsn))
-        self._drop_pending()
+        self._forget(txn)
+
+    def _forget(self, txn: _OpenTxn) -> None:
+        """Drop what is parked for ``txn``. Only the transaction carried in from the previous
+        batch (position < 0) has parked rows: one that began in this batch has none yet, and
+        the parked rows may then belong to the carried transaction, which committed earlier in
+        this batch and is written after the pairing (it must keep them)."""
+        if txn.position < 0:
+            self._drop_pending()
 
     def _drop_pending(self) -> None:
         for spill in self.spills:

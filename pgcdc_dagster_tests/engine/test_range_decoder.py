@@ -131,3 +131,49 @@ def test_nothing_committed_in_the_range_is_empty_and_the_slot_may_move_to_endpos
     assert sink.rows == 0
     assert result.endpos_outcome == EndposOutcome.EMPTY
     assert result.transform_lsn is None and result.safe_point == "0/6000"
+
+
+def test_a_transaction_carried_into_a_batch_that_ends_with_a_straddler_keeps_every_row(tmp_path):
+    """Found on a pgbench backlog: the last fetch batch begins inside a transaction whose first
+    row was parked at the end of the batch before, and ends with a straddler. Deferring the
+    straddler must not drop the parked rows of the transaction that committed before it."""
+    first = transaction(0x7000, [1, 2, 3], xid=1000)  # B, I, I, I, C
+    # Two straddlers (their COMMITs after endpos): the batch's BEGIN/COMMIT no longer simply
+    # alternate, so it is paired one message at a time.
+    straddlers = [transaction(0x7100, [8], xid=1001), transaction(0x7110, [9], xid=1002)]
+    endpos = 0x7110 + 8  # the straddlers' BEGINs and changes only
+    deferred = [r for s in straddlers for r in s if r[0] <= endpos]
+    rows = [(0x6FF0, relation()), *first, *deferred]
+    # The batch boundary right after the first transaction's first change (row 1).
+    feeds = [rows[:3], rows[3:]]
+    result, sink = decode_range(tmp_path, LsnRange(0x6F00, endpos), feeds, spill=1000)
+    table = sink.table()
+    assert [int(r[0]) for r in table.column("new_row").to_pylist()] == [1, 2, 3]
+    assert table.column("seq").to_pylist() == [0, 1, 2]
+    assert result.transactions == 1 and result.changes == 3
+    assert result.endpos_outcome == EndposOutcome.MID_TRANSACTION
+
+
+def test_where_the_batches_are_cut_changes_nothing_stored(tmp_path):
+    """The same slot output, cut into batches of every size, stores the same rows."""
+    before = transaction(0x8000 - 0x30, [100], xid=1099)  # ends before the range start
+    stored = [transaction(0x8000 + 0x40 * i, [3 * i, 3 * i + 1], xid=1100 + i) for i in range(4)]
+    straddlers = [transaction(0x8200, [50], xid=1200), transaction(0x8210, [51, 52], xid=1201)]
+    endpos = 0x8218
+    rows = [(0x7F00, relation()), *before]
+    rows += [r for txn in [*stored, *straddlers] for r in txn if r[0] <= endpos]
+    rng = LsnRange(0x8000 - 0x30 + 0x20, endpos)
+    expected = None
+    for size in range(1, len(rows) + 1):
+        feeds = [rows[i : i + size] for i in range(0, len(rows), size)]
+        result, sink = decode_range(tmp_path, rng, feeds, spill=3)
+        got = (
+            sink.table().select(["xid", "seq", "new_row"]).to_pylist(),
+            result.transactions,
+            result.safe_point,
+            result.endpos_outcome,
+        )
+        if expected is None:
+            expected = got
+            assert result.transactions == 4 and result.changes == 8
+        assert got == expected, f"batches of {size}"
