@@ -366,6 +366,69 @@ def run_ours(
     }
 
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(
+    source: LocalCluster, target: LocalCluster, run: int, expected: dict[str, int], work: Path
+) -> dict[str, Any]:
+    """``pgcdc snapshot`` from a fresh process, as a user runs it: Python, Dagster, the run
+    (PostgreSQL storage, the shipped dagster.yaml), Spark only if a table needs it."""
+    import shutil
+    import sys
+
+    database, slot = f"bench_cli_{run}", f"bench_cli_{run}"
+    target_dsn = _create_database(target, database)
+    storage = f"dagster_cli_{run}"
+    _create_database(target, storage)
+    home = work / f"dagster_home_{run}"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    env = {
+        **os.environ,
+        "PGCDC_SOURCE_DSN": source.dsn(),
+        "PGCDC_TARGET_DSN": target_dsn,
+        "PGCDC_SLOT": slot,
+        "PGCDC_PUBLICATION": "bench_cli_pub",
+        "PGCDC_TABLES": ",".join(str(t) for t in TABLES),
+        "PGCDC_STORE": str(work / f"store_{run}"),
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": (
+            f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage}"
+        ),
+    }
+    # A user's Dagster storage already has its schema: create it outside the timing.
+    subprocess.run(
+        [sys.executable, "-c", "from pgcdc_dagster.defs.runner import dagster_instance as d; d()"],
+        env=env,
+        check=True,
+        cwd=work,
+    )
+    _quiesce(source, target)
+    with Measured(source, target) as measured:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "pgcdc"), "snapshot"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=work,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
+    with psycopg.connect(source.dsn(), autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
+    rows = _verify(target_dsn, expected, "cli")
+    _drop_database(target, database)
+    return {
+        "seconds": measured.wall,
+        "rows": rows,
+        "stdout": done.stdout.strip(),
+        **measured.report(),
+    }
+
+
 _SUBSCRIPTION_STATES = """
 SELECT r.srrelid::regclass::text, r.srsubstate
 FROM pg_subscription_rel r
@@ -591,11 +654,12 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default="ours,native,pipe",
-        help="comma-separated subset of ours,native,pipe (in this order within a repeat)",
+        help="comma-separated subset of ours,native,pipe,cli (in this order within a repeat); "
+        "cli is `pgcdc snapshot` from a fresh process",
     )
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := set(methods) - {"ours", "native", "pipe"}:
+    if unknown := set(methods) - {"ours", "native", "pipe", "cli"}:
         parser.error(f"unknown method(s): {', '.join(sorted(unknown))}")
 
     def terminate(signum: int, frame: object) -> None:
@@ -658,6 +722,7 @@ def main() -> None:
                 "ours": lambda i: run_ours(source, target, spark, i, expected, ours_options),
                 "native": lambda i: run_native(source, target, i, expected, schema),
                 "pipe": lambda i: run_pipe(source, target, i, expected, pre_data, post_data),
+                "cli": lambda i: run_cli(source, target, i, expected, Path(tmp)),
             }
             for i in range(args.repeat):
                 for method in methods:
@@ -694,6 +759,10 @@ def main() -> None:
         ratios["ours_copy_vs_native"] = (
             results["native"]["seconds"] / results["ours"]["copy_seconds"]
         )
+    if "cli" in results and "native" in results:
+        ratios["cli_vs_native"] = results["native"]["seconds"] / results["cli"]["seconds"]
+    if "cli" in results and "pipe" in results:
+        ratios["cli_vs_pipe"] = results["pipe"]["seconds"] / results["cli"]["seconds"]
     if "ours" in results and "pipe" in results:
         ratios["ours_vs_pipe"] = results["pipe"]["seconds"] / results["ours"]["seconds"]
         ratios["ours_copy_vs_pipe_copy"] = (

@@ -15,6 +15,7 @@ import sys
 import threading
 from typing import Any
 
+from .cli_progress import shown
 from .defs.runner import (
     _failure_text,
     clear_the_way,
@@ -42,7 +43,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if notice:
         print(f"pgcdc: {notice}", file=sys.stderr)
     config = {"ops": {"base_snapshot": {"config": {"resnapshot": bool(args.resnapshot)}}}}
-    result = run_job("snapshot", run_config=config)
+    with shown():
+        result = run_job("snapshot", run_config=config)
     meta = materialization_metadata(result, "base_snapshot")
     print(
         f"base snapshot taken: consistent point {meta.get('consistent_point')}, "
@@ -71,7 +73,8 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     clear_the_way(instance, settings, args.wait, command)
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
     config = {"endpos": str(target) if target else NO_ENDPOS}
-    result = _run_stoppable({"ops": {"follow_stream": {"config": config}}})
+    with shown():
+        result = _run_stoppable({"ops": {"follow_stream": {"config": config}}})
     ran = [
         event.step_materialization_data.materialization.partition
         for event in result.get_asset_materialization_events()

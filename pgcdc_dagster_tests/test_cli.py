@@ -144,3 +144,55 @@ def test_the_cli_needs_no_dagster_set_up(cli_env, target_cluster, tmp_path):
         InstanceRef.from_dir(str(empty_home), overrides=overrides)
     ) as shared:
         assert [r.job_name for r in shared.get_runs()] == ["follow"]
+
+
+def _pgcdc(*args: str, **kwargs):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([str(Path(sys.executable).parent / "pgcdc"), *args], **kwargs)
+
+
+def test_progress_is_plain_lines_when_not_on_a_terminal(cli_env):
+    import subprocess
+
+    snap = _pgcdc("snapshot", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = snap.communicate(timeout=300)
+    assert snap.returncode == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("pgcdc: snapshot ")]
+    assert any(line.startswith("pgcdc: snapshot copy: ") for line in lines), err
+    assert any("snapshot done: 100/~" in line and "rows" in line for line in lines), err
+    assert "\x1b[" not in err
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items SELECT g, 'n' FROM generate_series(1001, 1100) g")
+    catchup = _pgcdc("catchup", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = catchup.communicate(timeout=300)
+    assert catchup.returncode == 0, err
+    assert "pgcdc: follow: 1 ranges, 1 transactions, 100 changes" in err, err
+
+
+def test_progress_is_drawn_live_on_a_terminal(cli_env):
+    import os
+    import pty
+    import subprocess
+
+    master, slave = pty.openpty()
+    snap = _pgcdc("snapshot", stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other side closed: the process is gone
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    snap.wait(timeout=300)
+    os.close(master)
+    assert snap.returncode == 0, drawn.decode(errors="replace")
+    text = drawn.decode(errors="replace")
+    assert "\x1b[" in text  # drawn, not printed line by line
+    assert "public.items" in text and "snapshot: done" in text
+    assert "pgcdc: snapshot copy:" not in text

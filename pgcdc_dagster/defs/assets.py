@@ -43,6 +43,7 @@ from .metadata import (
     table_metadata,
 )
 from .partitions import lsn_ranges
+from .progress_log import logged
 from .range_events import NO_GAP, no_gap_evaluation
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .row_counts import TargetRowCounts
@@ -116,13 +117,14 @@ def build_assets(
     ) -> MaterializeResult:
         settings = pgcdc.settings(spark)
         try:
-            result = pipeline.take_snapshot(
-                settings,
-                lambda: spark.spark_session,
-                resnapshot=config.resnapshot,
-                lock_holder=lock_holder_name(context.run.run_id),
-                notify=context.log.warning,
-            )
+            with logged(context):
+                result = pipeline.take_snapshot(
+                    settings,
+                    lambda: spark.spark_session,
+                    resnapshot=config.resnapshot,
+                    lock_holder=lock_holder_name(context.run.run_id),
+                    notify=context.log.warning,
+                )
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         context.log.info(

@@ -21,6 +21,7 @@ from ..engine.follow import Follower, FollowSummary
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from .keys import DECODED_CHANGES_KEY, target_key
+from .progress_log import logged
 from .range_events import no_gap_evaluation, range_events, register_range
 from .row_counts import TargetRowCounts
 
@@ -38,7 +39,8 @@ def follow_events(
     as the range is applied. A failed ``no_gap`` stops the follower and fails the run."""
     row_counts = TargetRowCounts(context.instance, settings, tables)
     try:
-        yield from _events(context, settings, tables, follower, row_counts)
+        with logged(context):
+            yield from _events(context, settings, tables, follower, row_counts)
     finally:
         follower.stop("the run ended")  # however it ends: its threads stop at a boundary
     summary = follower.summary

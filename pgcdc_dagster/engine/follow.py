@@ -29,6 +29,7 @@ and the position is wherever the last range ended.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from . import progress
 from .connect import connect, server_errors
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
@@ -146,6 +148,8 @@ class Follower:
         self._done: queue.Queue[Any] = queue.Queue()
         self._errors: list[BaseException] = []
         self._reached_endpos = False
+        self._started = time.monotonic()
+        self._rates: collections.deque[tuple[float, int]] = collections.deque([(self._started, 0)])
 
     def stop(self, reason: str) -> None:
         """Stop at the next range boundary. Safe from a signal handler."""
@@ -325,12 +329,30 @@ class Follower:
                 self.settings, LsnRange.from_key(received.range_key), self.spark
             )
             self.summary.applying.append((began, time.monotonic()))
-            self._count(received)
+            self._count(received, lag)
             self._done.put(Followed(RangeDone(received, applied), lag))
         self._done.put(_END)
 
-    def _count(self, received: RangeResult) -> None:
-        self.summary.ranges += 1
-        self.summary.transactions += received.transactions
-        self.summary.changes += received.changes
-        self.summary.last = received
+    def _count(self, received: RangeResult, lag_bytes: int | None = None) -> None:
+        summary = self.summary
+        summary.ranges += 1
+        summary.transactions += received.transactions
+        summary.changes += received.changes
+        summary.last = received
+        if progress.active():
+            now = time.monotonic()
+            self._rates.append((now, summary.changes))
+            while len(self._rates) > 2 and now - self._rates[0][0] > 5:
+                self._rates.popleft()
+            t0, c0 = self._rates[0]
+            rate = (summary.changes - c0) / (now - t0) if now > t0 else 0.0
+            progress.publish(
+                progress.FollowProgress(
+                    summary.ranges,
+                    summary.transactions,
+                    summary.changes,
+                    now - self._started,
+                    rate,
+                    lag_bytes,
+                )
+            )

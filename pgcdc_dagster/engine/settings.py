@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
@@ -64,6 +65,10 @@ class ReplicationSettings(BaseModel):
     snapshot_parquet: bool = False
     """Also write the base snapshot as Parquet into the store (measured: +46 % to +93 % of the
     copy time, so off unless asked for)."""
+    snapshot_driver_rows: NonNegativeInt = 2_000_000
+    """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
+    starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
+    table on Spark."""
     sensor_interval: PositiveInt = 5
     """Seconds between slot sensor ticks (Dagster's daemon evaluates sensors every 5 s at
     most)."""

@@ -160,9 +160,17 @@ def test_large_table_split_into_ctid_ranges_copies_every_row_once(
 
     # Two partitions for seven-plus tasks: the parallelism cap groups tasks per Spark task.
     results = copy_tables(
-        spark, source_dsn, target_dsn, None, [BIG], parallelism=2, target_rows_per_task=5000
+        spark,
+        source_dsn,
+        target_dsn,
+        None,
+        [BIG],
+        parallelism=2,
+        target_rows_per_task=5000,
+        driver_max_rows=0,
     )
 
+    assert results[0].copied_by == "spark"
     assert results[0].rows == 36000 and results[0].tasks == len(ranges)
     assert results[0].copy_formats == ("binary",)
     assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
@@ -186,21 +194,31 @@ def test_dataframe_scheduler_for_spark_connect_copies_the_same(
         [BIG],
         target_rows_per_task=4000,
         scheduler="dataframe",
+        driver_max_rows=0,
     )
 
     assert results[0].rows == 20000 and results[0].tasks > 1
     assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
 
 
+SMALL = TableName("public", "small")
+
+
 def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
     source_dsn: str, target_dsn: str, spark: Any
 ) -> None:
+    """A tiny table copied by the driver and a large one by Spark, both written to during the
+    copy: each holds exactly the rows of the exported snapshot."""
     run(
         source_dsn,
         "CREATE TABLE big (id int PRIMARY KEY, v text NOT NULL)",
         "INSERT INTO big SELECT i, 'before' FROM generate_series(1, 30000) i",
+        "CREATE TABLE small (id int PRIMARY KEY, n int NOT NULL)",
+        "INSERT INTO small SELECT i, 0 FROM generate_series(1, 200) i",
+        "ANALYZE big",
+        "ANALYZE small",
     )
-    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
+    copy_schema_pre_data(source_dsn, target_dsn, [BIG, SMALL], None)
     may_write = threading.Event()
     may_write.set()
     idle = threading.Event()
@@ -221,6 +239,8 @@ def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
                         "UPDATE big SET v = 'changed' WHERE id = %s", (next_id % 30000 + 1,)
                     )
                     conn.execute("DELETE FROM big WHERE id = %s", ((next_id * 7) % 30000 + 1,))
+                    conn.execute("UPDATE small SET n = n + 1 WHERE id = %s", (next_id % 200 + 1,))
+                    conn.execute("INSERT INTO small VALUES (%s, -1)", (next_id + 1000,))
                 commits.append(time.monotonic())
                 next_id += 1
 
@@ -234,6 +254,7 @@ def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
         idle.wait(10)
         with create_slot_with_snapshot(source_dsn, "snap_writer") as exported:
             expected = rows_of(source_dsn, BIG)
+            expected_small = rows_of(source_dsn, SMALL)
             may_write.set()
             copy_started = time.monotonic()
             results = copy_tables(
@@ -241,8 +262,9 @@ def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
                 source_dsn,
                 target_dsn,
                 exported.slot.snapshot_name,
-                [BIG],
+                [BIG, SMALL],
                 target_rows_per_task=5000,
+                driver_max_rows=1000,
             )
             copy_ended = time.monotonic()
     finally:
@@ -252,9 +274,13 @@ def test_copy_sees_only_the_exported_snapshot_while_a_writer_runs(
 
     during_copy = [t for t in commits if copy_started <= t <= copy_ended]
     assert len(during_copy) > 10, "the writer must really have written during the copy"
-    assert results[0].tasks > 1
+    by_table = {r.table: r for r in results}
+    assert by_table[BIG].tasks > 1 and by_table[BIG].copied_by == "spark"
+    assert by_table[SMALL].copied_by == "driver"
     assert rows_of(target_dsn, BIG) == expected
     assert rows_of(source_dsn, BIG) != expected
+    assert rows_of(target_dsn, SMALL) == expected_small
+    assert rows_of(source_dsn, SMALL) != expected_small
 
 
 def test_populated_target_is_refused_and_resnapshot_starts_over(

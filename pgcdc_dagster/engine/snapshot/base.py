@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,10 @@ from ..connect import (
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName
 from ..origin import drop_origin, origin_name, set_origin
+from ..progress import CopyWatcher
 from ..sequences import sync_sequences
 from .common import (
+    DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
     RESOLVE_TABLES,
     BaseSnapshotResult,
@@ -29,6 +32,7 @@ from .common import (
     SnapshotError,
     TargetNotEmptyError,
 )
+from .copy import plan_table_ranges
 from .scheduling import copy_tables
 from .schema import copy_schema_post_data, copy_schema_pre_data
 
@@ -88,6 +92,25 @@ def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
                 return
 
 
+def _start_spark_if_needed(
+    src: psycopg.Connection[Any],
+    tables: Sequence[TableName],
+    spark: SparkSession | Callable[[], SparkSession],
+    driver_max_rows: int,
+) -> SparkSession | Callable[[], SparkSession]:
+    """When ``spark`` is a callable and some table is too big for the driver, call it now on a
+    background thread; return what :func:`copy_tables` should call for the session."""
+    if not callable(spark):
+        return spark
+    estimated: dict[TableName, int] = {}
+    for rng in plan_table_ranges(src, tables, None):
+        estimated[rng.table] = estimated.get(rng.table, 0) + rng.estimated_rows
+    if all(rows <= driver_max_rows for rows in estimated.values()):
+        return spark
+    starting = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-spark-start").submit(spark)
+    return starting.result
+
+
 def take_base_snapshot(
     source_dsn: str,
     target_dsn: str,
@@ -103,6 +126,7 @@ def take_base_snapshot(
     export_store: str | os.PathLike[str] | None = None,
     sync_sequence_values: bool = True,
     begin: Callable[[], None] | None = None,
+    driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
 ) -> BaseSnapshotResult:
     """Take the base snapshot: publication, slot with exported snapshot, schema, rows, keys,
     and the target's replication origin at the slot's consistent point.
@@ -113,8 +137,11 @@ def take_base_snapshot(
     again (it would retain WAL for a snapshot nobody can finish); the target then holds a
     partial copy, and the next attempt needs ``resnapshot``.
 
-    ``spark`` may be a callable that returns the session: it is called only when the copy
-    starts. ``begin`` is called once the guards passed and before anything changes (the
+    ``spark`` may be a callable that returns the session. It is called only when a table is
+    estimated above ``driver_max_rows`` (smaller tables are copied by this process, see
+    :func:`copy_tables`), and then at once, on a background thread: Spark's start-up (seconds)
+    overlaps the slot, the exported snapshot, the schema copy and the driver's copies.
+    ``begin`` is called once the guards passed and before anything changes (the
     pipeline records there that a snapshot is under way, see :func:`pipeline.take_snapshot`).
     """
     from ..preflight import check_source
@@ -156,40 +183,48 @@ def take_base_snapshot(
 
     with connect(source_dsn, role="source", autocommit=True) as src:
         ensure_publication(src, publication, resolved)
+        spark = _start_spark_if_needed(src, resolved, spark, driver_max_rows)
 
     exported = create_slot_with_snapshot(source_dsn, slot_name)
     slot = exported.slot
     watch_stop = threading.Event()
     try:
         failpoint("snapshot.after_slot")
+        progress = CopyWatcher(
+            source_dsn, target_dsn, resolved, time.monotonic() - (time.perf_counter() - started)
+        )
         with exported:
+            progress.phase("schema")
             pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
-            session = spark() if callable(spark) else spark
             copy_started = time.perf_counter()
             if armed("snapshot.copying"):
                 threading.Thread(
                     target=_watch_copy_progress, args=(target_dsn, watch_stop), daemon=True
                 ).start()
-            copies = copy_tables(
-                session,
-                source_dsn,
-                target_dsn,
-                slot.snapshot_name,
-                resolved,
-                parallelism=parallelism,
-                target_rows_per_task=target_rows_per_task,
-                copy_format=copy_format,
-                export_store=export_store,
-                consistent_point=slot.consistent_point,
-            )
+            with progress:
+                copies = copy_tables(
+                    spark,
+                    source_dsn,
+                    target_dsn,
+                    slot.snapshot_name,
+                    resolved,
+                    parallelism=parallelism,
+                    target_rows_per_task=target_rows_per_task,
+                    copy_format=copy_format,
+                    export_store=export_store,
+                    consistent_point=slot.consistent_point,
+                    driver_max_rows=driver_max_rows,
+                )
             copy_seconds = time.perf_counter() - copy_started
             watch_stop.set()
         failpoint("snapshot.after_copy")
+        progress.phase("keys")
         post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
         failpoint("snapshot.after_post_data")
         sequences = sync_sequences(source_dsn, target_dsn) if sync_sequence_values else {}
         set_origin(target_dsn, origin, slot.consistent_point)
         failpoint("snapshot.after_origin")
+        progress.phase("done")
     except BaseException:
         watch_stop.set()
         exported.close()

@@ -94,6 +94,11 @@ class RangeCopyResult:
     parquet_file: str | None = None
 
 
+DEFAULT_DRIVER_MAX_ROWS = 2_000_000
+"""Tables estimated at or below this many rows are copied by the driver, not by Spark: see
+:func:`~pgcdc_dagster.engine.snapshot.scheduling.copy_tables`."""
+
+
 @dataclass(frozen=True)
 class TableCopyResult:
     """One table's copy: rows and wire bytes summed over its ranges; ``seconds`` is the sum of
@@ -105,6 +110,8 @@ class TableCopyResult:
     seconds: float
     tasks: int = 1
     copy_formats: tuple[str, ...] = ()
+    copied_by: str = "spark"
+    """``driver`` (a small table, copied by this process while Spark starts) or ``spark``."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,6 +23,7 @@ from ..identifiers import TableName
 from ..lsn import Lsn
 from .common import (
     COLUMNS,
+    DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
     CopyFormat,
     CopyTask,
@@ -148,7 +150,7 @@ def _task_failure(exc: BaseException) -> str:
 
 
 def copy_tables(
-    spark: SparkSession,
+    spark: SparkSession | Callable[[], SparkSession] | None,
     source_dsn: str,
     target_dsn: str,
     snapshot_name: str | None,
@@ -160,8 +162,17 @@ def copy_tables(
     export_store: str | os.PathLike[str] | None = None,
     consistent_point: Lsn | None = None,
     scheduler: Literal["auto", "rdd", "dataframe"] = "auto",
+    driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
+
+    Who copies: a table estimated at or below ``driver_max_rows`` rows is copied by this
+    process (threads, one task per ctid range, as many at once as ``parallelism`` or the CPU
+    count), and the rest by Spark. The driver's copies start at once and run while Spark
+    starts (``spark`` may be a callable that returns the session: it is called only when a
+    table needs Spark, and the caller may have started it in the background); without any
+    large table Spark is never asked for. ``spark=None`` copies everything from the driver.
+    A copy task is the same function in both places, so both copy exactly the same rows.
 
     Spark runs one task per ctid range (:func:`plan_table_ranges`); ``parallelism`` caps how
     many run at once (each holds one source and one target connection), otherwise Spark's
@@ -209,8 +220,22 @@ def copy_tables(
         )
         for rng in ranges
     ]
+    estimated: dict[TableName, int] = {}
+    for rng in ranges:
+        estimated[rng.table] = estimated.get(rng.table, 0) + rng.estimated_rows
+    on_driver = {t for t, rows in estimated.items() if spark is None or rows <= driver_max_rows}
+    driver_tasks = [t for t in tasks if t.range.table in on_driver]
+    spark_tasks = [t for t in tasks if t.range.table not in on_driver]
     try:
-        results = _run_on_spark(spark, _groups(tasks, parallelism), scheduler)
+        workers = max(1, parallelism or os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy") as pool:
+            futures = [pool.submit(copy_range, task) for task in driver_tasks]
+            results = []
+            if spark_tasks:
+                session = spark() if callable(spark) else spark
+                assert session is not None
+                results += _run_on_spark(session, _groups(spark_tasks, parallelism), scheduler)
+            results += [future.result() for future in futures]
     except Exception as exc:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -229,6 +254,7 @@ def copy_tables(
             seconds=sum(r.seconds for r in parts),
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
+            copied_by="driver" if table in on_driver else "spark",
         )
         for table, parts in by_table.items()
     ]

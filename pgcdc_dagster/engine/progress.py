@@ -1,0 +1,206 @@
+"""Progress of long work, for people: the engine publishes, whoever listens shows it.
+
+A snapshot of 1 TB or a catch-up of a day's backlog must not be silent. The engine publishes
+:class:`SnapshotProgress` (about once a second during the copy, and at each phase) and
+:class:`FollowProgress` (after every range) to the listeners registered in this process: the
+CLI draws them (a live display on a terminal, plain lines otherwise) and a Dagster run logs
+them every few seconds. Nothing is decided on them, and with no listener nothing is measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .connect import connect
+from .identifiers import TableName
+
+
+@dataclass
+class TableProgress:
+    table: str
+    rows: int = 0
+    estimated_rows: int = 0
+    bytes: int = 0
+    """Bytes of the table on the target so far (its heap, as the copy writes it)."""
+    estimated_bytes: int = 0
+    """The source table's size: what the copy is heading for (an estimate)."""
+
+
+@dataclass
+class SnapshotProgress:
+    phase: str
+    """``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or ``done``."""
+    elapsed_s: float
+    tables: list[TableProgress] = field(default_factory=list)
+    mb_per_s: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+    @property
+    def estimated_rows(self) -> int:
+        return sum(t.estimated_rows for t in self.tables)
+
+    @property
+    def copied_bytes(self) -> int:
+        return sum(t.bytes for t in self.tables)
+
+    @property
+    def estimated_bytes(self) -> int:
+        return sum(t.estimated_bytes for t in self.tables)
+
+    @property
+    def eta_s(self) -> float | None:
+        remaining = self.estimated_bytes - self.copied_bytes
+        if self.phase != "copy" or self.mb_per_s <= 0 or remaining <= 0:
+            return None
+        return remaining / (self.mb_per_s * 1e6)
+
+    def line(self) -> str:
+        eta = f", ETA {self.eta_s:.0f} s" if self.eta_s is not None else ""
+        return (
+            f"snapshot {self.phase}: {self.rows:,}/~{self.estimated_rows:,} rows, "
+            f"{self.copied_bytes / 1e6:,.1f}/~{self.estimated_bytes / 1e6:,.1f} MB, "
+            f"{self.mb_per_s:,.1f} MB/s{eta}, {self.elapsed_s:.0f} s"
+        )
+
+
+@dataclass
+class FollowProgress:
+    ranges: int
+    transactions: int
+    changes: int
+    elapsed_s: float
+    changes_per_s: float
+    """Over the last few seconds."""
+    lag_bytes: int | None
+    """The source's WAL not yet received when the last range was cut."""
+
+    def line(self) -> str:
+        lag = "-" if self.lag_bytes is None else f"{self.lag_bytes / 1e6:,.1f} MB"
+        return (
+            f"follow: {self.ranges:,} ranges, {self.transactions:,} transactions, "
+            f"{self.changes:,} changes, {self.changes_per_s:,.0f} changes/s, lag {lag}, "
+            f"{self.elapsed_s:.0f} s"
+        )
+
+
+Progress = SnapshotProgress | FollowProgress
+Listener = Callable[[Progress], None]
+
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def listening(listener: Listener) -> Iterator[None]:
+    """Receive every progress report published in this process while inside."""
+    with _lock:
+        _listeners.append(listener)
+    try:
+        yield
+    finally:
+        with _lock:
+            _listeners.remove(listener)
+
+
+def active() -> bool:
+    return bool(_listeners)
+
+
+def publish(progress: Progress) -> None:
+    """Hand ``progress`` to every listener; a listener's failure never stops the work."""
+    with _lock:
+        listeners = list(_listeners)
+    for listener in listeners:
+        with contextlib.suppress(Exception):
+            listener(progress)
+
+
+# -- the snapshot copy, watched from the target ---------------------------------------------
+
+_TARGET_ROWS = """
+SELECT c.oid, n.nspname, c.relname, pg_table_size(c.oid),
+       coalesce(s.n_tup_ins, 0),
+       coalesce((SELECT sum(p.tuples_processed) FROM pg_stat_progress_copy p
+                 WHERE p.relid = c.oid AND p.command = 'COPY FROM'), 0)
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
+WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
+"""
+
+_SOURCE_SIZES = """
+SELECT n.nspname, c.relname, greatest(c.reltuples, 0)::bigint, pg_table_size(c.oid)
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
+"""
+
+
+class CopyWatcher:
+    """Publishes :class:`SnapshotProgress` once a second while the tables are copied.
+
+    Rows on the target are the committed inserts of the table (``pg_stat_user_tables``, taken
+    relative to the start) plus the rows of the COPYs still running (``pg_stat_progress_copy``),
+    so Spark's tasks and the driver's are seen alike, from outside them."""
+
+    def __init__(
+        self, source_dsn: str, target_dsn: str, tables: Sequence[TableName], started: float
+    ) -> None:
+        self.target_dsn = target_dsn
+        self.names = ([t.schema for t in tables], [t.name for t in tables])
+        self.started = started
+        self.estimates: dict[str, tuple[int, int]] = {}
+        self.baseline: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last: tuple[float, int] | None = None
+        if active():
+            with connect(source_dsn, role="source", autocommit=True) as src:
+                for schema, name, rows, size in src.execute(_SOURCE_SIZES, self.names):
+                    self.estimates[str(TableName(schema, name))] = (int(rows), int(size))
+
+    def phase(self, phase: str) -> None:
+        if active():
+            publish(self._measure(phase))
+
+    def __enter__(self) -> CopyWatcher:
+        if active():
+            self.baseline = {t.table: t.rows for t in self._measure("copy").tables}
+            self._thread = threading.Thread(target=self._run, name="pgcdc-copy-progress")
+            self._thread.daemon = True
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            publish(self._measure("copy"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            with contextlib.suppress(Exception):
+                publish(self._measure("copy"))
+
+    def _measure(self, phase: str) -> SnapshotProgress:
+        tables = []
+        with connect(self.target_dsn, role="target", autocommit=True) as tgt:
+            rows = tgt.execute(_TARGET_ROWS, self.names)
+            for _, schema, name, size, inserted, in_flight in rows:
+                key = str(TableName(schema, name))
+                est_rows, est_bytes = self.estimates.get(key, (0, 0))
+                done = int(inserted) + int(in_flight) - self.baseline.get(key, 0)
+                tables.append(TableProgress(key, done, est_rows, int(size), est_bytes))
+        now = time.monotonic()
+        copied = sum(t.bytes for t in tables)
+        rate = 0.0
+        if self._last is not None and now > self._last[0]:
+            rate = max(0.0, (copied - self._last[1]) / (now - self._last[0]) / 1e6)
+        self._last = (now, copied)
+        return SnapshotProgress(phase, now - self.started, tables, rate)
