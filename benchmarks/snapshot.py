@@ -425,6 +425,7 @@ def run_cli(
         "seconds": measured.wall,
         "rows": rows,
         "stdout": done.stdout.strip(),
+        "progress": [line for line in done.stderr.splitlines() if line.startswith("pgcdc: ")],
         **measured.report(),
     }
 
@@ -636,6 +637,9 @@ RATIO_LEGEND = {
     "ours_vs_pipe": "pipe copy + post-data seconds / ours seconds, end to end",
     "ours_copy_vs_pipe_copy": "pipe copy seconds / our copy phase seconds",
     "native_vs_pipe": "pipe seconds / native seconds",
+    "cli_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds from a "
+    "fresh process (Python, Dagster, the run, Spark if needed)",
+    "cli_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds from a fresh process",
 }
 
 

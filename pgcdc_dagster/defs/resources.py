@@ -29,6 +29,10 @@ class ReplicationResource(ConfigurableResource):
     range_max_bytes: int
     snapshot_parquet: bool = False
     """Also write the base snapshot as Parquet under the store's ``snapshot/``."""
+    snapshot_driver_rows: int | None = None
+    follow_cut_ms: int = 200
+    follow_range_bytes: int = 32 * 1024 * 1024
+    follow_idle_s: float = 10.0
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -74,6 +78,10 @@ class PgcdcResource(ConfigurableResource):
             spark_remote=spark.remote if spark else None,
             range_max_bytes=self.replication.range_max_bytes,
             snapshot_parquet=self.replication.snapshot_parquet,
+            snapshot_driver_rows=self.replication.snapshot_driver_rows,
+            follow_cut_ms=self.replication.follow_cut_ms,
+            follow_range_bytes=self.replication.follow_range_bytes,
+            follow_idle_s=self.replication.follow_idle_s,
         )
 
 
@@ -122,6 +130,10 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             tables=",".join(str(t) for t in settings.tables or ()),
             range_max_bytes=settings.range_max_bytes,
             snapshot_parquet=settings.snapshot_parquet,
+            snapshot_driver_rows=settings.snapshot_driver_rows,
+            follow_cut_ms=settings.follow_cut_ms,
+            follow_range_bytes=settings.follow_range_bytes,
+            follow_idle_s=settings.follow_idle_s,
         ),
         store=OutputStoreResource(path=settings.store),
     )

@@ -94,7 +94,7 @@ def take_snapshot(
             resnapshot=resnapshot or redo is not None,
             export_store=settings.store_path if settings.snapshot_parquet else None,
             begin=lambda: store.begin_snapshot(settings.slot),
-            driver_max_rows=settings.snapshot_driver_rows,
+            driver_max_rows=settings.driver_max_rows(),
         )
         store.record_chain(settings.slot, result.consistent_point, result.snapshot_name)
     return result

@@ -96,3 +96,38 @@ def test_source_and_target_tables_carry_their_name_and_column_schema():
     assert (
         "dagster/column_schema" not in odd
     )  # columns not known: no schema rather than a wrong one
+
+
+def test_every_setting_reaches_the_runs_through_the_resources():
+    """A run rebuilds its settings from the resources: a setting they do not carry would be
+    silently back at its default inside every Dagster run."""
+    from pgcdc_dagster.defs.resources import default_resources
+    from pgcdc_dagster.engine.settings import ReplicationSettings
+
+    changed = ReplicationSettings(
+        source_dsn="host=a",
+        target_dsn="host=b",
+        slot="s1",
+        publication="p1",
+        tables="public.t1,public.t2",
+        store="/tmp/st",
+        range_max_bytes=12345,
+        snapshot_parquet=True,
+        snapshot_driver_rows=7,
+        follow_cut_ms=50,
+        follow_range_bytes=4096,
+        follow_idle_s=2.5,
+        sensor_interval=9,
+        dead_run_grace=3.0,
+        retained_wal_limit=99,
+        mode="follow",
+    )
+    resources = default_resources(changed)
+    rebuilt = resources["pgcdc"].settings(resources["spark"])
+    # Read when the definitions are built (sensor, checks), not inside runs:
+    definitions_time = {"sensor_interval", "dead_run_grace", "retained_wal_limit", "mode"}
+    # Secrets: the resources hold EnvVar references, resolved only inside the run.
+    secrets = {"source_dsn", "target_dsn"}
+    for name in ReplicationSettings.model_fields:
+        if name not in definitions_time | secrets:
+            assert getattr(rebuilt, name) == getattr(changed, name), name
