@@ -407,3 +407,31 @@ def test_missing_publication_and_missing_slot_name_the_fix(source):
         receive(source.dsn, SLOT, "no_such_pub", source.store, source.start, source.flush_lsn())
     with pytest.raises(SlotError, match="no_such_slot"):
         receive(source.dsn, "no_such_slot", PUB, source.store, source.start, source.flush_lsn())
+
+
+def test_without_lookahead_an_endpos_inside_a_commit_record_still_stops_the_slot_before_it(
+    source,
+):
+    """A follower's own cuts are read up to their end only (no lookahead): the peek still
+    decodes the record that crosses its end, so a COMMIT containing the end is seen and the slot
+    stops at its start; a transaction open across the end goes whole to the next range."""
+    source.sql("INSERT INTO items VALUES (1, 'a')", "INSERT INTO items VALUES (2, 'b')")
+    first, second = source.peek_transactions()
+    endpos = second["end_lsn"] - 1  # inside the second COMMIT record
+    result = source.receive(endpos, lookahead_bytes=0)
+    assert result.transactions == 1 and result.transform_lsn == str(first["end_lsn"])
+    assert source.confirmed() == second["commit_lsn"]
+    nxt = source.receive(second["end_lsn"], lookahead_bytes=0)
+    assert source.rows(nxt).column("key").to_pylist() == [["2"]]
+
+    with psycopg.connect(source.dsn) as open_txn:
+        open_txn.execute("INSERT INTO items VALUES (10, 'open 1')")
+        with psycopg.connect(source.dsn) as other:
+            cut = Lsn(other.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0])
+        open_txn.execute("INSERT INTO items VALUES (11, 'open 2')")
+        open_txn.commit()
+    source.sql("SELECT pg_switch_wal()")
+    before = source.receive(cut, lookahead_bytes=0)
+    assert before.transactions == 0
+    after = source.receive(source.flush_lsn(), lookahead_bytes=0)
+    assert source.rows(after).column("key").to_pylist() == [["10"], ["11"]]
