@@ -16,17 +16,6 @@ also moves the replication origin) as a range run on its own: follow adds no dur
 no new invariant, so a follower killed anywhere is resumed by anything that asks
 :mod:`.next_step` (another follower, a per-range run, ``pgcdc catchup``).
 
-Where a cut needs no lookahead: a range's receive normally decodes 16 MiB past its end, so as to
-see transactions that began before the end and commit after it and to report the endpos as
-``mid_transaction``. That report is all the lookahead is for: the safe point only needs the
-transaction whose COMMIT record contains the end, and the slot's peek always finishes decoding
-the record that crosses its ``upto`` position (a commit record that contains the end is
-decoded whole, so its transaction is seen as a straddler and the slot stops before it). So the
-ranges follow cuts itself are read up to their end only (on 32 MiB ranges the lookahead was a
-third of the receive time), and their outcome says ``between_transactions`` even when a
-transaction was open across the cut; it goes whole to the next range either way. The range at a
-requested endpos keeps the lookahead and the exact outcome.
-
 Idle source: a poll that finds no committed published change stores nothing and leaves the slot
 where it is; an empty range is still stored (and the slot moved) every ``follow_idle_s`` or once
 16 MiB of WAL went by, so retained WAL stays bounded while the published tables are idle.
@@ -62,7 +51,7 @@ from .pipeline import (
     next_step,
     store_of,
 )
-from .receive import DEFAULT_LOOKAHEAD_BYTES, receive
+from .receive import receive
 from .settings import MiB, ReplicationSettings
 from .slot import current_flush_lsn
 from .store import RangeResult
@@ -306,10 +295,6 @@ class Follower:
                     end,
                     conn=conn,
                     keep_empty=due,
-                    # Only the range at the requested endpos looks past its end (to report a
-                    # transaction open across it as mid_transaction); a cut of our own does not
-                    # need to, see the module docstring.
-                    lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES if final else 0,
                 )
                 self.summary.receiving.append((cycle, time.monotonic()))
                 if result is not None:
