@@ -36,42 +36,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
 from pgcdc_dagster.demo.local_cluster import find_bindir
-from pgcdc_dagster.demo.run import demo_environment, load_sample_data, start_clusters
+from pgcdc_dagster.demo.run import (
+    Measurements,
+    demo_environment,
+    load_sample_data,
+    probe_freshness,
+    start_clusters,
+)
 from pgcdc_dagster.engine import pipeline, verify
 from pgcdc_dagster.engine.connect import libpq_tool_environment
 from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
-
-
-def probe(
-    source_dsn: str, target_dsn: str, interval_s: float, stop: threading.Event, out: list[float]
-) -> None:
-    sent: dict[int, float] = {}
-    seen = 0
-    last = 0.0
-    with (
-        psycopg.connect(source_dsn, autocommit=True) as src,
-        psycopg.connect(target_dsn, autocommit=True) as tgt,
-    ):
-        while True:
-            now = time.monotonic()
-            if not stop.is_set() and now - last >= interval_s:
-                n = len(sent) + 1
-                src.execute("INSERT INTO demo_probe VALUES (%s, now())", (n,))
-                sent[n] = last = time.monotonic()
-            rows = tgt.execute("SELECT id FROM demo_probe WHERE id > %s", (seen,)).fetchall()
-            arrived = time.monotonic()
-            for (n,) in rows:
-                out.append(arrived - sent[n])
-                seen = max(seen, n)
-            if stop.is_set() and seen >= len(sent):
-                return
-            time.sleep(0.02)
 
 
 def main() -> None:
@@ -107,11 +85,13 @@ def main() -> None:
             time.sleep(0.05)
         startup_s = time.monotonic() - launched
 
-        freshness: list[float] = []
-        stop = threading.Event()
+        measured = Measurements()
+        writing, never = threading.Event(), threading.Event()
+        writing.set()
         prober = threading.Thread(
-            target=probe,
-            args=(settings.source_dsn, settings.target_dsn, args.probe_interval, stop, freshness),
+            target=probe_freshness,
+            args=(settings.source_dsn, settings.target_dsn, writing, never, measured),
+            kwargs={"interval_s": args.probe_interval, "poll_s": 0.02},
         )
         prober.start()
         tool_env, extra = libpq_tool_environment(clusters.source.dsn())
@@ -136,7 +116,7 @@ def main() -> None:
             text=True,
             check=True,
         )
-        stop.set()
+        writing.clear()
         prober.join(timeout=60)
         found = re.findall(r"tps = ([0-9.]+)", bench.stdout)
         tps = float(found[-1]) if found else None
@@ -151,7 +131,7 @@ def main() -> None:
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
         comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
-        fresh = sorted(freshness)
+        fresh = sorted(measured.freshness_s)
         report: dict[str, Any] = {
             "load": f"pgbench simple-update, {args.tps} tps target, {args.seconds} s",
             "pgbench_tps": tps,

@@ -37,7 +37,7 @@ from pgcdc_dagster.demo.local_cluster import (
     LocalCluster,
     temporary_cluster,
 )
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
@@ -147,9 +147,13 @@ class Site:
     killed_runs: list[str] = field(default_factory=list)
 
     def pgcdc(
-        self, *args: str, failpoint: str | None = None, timeout: float = 240
+        self,
+        *args: str,
+        failpoint: str | None = None,
+        timeout: float = 240,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        running = self.start(*args, failpoint=failpoint)
+        running = self.start(*args, failpoint=failpoint, env=env)
         try:
             out, err = running.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -164,14 +168,16 @@ class Site:
             ) from None
         return subprocess.CompletedProcess(running.args, running.returncode, out, err)
 
-    def start(self, *args: str, failpoint: str | None = None) -> subprocess.Popen[str]:
-        env = {**os.environ, **self.env, "PYTHONFAULTHANDLER": "1"}
-        env.pop("PGCDC_FAILPOINT", None)
+    def start(
+        self, *args: str, failpoint: str | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        environment = {**os.environ, **self.env, "PYTHONFAULTHANDLER": "1", **(env or {})}
+        environment.pop("PGCDC_FAILPOINT", None)
         if failpoint:
-            env["PGCDC_FAILPOINT"] = failpoint
+            environment["PGCDC_FAILPOINT"] = failpoint
         return subprocess.Popen(
             [PGCDC, *args],
-            env=env,
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -310,6 +316,41 @@ def test_kill_at_a_catchup_fault_point_then_a_plain_catchup_converges(site: Site
     assert "left unfinished" in done.stderr  # the killed run was found dead and said so
     site.assert_converged()
     site.assert_killed_run_marked_failed()
+
+
+def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(site: Site):
+    """Every range on Spark (``PGCDC_SPARK_MIN_CHANGES=1``): a worker has committed its part of
+    the shared staging tables when the whole command is SIGKILLed (driver and JVM). The next
+    catch-up starts the staging clean and converges; no staging table is left."""
+    on_spark = {"PGCDC_SPARK_MIN_CHANGES": "1", "PGCDC_RANGE_MAX_BYTES": str(64 << 20)}
+    with site.writer(seed=41) as writer:
+        time.sleep(1.0)
+        running = site.start(
+            "catchup", "--endpos", "current", failpoint="apply.staging=sleep(20)", env=on_spark
+        )
+        try:
+            _wait_for(lambda: _staged_rows(site) > 0, "rows staged by a Spark worker", 180)
+        finally:
+            os.killpg(running.pid, signal.SIGKILL)
+            running.communicate(timeout=30)
+    assert writer.committed > 0
+    assert running.returncode == -signal.SIGKILL
+
+    done = site.pgcdc("catchup", "--endpos", "current", env=on_spark)
+    assert done.returncode == 0, done.stderr
+    assert "left unfinished" in done.stderr
+    site.assert_converged()
+    site.assert_killed_run_marked_failed()
+    with psycopg.connect(site.settings.target_dsn) as conn:
+        assert staging.shared_tables(conn, site.settings.origin) == []
+
+
+def _staged_rows(site: Site) -> int:
+    with psycopg.connect(site.settings.target_dsn, autocommit=True) as conn:
+        return sum(
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(name)).fetchone()[0]
+            for name in staging.shared_tables(conn, site.settings.origin)
+        )
 
 
 def test_sigterm_stops_follow_at_a_range_boundary_and_the_next_resumes_exactly_once(site: Site):

@@ -259,8 +259,8 @@ def _cutover(tables: Sequence[TableName]) -> Any:
 
         settings = pgcdc.settings(spark)
         try:
-            target_lsn = pipeline.resolve_endpos(settings, config.endpos)
-            follower = new_follower(settings, target_lsn, lambda: spark.spark_session)
+            follower = new_follower(settings, config.endpos, spark)
+            target_lsn = follower.endpos
             for event in follow_events(context, settings, tables, follower):
                 context.log_event(event)
             sequences = sync_sequences(settings.source_dsn, settings.target_dsn)

@@ -98,6 +98,9 @@ def _events(
 
 
 def new_follower(
-    settings: pipeline.ReplicationSettings, endpos: Lsn | None, spark: Any
+    settings: pipeline.ReplicationSettings, endpos: str | None, spark: Any
 ) -> Follower:
-    return Follower(settings, endpos, spark=spark, interrupts=INTERRUPTS)
+    """A follower of the run's slot up to ``endpos`` (``current``, ``X/Y``, or ``None``: until
+    stopped), with Spark from the run's ``spark`` resource, started only if a range needs it."""
+    target = None if endpos is None else pipeline.resolve_endpos(settings, endpos)
+    return Follower(settings, target, spark=lambda: spark.spark_session, interrupts=INTERRUPTS)

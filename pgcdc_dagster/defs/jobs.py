@@ -14,7 +14,6 @@ from typing import Any
 
 from dagster import Config, JobDefinition, OpExecutionContext, in_process_executor, job, op
 
-from ..engine import pipeline
 from ..engine.identifiers import TableName
 from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
@@ -46,14 +45,11 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
     ) -> Iterator[Any]:
         settings = pgcdc.settings(spark)
         try:
-            endpos = (
-                None
-                if config.endpos.strip().lower() == NO_ENDPOS
-                else pipeline.resolve_endpos(settings, config.endpos)
-            )
-            follower = new_follower(settings, endpos, lambda: spark.spark_session)
+            endpos = None if config.endpos.strip().lower() == NO_ENDPOS else config.endpos
+            follower = new_follower(settings, endpos, spark)
             context.log.info(
-                f"following slot {settings.slot}" + (f" up to {endpos}" if endpos else "")
+                f"following slot {settings.slot}"
+                + (f" up to {follower.endpos}" if follower.endpos else "")
             )
             yield from follow_events(context, settings, tables, follower)
         except ENGINE_ERRORS as exc:

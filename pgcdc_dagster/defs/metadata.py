@@ -115,6 +115,7 @@ def apply_metadata(
         "table_deleted": number(counts.deleted if counts else 0),
         "table_truncated": MetadataValue.bool(bool(counts and counts.truncated)),
         "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
+        "staged_by": text(applied.staged_by),
         "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
     }
     added = [c for c in applied.added_columns if c.startswith(f"{table}.")]

@@ -9,7 +9,7 @@ from dagster import ConfigurableResource, EnvVar, InitResourceContext
 from dagster_pyspark import LazyPySparkResource
 from pydantic import PrivateAttr
 
-from ..engine.settings import ReplicationSettings
+from ..engine.settings import DEFAULT_SPARK_MIN_CHANGES, ReplicationSettings
 
 
 class PostgresResource(ConfigurableResource):
@@ -33,6 +33,7 @@ class ReplicationResource(ConfigurableResource):
     follow_cut_ms: int = 200
     follow_range_bytes: int = 32 * 1024 * 1024
     follow_idle_s: float = 10.0
+    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -82,6 +83,7 @@ class PgcdcResource(ConfigurableResource):
             follow_cut_ms=self.replication.follow_cut_ms,
             follow_range_bytes=self.replication.follow_range_bytes,
             follow_idle_s=self.replication.follow_idle_s,
+            spark_min_changes=self.replication.spark_min_changes,
         )
 
 
@@ -134,6 +136,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             follow_cut_ms=settings.follow_cut_ms,
             follow_range_bytes=settings.follow_range_bytes,
             follow_idle_s=settings.follow_idle_s,
+            spark_min_changes=settings.spark_min_changes,
         ),
         store=OutputStoreResource(path=settings.store),
     )

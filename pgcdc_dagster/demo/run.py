@@ -146,8 +146,11 @@ def probe_freshness(
     writing: threading.Event,
     stop: threading.Event,
     out: Measurements,
+    interval_s: float = 1.0,
+    poll_s: float = 0.05,
 ) -> None:
-    """A probe row each second while ``writing``; each probe's time until the target has it."""
+    """A probe row every ``interval_s`` while ``writing``; each probe's time until the target
+    has it (polled every ``poll_s``). Returns once every probe arrived, or at ``stop``."""
     sent_at: dict[int, float] = {}
     last_sent = 0.0
     seen = 0
@@ -157,7 +160,7 @@ def probe_freshness(
     ):
         while not stop.is_set():
             now = time.monotonic()
-            if writing.is_set() and now - last_sent >= 1.0:
+            if writing.is_set() and now - last_sent >= interval_s:
                 probe = len(sent_at) + 1
                 src.execute("INSERT INTO demo_probe VALUES (%s, now())", (probe,))
                 sent_at[probe] = last_sent = time.monotonic()
@@ -169,7 +172,7 @@ def probe_freshness(
                 seen = max(seen, probe)
             if not writing.is_set() and seen >= len(sent_at):
                 return
-            time.sleep(0.05)
+            time.sleep(poll_s)
 
 
 def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measurements) -> None:

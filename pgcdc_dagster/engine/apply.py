@@ -2,7 +2,7 @@
 
 Data flow::
 
-    stored range ──compaction (Arrow in process, or Spark)──▶ net rows per table
+    stored range ──compaction (Arrow, in process)──▶ net rows per table
          │                                                        │ COPY ... (FORMAT csv)
          ▼                                                        ▼
     origin progress ──checks──▶ BEGIN; session_replication_role = replica
@@ -13,8 +13,14 @@ Data flow::
                                            DELETE ... USING, INSERT ... ON CONFLICT DO UPDATE,
                                            UPDATE for rows with unsent TOAST values,
                                            or an ordered replay (no identity)
+                                DROP shared staging tables      (Spark path, or left by a crash)
                                 pg_replication_origin_xact_setup(transform_lsn, commit time)
                                 COMMIT
+
+    A range of ``spark_min_changes`` or more (with a SparkSession): before BEGIN, Spark's
+    workers compact it and COPY the net rows into shared staging tables (:mod:`.spark_staging`);
+    the transaction then merges from those instead of temp tables. Nothing durable but the
+    staging tables happens before BEGIN (and columns the range added, which come first there).
 
 Why this is exactly once
     The target's replication origin (``pgcdc_<slot>``, created at the slot's consistent point
@@ -65,7 +71,6 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.csv as pacsv
 from psycopg import sql
 
 from .compaction import (
@@ -81,6 +86,8 @@ from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn
 from .origin import mark_transaction, require_progress, reset_session, setup_session
+from .spark_staging import SharedStage, stage_on_spark
+from .staging import copy_rows, create_stage, drop_shared, flag, typed_as
 from .store import OutputStore, StoredRange
 
 if TYPE_CHECKING:
@@ -99,8 +106,6 @@ class ApplyStatus(StrEnum):
 
 FIRST_USER_OID = 16384
 """Type oids below this are built in and mean the same on every cluster of a major version."""
-
-_COPY_BATCH_ROWS = 65_536
 
 
 class ApplyGapError(ApplyError):
@@ -137,6 +142,9 @@ class ApplyResult:
     changes: int = 0
     net_rows: int = 0
     compaction_path: str | None = None
+    staged_by: str = "driver"
+    """Who COPYed the net rows into staging tables: ``driver`` (this process, inside the apply
+    transaction) or ``spark executors`` (before it; :mod:`.spark_staging`)."""
     compaction_seconds: float = 0.0
     staging_seconds: float = 0.0
     apply_seconds: float = 0.0
@@ -204,17 +212,38 @@ def apply_range(
         targets = read_target_tables(conn, list(relations))
         relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
         additions = plan_schema_drift(relations, targets)
-        compaction = compact_range(
-            stored,
-            relations,
-            after_lsn=int(progress),
-            spark=spark,
-            spark_min_changes=spark_min_changes,
-        )
-        result.compaction_path = compaction.path
-        result.compaction_seconds = compaction.seconds
-        result.changes = sum(t.changes for t in compaction.tables.values())
-        result.net_rows = compaction.net_rows
+        shared: dict[TableName, SharedStage] | None = None
+        if spark is not None and stored.changes >= spark_min_changes:
+            if additions:
+                # Shared staging tables are typed like the target's columns and made before
+                # the apply transaction, so the columns the range adds come first, in their
+                # own transaction: a column ahead of its values is harmless, and a re-run
+                # finds it there.
+                with conn.transaction():
+                    result.added_columns += _add_columns(conn, additions)
+                additions = []
+                targets = read_target_tables(conn, list(relations))
+            spark_started = time.perf_counter()
+            shared = stage_on_spark(
+                spark,
+                conn,
+                target_dsn,
+                origin_name,
+                [str(f) for f in stored.files],
+                relations,
+                after_lsn=int(progress),
+            )
+            result.compaction_path = "spark"
+            result.staged_by = "spark executors"
+            result.staging_seconds = round(time.perf_counter() - spark_started, 4)
+            result.changes = sum(s.changes for s in shared.values())
+            result.net_rows = sum(s.net_rows for s in shared.values())
+        else:
+            compaction = compact_range(stored, relations, after_lsn=int(progress))
+            result.compaction_path = compaction.path
+            result.compaction_seconds = compaction.seconds
+            result.changes = sum(t.changes for t in compaction.tables.values())
+            result.net_rows = compaction.net_rows
 
         setup_session(conn, origin_name, origin_wait_seconds)
         try:
@@ -227,10 +256,18 @@ def apply_range(
                         "at the same time; run this one again"
                     )
                 conn.execute("SET LOCAL session_replication_role = replica")
-                result.added_columns = _add_columns(conn, additions)
+                result.added_columns += _add_columns(conn, additions)
                 if additions:
                     targets = read_target_tables(conn, list(relations))
-                _apply_tables(conn, compaction.tables, targets, result)
+                if shared is None:
+                    stage_started = time.perf_counter()
+                    staged = _stage_all(conn, compaction.tables, targets)
+                    result.staging_seconds = round(time.perf_counter() - stage_started, 4)
+                else:
+                    staged = _from_shared(shared, targets)
+                _apply_staged(conn, staged, result)
+                # The shared tables of this apply, or ones a killed Spark apply left.
+                drop_shared(conn, origin_name)
                 mark_transaction(
                     conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
                 )
@@ -455,24 +492,52 @@ def _add_columns(conn: psycopg.Connection[Any], additions: Sequence[ColumnAdditi
 # -- staging and applying -------------------------------------------------------------------------
 
 
-def _apply_tables(
+def _stage_all(
     conn: psycopg.Connection[Any],
     tables: Mapping[TableName, NetChanges],
     targets: Mapping[TableName, TargetTable],
-    result: ApplyResult,
-) -> None:
-    """Stage every table's net rows, then TRUNCATE, then apply table by table."""
-    staged: list[_Staged] = []
-    stage_started = time.perf_counter()
-    for i, (table, net) in enumerate(sorted(tables.items())):
-        result.tables[str(table)] = TableApplyCounts(
-            changes=net.changes, net_rows=net.net.num_rows, truncated=net.truncate
-        )
-        staged.append(_stage(conn, i, net, targets[table]))
-    result.staging_seconds = round(time.perf_counter() - stage_started, 4)
+) -> list[_Staged]:
+    """Every table's net rows COPYed into temporary staging tables."""
+    return [
+        _stage(conn, i, net, targets[table])
+        for i, (table, net) in enumerate(sorted(tables.items()))
+    ]
 
+
+def _from_shared(
+    shared: Mapping[TableName, SharedStage], targets: Mapping[TableName, TargetTable]
+) -> list[_Staged]:
+    """Tables Spark's workers staged (:mod:`.spark_staging`), as the merge reads them."""
+    return [
+        _Staged(
+            stage.net_changes(),
+            targets[table],
+            upserts=stage.upserts,
+            deletes=stage.deletes,
+            ordered=stage.ordered,
+            ordered_name=f"pgcdc_ord_{i}",
+            keep=stage.keep,
+            old_missing=stage.old_missing,
+            has_origin=stage.has_origin,
+            upsert_rows=stage.upsert_rows,
+            all_inserts=stage.all_inserts,
+            net_rows=stage.net_rows,
+        )
+        for i, (table, stage) in enumerate(sorted(shared.items()))
+    ]
+
+
+def _apply_staged(
+    conn: psycopg.Connection[Any], staged: list[_Staged], result: ApplyResult
+) -> None:
+    """TRUNCATE what the range truncated, then apply table by table from the staged rows."""
     apply_started = time.perf_counter()
-    truncated = [net for net in tables.values() if net.truncate]
+    for stage in staged:
+        net = stage.net
+        result.tables[str(net.relation.table)] = TableApplyCounts(
+            changes=net.changes, net_rows=stage.net_rows, truncated=net.truncate
+        )
+    truncated = [stage.net for stage in staged if stage.net.truncate]
     if truncated:
         restart = any(net.truncate_flags & 2 for net in truncated)
         statement = sql.SQL("TRUNCATE {}{}").format(
@@ -535,12 +600,13 @@ class _Staged:
     has_origin: bool = False
     upsert_rows: int = 0
     all_inserts: bool = False
+    net_rows: int = 0
 
 
 def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: TargetTable) -> _Staged:
     """COPY the table's net rows into temp tables typed like the target's columns (so the
     server parses each value once, in COPY, and the SQL needs no casts). Dropped at COMMIT."""
-    stage = _Staged(net, target)
+    stage = _Staged(net, target, net_rows=net.net.num_rows)
     rel = net.relation
     names = rel.names
     width = len(names)
@@ -552,18 +618,17 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
         stage.ordered_name = f"pgcdc_ord_{i}"
         stage.ordered = sql.Identifier(stage.ordered_name)
         if stage.all_inserts:  # the common case (a log table): new rows only
-            cols = [sql.SQL("0::int8 AS ord"), *[_as(rel, j, f"c{j}") for j in range(width)]]
+            cols = [sql.SQL("0::int8 AS ord"), *[typed_as(rel, j, f"c{j}") for j in range(width)]]
             staged_names = ["ord", *[f"c{j}" for j in range(width)]]
         else:
             stage.keep = _flagged(table, "u", width)
             stage.old_missing = _flagged(table, "m", width)
-            flag = "false AS {}"
             cols = (
                 [sql.SQL("0::int8 AS ord"), sql.SQL("''::text AS op")]
-                + [_as(rel, j, f"o{j}") for j in range(width)]
-                + [sql.SQL(flag).format(sql.Identifier(f"m{j}")) for j in stage.old_missing]
-                + [_as(rel, j, f"c{j}") for j in range(width)]
-                + [sql.SQL(flag).format(sql.Identifier(f"u{j}")) for j in stage.keep]
+                + [typed_as(rel, j, f"o{j}") for j in range(width)]
+                + [flag(f"m{j}") for j in stage.old_missing]
+                + [typed_as(rel, j, f"c{j}") for j in range(width)]
+                + [flag(f"u{j}") for j in stage.keep]
             )
             staged_names = (
                 ["ord", "op"]
@@ -572,17 +637,17 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
                 + [f"c{j}" for j in range(width)]
                 + [f"u{j}" for j in stage.keep]
             )
-        _create_stage(conn, stage.ordered, rel.table, cols)
-        _copy(conn, stage.ordered, table.select(staged_names), rel.table)
+        create_stage(conn, stage.ordered, rel.table, cols)
+        copy_rows(conn, stage.ordered, table.select(staged_names), rel.table)
         return stage
 
     deletes = net.deletes
     if deletes.num_rows:
         stage.deletes = sql.Identifier(f"pgcdc_del_{i}")
         ident = rel.identity_positions
-        cols = [_as(rel, p, f"k{j}") for j, p in enumerate(ident)]
-        _create_stage(conn, stage.deletes, rel.table, cols)
-        _copy(conn, stage.deletes, deletes, rel.table)
+        cols = [typed_as(rel, p, f"k{j}") for j, p in enumerate(ident)]
+        create_stage(conn, stage.deletes, rel.table, cols)
+        copy_rows(conn, stage.deletes, deletes, rel.table)
     upserts = net.upserts
     stage.upsert_rows = upserts.num_rows
     if upserts.num_rows:
@@ -591,61 +656,20 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
         k = len(rel.identity)
         stage.has_origin = k > 0 and upserts.column("f0").null_count < upserts.num_rows
         ident = rel.identity_positions
-        cols = [_as(rel, j, f"c{j}") for j in range(width)]
-        cols += [sql.SQL("false AS {}").format(sql.Identifier(f"u{j}")) for j in stage.keep]
+        cols = [typed_as(rel, j, f"c{j}") for j in range(width)]
+        cols += [flag(f"u{j}") for j in stage.keep]
         staged_names = [f"c{j}" for j in range(width)] + [f"u{j}" for j in stage.keep]
         if stage.has_origin:
-            cols += [_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
+            cols += [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
             staged_names += [f"f{j}" for j in range(k)]
-        _create_stage(conn, stage.upserts, rel.table, cols)
-        _copy(conn, stage.upserts, upserts.select(staged_names), rel.table)
+        create_stage(conn, stage.upserts, rel.table, cols)
+        copy_rows(conn, stage.upserts, upserts.select(staged_names), rel.table)
     return stage
 
 
 def _flagged(table: pa.Table, prefix: str, width: int) -> list[int]:
     """Positions whose boolean flag column is true in some row (only those are staged)."""
     return [j for j in range(width) if pc.any(table.column(f"{prefix}{j}")).as_py()]
-
-
-def _as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
-    """A staging column typed like the target column at ``position`` of the relation."""
-    return sql.SQL("t.{} AS {}").format(sql.Identifier(rel.names[position]), sql.Identifier(alias))
-
-
-def _create_stage(
-    conn: psycopg.Connection[Any],
-    name: sql.Identifier,
-    table: TableName,
-    columns: Sequence[sql.Composable],
-) -> None:
-    conn.execute(
-        sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT {} FROM {} t WITH NO DATA").format(
-            name, sql.SQL(", ").join(columns), table.sql
-        )
-    )
-
-
-def _copy(
-    conn: psycopg.Connection[Any], name: sql.Identifier, rows: pa.Table, table: TableName
-) -> None:
-    """Bulk COPY in CSV: Arrow quotes every string, so an empty string is ``""`` and NULL is an
-    empty unquoted field, exactly the distinction COPY's CSV format makes."""
-    statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
-        name, sql.SQL(", ").join(sql.Identifier(c) for c in rows.column_names)
-    )
-    options = pacsv.WriteOptions(include_header=False)
-    try:
-        with conn.cursor().copy(statement) as copy:
-            for batch in rows.to_batches(max_chunksize=_COPY_BATCH_ROWS):
-                sink = pa.BufferOutputStream()
-                pacsv.write_csv(batch, sink, options)
-                copy.write(sink.getvalue())
-    except psycopg.Error as exc:
-        raise ApplyError(
-            f"staging the changes of table {table} failed: {exc.diag.message_primary} "
-            f"({exc.diag.context or 'COPY'}); the range's values do not fit the target's "
-            "column types: compare the table's definition on both sides"
-        ) from exc
 
 
 def _run(

@@ -38,6 +38,7 @@ POINTS: dict[str, str] = {
     "receive.after_store": "a range is durably stored; the slot is not advanced yet",
     "receive.fetching": "a range's changes are being read from the slot",
     "catchup.before_apply": "the slot is advanced past a stored range; nothing applied yet",
+    "apply.staging": "a Spark worker committed its part of a range's shared staging tables",
     "apply.in_transaction": "inside the apply transaction, rows written, not committed",
     "apply.after_commit": "the range and the origin are committed; Dagster has not recorded it",
     "snapshot.after_marker": "the store says a snapshot is under way; nothing else done",

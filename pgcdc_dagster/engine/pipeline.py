@@ -194,15 +194,19 @@ def apply_stored_range(
     """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
     returns one) only for ranges large enough to be worth a Spark job."""
     from .apply import apply_range
-    from .compaction import DEFAULT_SPARK_MIN_CHANGES
 
     stored = stored_range(settings, rng)
     session = None
-    if spark is not None and stored.changes >= DEFAULT_SPARK_MIN_CHANGES:
+    if spark is not None and stored.changes >= settings.spark_min_changes:
         session = spark() if callable(spark) else spark
     with server_errors("target", settings.target_dsn):
         return apply_range(
-            settings.target_dsn, stored, settings.origin, spark=session, store=store_of(settings)
+            settings.target_dsn,
+            stored,
+            settings.origin,
+            spark=session,
+            store=store_of(settings),
+            spark_min_changes=settings.spark_min_changes,
         )
 
 

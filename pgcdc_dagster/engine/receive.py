@@ -104,30 +104,19 @@ def receive(
     is not moved (``None`` is returned): a follower polling an idle source stores an empty
     range only now and then, to keep the slot moving, not every poll.
     """
-    if conn is None:
-        with connect(source_dsn, role="source") as own:
-            return _receive(
-                own,
-                slot_name,
-                publication,
-                store,
-                LsnRange(range_start, endpos),
-                lookahead_bytes,
-                fetch_rows,
-                spill_rows,
-                keep_empty,
-            )
-    return _receive(
-        conn,
-        slot_name,
-        publication,
-        store,
-        LsnRange(range_start, endpos),
-        lookahead_bytes,
-        fetch_rows,
-        spill_rows,
-        keep_empty,
-    )
+    opened = connect(source_dsn, role="source") if conn is None else contextlib.nullcontext(conn)
+    with opened as source:
+        return _receive(
+            source,
+            slot_name,
+            publication,
+            store,
+            LsnRange(range_start, endpos),
+            lookahead_bytes,
+            fetch_rows,
+            spill_rows,
+            keep_empty,
+        )
 
 
 def _receive(

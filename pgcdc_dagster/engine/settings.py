@@ -37,6 +37,20 @@ from .identifiers import TableName
 PREFIX = "PGCDC_"
 SPARK_TABLE_ROWS = 2_000_000
 """With a Spark cluster, tables past this many rows are copied by Spark."""
+DEFAULT_SPARK_MIN_CHANGES = 2_000_000
+"""Ranges with fewer changes are compacted in this process even when a SparkSession is given;
+from this many on, Spark's workers compact them and stage the net rows on the target
+(:mod:`.spark_staging`).
+
+Measured on 2 shared cores, pgbench backlog of 320k changes (157k net rows): the Arrow kernel
+takes 0.14-0.23 s (0.3-0.5 s with the Parquet read); Spark local[2] takes 6 s warm (each
+crossing of 300k rows between the JVM and Python costs seconds), and the net rows come back to
+the driver for the COPY anyway. So on one machine Spark never wins; it is there for ranges
+whose changes would not fit the driver (about 155 bytes per change in Arrow, several times that
+while compacting: 2 M changes is about 0.3 GB in, 1.5 s) and for clusters with many cores.
+With executor-side staging (``benchmarks/spark_staging.py``, one range of 3.04M changes,
+1.01M net rows, 2 cores): Spark 25.1 s (plus 7.8 s to start it) against 15.9 s in process, but
+the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory, not speed."""
 MiB = 1024 * 1024
 
 
@@ -72,6 +86,9 @@ class ReplicationSettings(BaseModel):
     """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
     starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
     table on Spark. Unset: see :meth:`driver_max_rows`."""
+    spark_min_changes: PositiveInt = DEFAULT_SPARK_MIN_CHANGES
+    """Ranges with at least this many changes are compacted by Spark's workers, which stage the
+    net rows on the target themselves; smaller ones in this process."""
     sensor_interval: PositiveInt = 5
     """Seconds between slot sensor ticks (Dagster's daemon evaluates sensors every 5 s at
     most)."""

@@ -117,6 +117,7 @@ def test_every_setting_reaches_the_runs_through_the_resources():
         follow_cut_ms=50,
         follow_range_bytes=4096,
         follow_idle_s=2.5,
+        spark_min_changes=11,
         sensor_interval=9,
         dead_run_grace=3.0,
         retained_wal_limit=99,

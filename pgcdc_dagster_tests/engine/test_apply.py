@@ -18,6 +18,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
+from pgcdc_dagster.engine import staging
 from pgcdc_dagster.engine.apply import (
     ApplyError,
     ApplyGapError,
@@ -492,9 +493,36 @@ def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, s
         assert net.sorted_rows() == other.sorted_rows(), table
     assert any(r["f0"] is not None for r in in_process[TableName("public", "items")].sorted_rows())
 
-    result = replica.apply(stored, spark=spark, spark_min_changes=0)
-    assert result.compaction_path == "spark"
+    # The same range applied twice from the same start: by Spark's workers staging on the
+    # target, then (the target put back) by this process. Same rows, same counts.
+    before = replica.progress()
+    replica.target(*[f"CREATE TABLE keep_{t} AS TABLE {t}" for t in replica.tables])
+    on_executors = replica.apply(stored, spark=spark, spark_min_changes=0)
+    assert on_executors.compaction_path == "spark"
+    assert on_executors.staged_by == "spark executors"
     replica.assert_in_sync()
+    assert _shared_staging_tables(replica.target_dsn) == []  # dropped with the COMMIT
+    by_executors = {t: replica.target_rows(t) for t in replica.tables}
+
+    replica.target(
+        *[f"TRUNCATE {t}; INSERT INTO {t} SELECT * FROM keep_{t}" for t in replica.tables],
+        f"SELECT pg_replication_origin_advance('{ORIGIN}', '{before}')",
+    )
+    in_process = replica.apply(stored)
+    assert (in_process.compaction_path, in_process.staged_by) == ("arrow", "driver")
+    assert {t: replica.target_rows(t) for t in replica.tables} == by_executors
+    assert in_process.tables == on_executors.tables
+    assert on_executors.tables["public.pairs"].truncated
+
+
+def _shared_staging_tables(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = relnamespace "
+            "WHERE nspname = %s",
+            (staging.SCHEMA,),
+        ).fetchall()
+    return [r[0] for r in rows]
 
 
 def _changes(rows: list[tuple]) -> pa.Table:

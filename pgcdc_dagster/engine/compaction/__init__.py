@@ -8,13 +8,13 @@ import itertools
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..identifiers import TableName
+from ..settings import DEFAULT_SPARK_MIN_CHANGES
 from ..store import StoredRange
 from .kernel import (
     KERNEL_COLUMNS,
@@ -27,20 +27,6 @@ from .kernel import (
     relations_of,
 )
 from .spark import compact_with_spark
-
-if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
-
-
-DEFAULT_SPARK_MIN_CHANGES = 2_000_000
-"""Ranges with fewer changes are compacted in this process even when a SparkSession is given.
-
-Measured on 2 shared cores, pgbench backlog of 320k changes (157k net rows): the Arrow kernel
-takes 0.14-0.23 s (0.3-0.5 s with the Parquet read); Spark local[2] takes 6 s warm (each
-crossing of 300k rows between the JVM and Python costs seconds), and the net rows come back to
-the driver for the COPY anyway. So on one machine Spark never wins; it is there for ranges
-whose changes would not fit the driver (about 155 bytes per change in Arrow, several times that
-while compacting: 2 M changes is about 0.3 GB in, 1.5 s) and for clusters with many cores."""
 
 
 @dataclass
@@ -64,31 +50,16 @@ def compact_range(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
-    spark: SparkSession | None = None,
-    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
-    partitions: int | None = None,
 ) -> CompactionResult:
-    """Every table's net changes of a stored range, skipping transactions whose COMMIT ends at
-    or before ``after_lsn`` (already applied).
-
-    Runs on Spark when a session is given and the range holds at least ``spark_min_changes``
-    changes; in this process otherwise. Both give the same net rows.
-    """
+    """Every table's net changes of a stored range, in this process, skipping transactions
+    whose COMMIT ends at or before ``after_lsn`` (already applied). (Ranges past
+    :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and staged by Spark's workers instead:
+    :mod:`..spark_staging`.)"""
     started = time.perf_counter()
-    changes = stored.changes
-    if spark is not None and changes >= spark_min_changes:
-        tables = compact_with_spark(
-            spark,
-            [str(f) for f in stored.files],
-            relations,
-            after_lsn=after_lsn,
-            partitions=partitions,
-        )
-        path = "spark"
-    else:
-        tables = compact_arrow(stored.read_table(), relations, after_lsn=after_lsn)
-        path = "arrow"
-    return CompactionResult(tables, path, changes, round(time.perf_counter() - started, 4))
+    tables = compact_arrow(stored.read_table(), relations, after_lsn=after_lsn)
+    return CompactionResult(
+        tables, "arrow", stored.changes, round(time.perf_counter() - started, 4)
+    )
 
 
 def compact_arrow(

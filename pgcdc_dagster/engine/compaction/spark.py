@@ -54,6 +54,24 @@ def compact_with_spark(
     ``unchanged_toast`` sent as one joined string (a column of mostly NULL lists is the slowest
     thing to cross).
     """
+    tables = list(relations)
+    routed = route_changes(spark, source, relations, after_lsn=after_lsn, partitions=partitions)
+    net = routed.groupBy("_tbl", "_pid").applyInArrow(
+        _spark_kernel(tables, relations), SPARK_NET_SCHEMA
+    )
+    return _from_spark(net.toArrow(), relations)
+
+
+def route_changes(
+    spark: SparkSession,
+    source: str | Sequence[str] | DataFrame,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    after_lsn: int | None = None,
+    partitions: int | None = None,
+) -> DataFrame:
+    """The range's changes with ``_tbl`` (index in ``relations``) and ``_pid`` (partition), as
+    :func:`compact_with_spark` describes; grouping by both gives the kernel's groups."""
     from pyspark.sql import functions as F
 
     parts = partitions or max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or "4"))
@@ -159,12 +177,7 @@ def compact_with_spark(
         "unchanged_toast",
         "flags",
     )
-    net = (
-        routed.groupBy("_tbl", "_pid")
-        .applyInArrow(_spark_kernel(tables, relations), SPARK_NET_SCHEMA)
-        .toArrow()
-    )
-    return _from_spark(net, relations)
+    return routed
 
 
 def _spark_kernel(
@@ -177,15 +190,18 @@ def _spark_kernel(
         if group.num_rows == 0:
             return _empty_spark_net()
         name = tables[int(group.column("_tbl")[0].as_py())]
-        joined = group.column("unchanged_toast")
-        toast = pc.split_pattern(joined, "\x00")
-        changes = group.set_column(
-            group.schema.get_field_index("unchanged_toast"), "unchanged_toast", toast
-        )
-        result = compact_table(changes, relations[name])
+        result = compact_table(unjoin_toast(group), relations[name])
         return _to_spark(result, name)
 
     return kernel
+
+
+def unjoin_toast(group: pa.Table) -> pa.Table:
+    """A routed group's ``unchanged_toast`` back to the list the kernel reads."""
+    toast = pc.split_pattern(group.column("unchanged_toast"), "\x00")
+    return group.set_column(
+        group.schema.get_field_index("unchanged_toast"), "unchanged_toast", toast
+    )
 
 
 def _to_spark(result: NetChanges, name: TableName) -> pa.Table:

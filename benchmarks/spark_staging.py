@@ -1,0 +1,172 @@
+"""One big range applied two ways, same run: compacted and staged by Spark's workers (the
+production path from ``PGCDC_SPARK_MIN_CHANGES`` on) against compacted and staged in process.
+
+Engine-level figures (``apply_range`` called from a fresh Python process per path; for the
+Spark path its session start is timed apart), not the user's command.
+
+1. :func:`benchmarks.apply.prepare` builds the source (pgbench scale ``--scale``), the base
+   snapshot into target database ``bench_a`` and its clone ``bench_b``, with a small pgbench
+   backlog (``--transactions`` per client); then ``--bulk`` more changes are written as UPDATE
+   statements of ``pgbench_accounts`` (one tenth of the rows each, one transaction each), so
+   the range holds millions of changes of which one net row per account remains;
+2. the whole backlog is received as **one** range (no byte cap), timed;
+3. each path applies that range in a fresh process of its own (so its peak RSS is its own):
+   ``in-process`` into ``bench_a`` (origin ``pgcdc_bench``), ``executors`` into ``bench_b``
+   (a second origin at the same position). Reported: seconds, the apply's own split, the
+   driver's peak RSS (the JVM and its Python workers are not the driver);
+4. both targets are compared with the source (row counts and a content hash per table).
+
+Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/spark_staging.py
+[--scale 10] [--bulk 3000000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, QUIET, prepare, verify_target
+
+from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
+from pgcdc_dagster.engine import pipeline
+from pgcdc_dagster.engine.apply import apply_range
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.spark_session import get_spark
+from pgcdc_dagster.engine.store import OutputStore
+
+OTHER_ORIGIN = "pgcdc_bench_b"
+
+
+def bulk_updates(dsn: str, changes: int) -> int:
+    """``changes`` row updates of ``pgbench_accounts``, one tenth of the table a transaction."""
+    written = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        (accounts,) = conn.execute("SELECT count(*) FROM pgbench_accounts").fetchone()  # type: ignore[misc]
+        k = 0
+        while written < changes:
+            cur = conn.execute(
+                "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid %% 10 = %s",
+                (k % 10,),
+            )
+            written += cur.rowcount
+            k += 1
+    assert accounts > 0
+    return written
+
+
+def child(path: str, target_dsn: str, store: str, range_key: str, origin: str) -> dict[str, Any]:
+    """One path's apply, in this (fresh) process."""
+    from pgcdc_dagster.engine.lsn import LsnRange
+
+    stored = OutputStore(Path(store)).get(LsnRange.from_key(range_key))
+    assert stored is not None
+    spark = None
+    spark_s = 0.0
+    if path == "executors":
+        t0 = time.perf_counter()
+        spark = get_spark()
+        spark.range(1).count()
+        spark_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result = apply_range(
+        target_dsn, stored, origin, spark=spark, spark_min_changes=1, store=OutputStore(Path(store))
+    )
+    seconds = time.perf_counter() - t0
+    return {
+        "path": path,
+        "spark_start_s": round(spark_s, 2),
+        "seconds": round(seconds, 2),
+        "compaction_path": result.compaction_path,
+        "staged_by": result.staged_by,
+        "compaction_s": result.compaction_seconds,
+        "staging_s": result.staging_seconds,
+        "apply_s": result.apply_seconds,
+        "changes": result.changes,
+        "net_rows": result.net_rows,
+        "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=10)
+    parser.add_argument("--transactions", type=int, default=2500, help="pgbench, per client")
+    parser.add_argument("--bulk", type=int, default=3_000_000, help="account updates")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-staging-"))
+    source = temporary_cluster({**LOGICAL_SOURCE_SETTINGS, **QUIET}, prefix="bench-src-").start()
+    target = temporary_cluster(QUIET, prefix="bench-tgt-").start()
+    try:
+        spark = get_spark()
+        args.range_mb = 1 << 20
+        setup = prepare(source, target, spark, work / "store", args)
+        spark.stop()
+        with psycopg.connect(source.dsn(), autocommit=True) as conn:
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (NATIVE_SLOT,))
+        t0 = time.perf_counter()
+        bulk = bulk_updates(source.dsn(), args.bulk)
+        bulk_s = time.perf_counter() - t0
+        settings = setup.settings
+        end = pipeline.resolve_endpos(settings, "current")
+        start = pipeline.store_of(settings).consistent_point()
+        rng = pipeline.plan_next_range(start, None, end, 1 << 60)
+        assert rng is not None
+        t0 = time.perf_counter()
+        pipeline.receive_range(settings, rng)
+        receive_s = time.perf_counter() - t0
+        with psycopg.connect(target.dsn(DB_NATIVE), autocommit=True) as conn:
+            (progress,) = conn.execute(
+                "SELECT pg_replication_origin_progress(%s, true)::text", (settings.origin,)
+            ).fetchone()  # type: ignore[misc]
+            conn.execute("SELECT pg_replication_origin_create(%s)", (OTHER_ORIGIN,))
+            conn.execute(
+                "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (OTHER_ORIGIN, progress)
+            )
+        runs = []
+        for path, db, origin in (
+            ("in-process", DB_OURS, settings.origin),
+            ("executors", DB_NATIVE, OTHER_ORIGIN),
+        ):
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", path,
+                 target.dsn(db), settings.store, rng.key, origin],
+                check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            run = json.loads(out.strip().splitlines()[-1])
+            check = ReplicationSettings(**{**settings.model_dump(), "target_dsn": target.dsn(db)})
+            run["target_equals_source"] = verify_target(check)["equal"]
+            runs.append(run)
+        print(
+            json.dumps(
+                {
+                    "scale": args.scale,
+                    "pgbench_transactions": args.transactions * 4,
+                    "bulk_updates": bulk,
+                    "bulk_s": round(bulk_s, 1),
+                    "range": rng.key,
+                    "receive_s": round(receive_s, 1),
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
+    finally:
+        source.destroy()
+        target.destroy()
+
+
+if __name__ == "__main__":
+    main()

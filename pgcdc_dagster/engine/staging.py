@@ -1,0 +1,119 @@
+"""Staging tables: where a range's net rows wait on the target before the set-based merge.
+
+Two kinds, one layout (column ``c<j>`` typed like the target's column ``j``, ``u<j>`` keep
+flags, ``f<j>``/``k<j>`` identity values, ``o<j>``/``m<j>`` old values of a table without
+identity), so the merge SQL of :mod:`.apply` reads either:
+
+* **temporary** tables (``ON COMMIT DROP``) filled by the driver inside the apply transaction,
+  for ranges compacted in this process;
+* **shared** tables, ordinary ``UNLOGGED`` tables in schema :data:`SCHEMA`, filled by Spark's
+  workers before the apply transaction (:mod:`.spark_staging`): they must be visible to every
+  worker's session. They hold no progress of their own: the apply transaction reads them and
+  drops them, and its COMMIT carries the origin advance, so a crash before it leaves only
+  tables that the next apply of the same origin drops first (:func:`drop_shared`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pacsv
+from psycopg import sql
+
+from .compaction import TableRelation
+from .errors import ApplyError
+from .identifiers import TableName
+
+SCHEMA = "pgcdc_staging"
+"""The target schema of shared staging tables (created on first use, never replicated)."""
+
+PARTITION_COLUMN = "p"
+"""Shared tables only: the Spark partition that wrote the row, so a retried task can replace
+exactly its own rows."""
+
+_COPY_BATCH_ROWS = 65_536
+
+
+def typed_as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
+    """A staging column typed like the target column at ``position`` of the relation (read
+    from the target table aliased ``t``)."""
+    return sql.SQL("t.{} AS {}").format(sql.Identifier(rel.names[position]), sql.Identifier(alias))
+
+
+def flag(alias: str) -> sql.Composable:
+    return sql.SQL("false AS {}").format(sql.Identifier(alias))
+
+
+def create_stage(
+    conn: psycopg.Connection[Any],
+    name: sql.Identifier,
+    table: TableName,
+    columns: Sequence[sql.Composable],
+    *,
+    shared: bool = False,
+) -> None:
+    """A staging table with ``columns`` (read from ``table`` aliased ``t``): temporary and
+    dropped with the transaction, or ``shared`` (unlogged, the partition column first)."""
+    if shared:
+        head = sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT 0::int4 AS {}, ").format(
+            name, sql.Identifier(PARTITION_COLUMN)
+        )
+    else:
+        head = sql.SQL("CREATE TEMP TABLE {} ON COMMIT DROP AS SELECT ").format(name)
+    conn.execute(
+        head + sql.SQL("{} FROM {} t WITH NO DATA").format(sql.SQL(", ").join(columns), table.sql)
+    )
+
+
+def shared_prefix(origin_name: str) -> str:
+    """Shared tables of one origin start with this (short: identifiers stop at 63 bytes)."""
+    return "s_" + hashlib.sha1(origin_name.encode()).hexdigest()[:10] + "_"
+
+
+def shared_name(origin_name: str, index: int, kind: str) -> sql.Identifier:
+    return sql.Identifier(SCHEMA, f"{shared_prefix(origin_name)}{index}_{kind}")
+
+
+def shared_tables(conn: psycopg.Connection[Any], origin_name: str) -> list[sql.Identifier]:
+    """The shared staging tables of ``origin_name`` on the target, left by any earlier apply."""
+    rows = conn.execute(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, %s) ORDER BY 1",
+        (SCHEMA, shared_prefix(origin_name)),
+    ).fetchall()
+    return [sql.Identifier(SCHEMA, name) for (name,) in rows]
+
+
+def drop_shared(conn: psycopg.Connection[Any], origin_name: str) -> int:
+    """Drop every shared staging table of ``origin_name``; how many there were."""
+    tables = shared_tables(conn, origin_name)
+    if tables:
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.SQL(", ").join(tables)))
+    return len(tables)
+
+
+def copy_rows(
+    conn: psycopg.Connection[Any], name: sql.Identifier, rows: pa.Table, table: TableName
+) -> None:
+    """Bulk COPY in CSV: Arrow quotes every string, so an empty string is ``""`` and NULL is an
+    empty unquoted field, exactly the distinction COPY's CSV format makes."""
+    statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+        name, sql.SQL(", ").join(sql.Identifier(c) for c in rows.column_names)
+    )
+    options = pacsv.WriteOptions(include_header=False)
+    try:
+        with conn.cursor().copy(statement) as copy:
+            for batch in rows.to_batches(max_chunksize=_COPY_BATCH_ROWS):
+                sink = pa.BufferOutputStream()
+                pacsv.write_csv(batch, sink, options)
+                copy.write(sink.getvalue())
+    except psycopg.Error as exc:
+        raise ApplyError(
+            f"staging the changes of table {table} failed: {exc.diag.message_primary} "
+            f"({exc.diag.context or 'COPY'}); the range's values do not fit the target's "
+            "column types: compare the table's definition on both sides"
+        ) from exc
