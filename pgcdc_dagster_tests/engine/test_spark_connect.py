@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,7 +56,20 @@ def connect_url(tmp_path_factory) -> Iterator[str]:
             time.sleep(0.5)
         yield f"sc://127.0.0.1:{port}"
     finally:
+        pids = [int(f.read_text().strip()) for f in work.glob("*.pid")]
         subprocess.run([str(home / "sbin" / "stop-connect-server.sh")], env=env, check=False)
+        _make_sure_gone(pids)
+
+
+def _make_sure_gone(pids: list[int], wait_s: float = 15.0) -> None:
+    """The stop script only sends SIGTERM and forgets: a server still busy can outlive the
+    test session (it did, orphaned). SIGKILL whatever is left after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    for pid in pids:
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_snapshot_and_spark_compaction_work_unchanged_over_spark_connect(
