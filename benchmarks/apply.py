@@ -57,7 +57,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -440,24 +440,41 @@ def run_native(
 # -- one run, and the report ------------------------------------------------------------------
 
 
-def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
-    with contextlib.ExitStack() as cleanup:  # every callback runs, even if one fails
-        store = Path(tempfile.mkdtemp(prefix="pgcdc-bench-store-"))
-        cleanup.callback(shutil.rmtree, store, ignore_errors=True)
+@contextlib.contextmanager
+def bench_clusters() -> Iterator[tuple[Path, LocalCluster, LocalCluster]]:
+    """A work folder, a started source (logical WAL) and target, all removed afterwards (every
+    clean-up runs, even if one fails)."""
+    with contextlib.ExitStack() as cleanup:
+        work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-"))
+        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
         source = temporary_cluster({**LOGICAL_SOURCE_SETTINGS, **QUIET}, prefix="pgcdc-bench-src-")
         cleanup.callback(source.destroy)
         target = temporary_cluster(QUIET, prefix="pgcdc-bench-tgt-")
         cleanup.callback(target.destroy)
         source.start()
         target.start()
-        setup = prepare(source, target, spark, store, args)
+        yield work, source, target
+
+
+def alternating(
+    sides: dict[str, Callable[[], dict[str, Any]]], index: int
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """Run ``ours`` and ``native`` one after the other, the order alternating with ``index``."""
+    order = ["ours", "native"] if index % 2 == 0 else ["native", "ours"]
+    return order, {side: sides[side]() for side in order}
+
+
+def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
+    with bench_clusters() as (work, source, target):
+        setup = prepare(source, target, spark, work / "store", args)
         meter = CpuMeter(source, target)
-        sides: dict[str, Callable[[], dict[str, Any]]] = {
-            "ours": lambda: run_ours(setup, spark, meter),
-            "native": lambda: run_native(setup, source, target, meter, args.native_timeout),
-        }
-        order = ["ours", "native"] if index % 2 == 0 else ["native", "ours"]
-        results = {side: sides[side]() for side in order}
+        order, results = alternating(
+            {
+                "ours": lambda: run_ours(setup, spark, meter),
+                "native": lambda: run_native(setup, source, target, meter, args.native_timeout),
+            },
+            index,
+        )
 
     ours, native = results["ours"], results["native"]
     changes = ours["changes"]

@@ -20,29 +20,27 @@ Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from apply import (
-    QUIET,
     CpuMeter,
     Setup,
+    alternating,
+    bench_clusters,
     prepare,
     run_native,
     verify_target,
 )
 
-from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.engine.spark_session import get_spark
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,25 +93,17 @@ def run_ours_cli(setup: Setup, target: Any, work: Path, meter: CpuMeter) -> dict
 
 
 def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
-    with contextlib.ExitStack() as cleanup:
-        work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-cli-"))
-        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
-        source = temporary_cluster({**LOGICAL_SOURCE_SETTINGS, **QUIET}, prefix="pgcdc-bench-src-")
-        cleanup.callback(source.destroy)
-        target = temporary_cluster(QUIET, prefix="pgcdc-bench-tgt-")
-        cleanup.callback(target.destroy)
-        source.start()
-        target.start()
+    with bench_clusters() as (work, source, target):
         args.range_mb = 256
         setup = prepare(source, target, spark, work / "store", args)
         meter = CpuMeter(source, target)
-        order = ["ours", "native"] if index % 2 == 0 else ["native", "ours"]
-        results = {}
-        for side in order:
-            if side == "ours":
-                results[side] = run_ours_cli(setup, target, work, meter)
-            else:
-                results[side] = run_native(setup, source, target, meter, args.native_timeout)
+        order, results = alternating(
+            {
+                "ours": lambda: run_ours_cli(setup, target, work, meter),
+                "native": lambda: run_native(setup, source, target, meter, args.native_timeout),
+            },
+            index,
+        )
     ours, native = results["ours"], results["native"]
     follow = ours["follow"]
     return {

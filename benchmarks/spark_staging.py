@@ -27,15 +27,13 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, QUIET, prepare, verify_target
+from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, bench_clusters, prepare, verify_target
 
-from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.apply import apply_range
 from pgcdc_dagster.engine.settings import ReplicationSettings
@@ -106,10 +104,7 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
 
-    work = Path(tempfile.mkdtemp(prefix="pgcdc-bench-staging-"))
-    source = temporary_cluster({**LOGICAL_SOURCE_SETTINGS, **QUIET}, prefix="bench-src-").start()
-    target = temporary_cluster(QUIET, prefix="bench-tgt-").start()
-    try:
+    with bench_clusters() as (work, source, target):
         spark = get_spark()
         args.range_mb = 1 << 20
         setup = prepare(source, target, spark, work / "store", args)
@@ -163,9 +158,6 @@ def main() -> None:
                 indent=2,
             )
         )
-    finally:
-        source.destroy()
-        target.destroy()
 
 
 if __name__ == "__main__":

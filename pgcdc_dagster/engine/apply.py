@@ -13,7 +13,7 @@ Data flow::
                                            DELETE ... USING, INSERT ... ON CONFLICT DO UPDATE,
                                            UPDATE for rows with unsent TOAST values,
                                            or an ordered replay (no identity)
-                                DROP shared staging tables      (Spark path, or left by a crash)
+                                DROP shared staging tables      (Spark path)
                                 pg_replication_origin_xact_setup(transform_lsn, commit time)
                                 COMMIT
 
@@ -266,8 +266,10 @@ def apply_range(
                 else:
                     staged = _from_shared(shared, targets)
                 _apply_staged(conn, staged, result)
-                # The shared tables of this apply, or ones a killed Spark apply left.
-                drop_shared(conn, origin_name)
+                if shared is not None:
+                    # Gone with the COMMIT; tables a killed apply left are dropped by the next
+                    # Spark apply before it stages (no catalog query on the in-process path).
+                    drop_shared(conn, origin_name)
                 mark_transaction(
                     conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
                 )

@@ -227,7 +227,7 @@ def _staging_kernel(
                     "net_rows": rows.num_rows,
                     "deletes": deletes.num_rows,
                     "upserts": upserts.num_rows,
-                    "all_inserts": bool(pc.all(pc.equal(ops, "I")).as_py() is not False),
+                    "all_inserts": bool(pc.all(pc.equal(ops, "I")).as_py()),
                     "has_origin": rel.collapsible
                     and bool(rel.identity)
                     and upserts.column("f0").null_count < upserts.num_rows,
