@@ -113,6 +113,8 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
         "ours_s": round(ours["seconds"], 3),
         "native_s": round(native["seconds"], 3),
         "ratio": round(native["seconds"] / ours["seconds"], 3),
+        "ours_cpu_s": ours["cpu_s"],
+        "native_cpu_s": native["cpu_s"],
         "ours_ranges": ours["ranges"],
         "follow": follow,
         "ours_equal": ours["verify"]["equal"],

@@ -370,18 +370,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_cli(
-    source: LocalCluster, target: LocalCluster, run: int, expected: dict[str, int], work: Path
+    source: LocalCluster,
+    target: LocalCluster,
+    run: int,
+    expected: dict[str, int],
+    work: Path,
+    warm: bool = False,
 ) -> dict[str, Any]:
     """``pgcdc snapshot`` from a fresh process, as a user runs it: Python, Dagster, the run
-    (PostgreSQL storage, the shipped dagster.yaml), Spark only if a table needs it."""
+    (PostgreSQL storage, the shipped dagster.yaml), Spark only if a table needs it.
+
+    ``warm``: with the warm Spark Connect server of ``pgcdc spark start`` up (started and given
+    a first job before the timing, as after an earlier snapshot), so tables past
+    ``SPARK_TABLE_ROWS`` are copied on it."""
     import shutil
     import sys
 
-    database, slot = f"bench_cli_{run}", f"bench_cli_{run}"
+    from pgcdc_dagster.engine import spark_server
+
+    run_name = f"{run}w" if warm else str(run)
+    database, slot = f"bench_cli_{run_name}", f"bench_cli_{run_name}"
     target_dsn = _create_database(target, database)
-    storage = f"dagster_cli_{run}"
+    storage = f"dagster_cli_{run_name}"
     _create_database(target, storage)
-    home = work / f"dagster_home_{run}"
+    home = work / f"dagster_home_{run_name}"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     env = {
@@ -391,7 +403,7 @@ def run_cli(
         "PGCDC_SLOT": slot,
         "PGCDC_PUBLICATION": "bench_cli_pub",
         "PGCDC_TABLES": ",".join(str(t) for t in TABLES),
-        "PGCDC_STORE": str(work / f"store_{run}"),
+        "PGCDC_STORE": str(work / f"store_{run_name}"),
         "DAGSTER_HOME": str(home),
         "DAGSTER_POSTGRES_URL": (
             f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage}"
@@ -404,6 +416,16 @@ def run_cli(
         check=True,
         cwd=work,
     )
+    server = None
+    if warm:
+        store = work / f"store_{run_name}"
+        store.mkdir()
+        server, _ = spark_server.start(store)
+        subprocess.run(
+            [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark_session import "
+             "get_spark; get_spark(remote=sys.argv[1]).range(1000).count()", server.url],
+            check=True, env=env, cwd=work,
+        )  # fmt: skip
     _quiesce(source, target)
     with Measured(source, target) as measured:
         done = subprocess.run(
@@ -413,13 +435,15 @@ def run_cli(
             text=True,
             cwd=work,
         )
+    if server is not None:
+        spark_server.stop(work / f"store_{run_name}")
     if done.returncode != 0:
         raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
     with psycopg.connect(target_dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
-    rows = _verify(target_dsn, expected, "cli")
+    rows = _verify(target_dsn, expected, "cli_warm" if warm else "cli")
     _drop_database(target, database)
     return {
         "seconds": measured.wall,
@@ -658,12 +682,13 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default="ours,native,pipe",
-        help="comma-separated subset of ours,native,pipe,cli (in this order within a repeat); "
-        "cli is `pgcdc snapshot` from a fresh process",
+        help="comma-separated subset of ours,native,pipe,cli,cli_warm (in this order within a "
+        "repeat); cli is `pgcdc snapshot` from a fresh process, cli_warm the same with the warm "
+        "Spark Connect server of `pgcdc spark start` up",
     )
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if unknown := set(methods) - {"ours", "native", "pipe", "cli"}:
+    if unknown := set(methods) - {"ours", "native", "pipe", "cli", "cli_warm"}:
         parser.error(f"unknown method(s): {', '.join(sorted(unknown))}")
 
     def terminate(signum: int, frame: object) -> None:
@@ -727,6 +752,7 @@ def main() -> None:
                 "native": lambda i: run_native(source, target, i, expected, schema),
                 "pipe": lambda i: run_pipe(source, target, i, expected, pre_data, post_data),
                 "cli": lambda i: run_cli(source, target, i, expected, Path(tmp)),
+                "cli_warm": lambda i: run_cli(source, target, i, expected, Path(tmp), warm=True),
             }
             for i in range(args.repeat):
                 for method in methods:
@@ -767,6 +793,10 @@ def main() -> None:
         ratios["cli_vs_native"] = results["native"]["seconds"] / results["cli"]["seconds"]
     if "cli" in results and "pipe" in results:
         ratios["cli_vs_pipe"] = results["pipe"]["seconds"] / results["cli"]["seconds"]
+    if "cli_warm" in results and "native" in results:
+        ratios["cli_warm_vs_native"] = results["native"]["seconds"] / results["cli_warm"]["seconds"]
+    if "cli_warm" in results and "pipe" in results:
+        ratios["cli_warm_vs_pipe"] = results["pipe"]["seconds"] / results["cli_warm"]["seconds"]
     if "ours" in results and "pipe" in results:
         ratios["ours_vs_pipe"] = results["pipe"]["seconds"] / results["ours"]["seconds"]
         ratios["ours_copy_vs_pipe_copy"] = (

@@ -12,6 +12,7 @@ import pytest
 from psycopg import sql
 
 from pgcdc_dagster.cli import main
+from pgcdc_dagster.engine.range_lock import range_lock
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,6 +94,18 @@ def test_snapshot_catchup_status_verify_from_the_command_line(cli_env, capsys):
     code, out, err = run_cli(capsys, "verify")
     assert code != 0
     assert "public.items" in err
+
+    # With the range lock held elsewhere there is no head start: the command waits, then
+    # refuses in one line naming the holder, and has changed nothing.
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items VALUES (102, 'while busy')")
+    env = cli_env
+    with range_lock(env["PGCDC_TARGET_DSN"], env["PGCDC_SLOT"], "pid elsewhere"):
+        code, _, err = run_cli(capsys, "catchup", "--wait", "1")
+    assert code == 1 and "still in flight" in err and "pid elsewhere" in err, err
+    assert "\n" not in err.strip()
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as conn:
+        assert conn.execute("SELECT count(*) FROM items WHERE id = 102").fetchone() == (0,)
 
 
 def test_missing_settings_are_one_clear_line(monkeypatch, capsys):

@@ -21,11 +21,12 @@ from dagster import (
     multi_asset,
 )
 
-from ..engine import pipeline, verify
+from ..engine import head_start, pipeline, verify
 from ..engine.catalog import ColumnInfo
 from ..engine.errors import PgcdcError
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
+from ..engine.range_lock import lent_lock
 from .following import follow_events, new_follower
 from .keys import (
     BASE_SNAPSHOT_KEY,
@@ -116,15 +117,24 @@ def build_assets(
         spark: SparkResource,
     ) -> MaterializeResult:
         settings = pgcdc.settings(spark)
+        # The command that started this run may have started the snapshot already (its head
+        # start, with the same options, under the lock it lends this run).
+        started = head_start.adopt("snapshot", settings.slot)
         try:
             with logged(context):
-                result = pipeline.take_snapshot(
-                    settings,
-                    lambda: spark.spark_session,
-                    resnapshot=config.resnapshot,
-                    lock_holder=lock_holder_name(context.run.run_id),
-                    notify=context.log.warning,
-                )
+                if started is not None:
+                    lent = lent_lock(settings.target_dsn, settings.slot)
+                    if lent is not None:
+                        lent.rename(lock_holder_name(context.run.run_id))
+                    result = started.result()
+                else:
+                    result = pipeline.take_snapshot(
+                        settings,
+                        lambda: spark.spark_session,
+                        resnapshot=config.resnapshot,
+                        lock_holder=lock_holder_name(context.run.run_id),
+                        notify=context.log.warning,
+                    )
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         context.log.info(

@@ -17,7 +17,8 @@ from dagster import AssetCheckEvaluation, AssetMaterialization, AssetObservation
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
-from ..engine.follow import Follower, FollowSummary
+from ..engine.failpoints import failpoint
+from ..engine.follow import Follower, FollowSummary, adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from .keys import DECODED_CHANGES_KEY, target_key
@@ -42,7 +43,7 @@ def follow_events(
         with logged(context):
             yield from _events(context, settings, tables, follower, row_counts)
     finally:
-        follower.stop("the run ended")  # however it ends: its threads stop at a boundary
+        follower.close("the run ended")  # however it ends: its threads stop at a boundary
     summary = follower.summary
     yield AssetObservation(
         DECODED_CHANGES_KEY,
@@ -80,6 +81,7 @@ def _events(
     row_counts: TargetRowCounts,
 ) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
     for followed in follower.run():
+        failpoint("follow.recording")
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
         register_range(context.instance, settings, rng)
@@ -101,6 +103,14 @@ def new_follower(
     settings: pipeline.ReplicationSettings, endpos: str | None, spark: Any
 ) -> Follower:
     """A follower of the run's slot up to ``endpos`` (``current``, ``X/Y``, or ``None``: until
-    stopped), with Spark from the run's ``spark`` resource, started only if a range needs it."""
+    stopped), with Spark from the run's ``spark`` resource, started only if a range needs it.
+
+    When the command that started this run already follows (its head start, see
+    :func:`~pgcdc_dagster.engine.follow.head_start`), the run takes that follower over: same
+    slot, same endpos, ranges it has done so far are reported first."""
+    adopted = adopt(settings.slot)
+    if adopted is not None:
+        adopted.interrupts = INTERRUPTS
+        return adopted
     target = None if endpos is None else pipeline.resolve_endpos(settings, endpos)
     return Follower(settings, target, spark=lambda: spark.spark_session, interrupts=INTERRUPTS)

@@ -2,7 +2,8 @@
 Spark, and the range lock a run holds for its whole life."""
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any
 
 from dagster import ConfigurableResource, EnvVar, InitResourceContext
@@ -48,12 +49,17 @@ class SparkResource(LazyPySparkResource):
 
     master: str = ""
     remote: str = ""
+    store: str = ""
+    """The output store, where a warm server of ``pgcdc spark start`` is recorded: used when
+    neither ``master`` nor ``remote`` is set."""
 
     def _init_session(self) -> None:
         if self._spark_session is None:
+            from ..engine.spark_server import spark_target
             from ..engine.spark_session import get_spark
 
-            session = get_spark(master=self.master or None, remote=self.remote or None)
+            target = spark_target(self.master, self.remote, Path(self.store or ".").resolve())
+            session = get_spark(**target)
             for key, value in self.spark_config.items():
                 session.conf.set(key, value)
             self._spark_session = session
@@ -103,13 +109,20 @@ class RangeLockResource(ConfigurableResource):
 
     @contextmanager
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
-        from ..engine.range_lock import range_lock
+        from ..engine.range_lock import lent_lock, range_lock
         from .runs import PROCESS_TAG, lock_holder_name, process_identity
 
         settings = self.pgcdc.settings()
         run = context.run
         run_id = run.run_id if run is not None else "unknown"
-        with range_lock(settings.target_dsn, settings.slot, lock_holder_name(run_id)) as lock:
+        lent = lent_lock(settings.target_dsn, settings.slot)
+        with (
+            nullcontext(lent)
+            if lent is not None  # the command that started this run holds it for the run
+            else range_lock(settings.target_dsn, settings.slot, lock_holder_name(run_id))
+        ) as lock:
+            if lent is not None:
+                lock.rename(lock_holder_name(run_id))
             if context.instance is not None and run is not None:
                 context.instance.add_run_tags(run_id, {PROCESS_TAG: process_identity()})
             self._lock = lock
@@ -147,5 +160,6 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             spark_config={},
             master=settings.spark_master or "",
             remote=settings.spark_remote or "",
+            store=settings.store,
         ),
     }

@@ -104,26 +104,56 @@ def _failure_text(result: Any) -> str:
             data = event.step_failure_data
             if data.user_failure_data and data.user_failure_data.description:
                 return str(data.user_failure_data.description)
-            error = data.error
-            while error is not None and error.cause is not None:
-                error = error.cause
-            return error.message.strip() if error is not None else "step failed"
+            return _error_line(data.error) or "step failed"
         if event.is_resource_init_failure or event.is_run_failure:
-            error = getattr(event.event_specific_data, "error", None)
-            while error is not None and error.cause is not None:
-                error = error.cause
-            if error is not None:
-                return error.message.strip().splitlines()[-1]
+            line = _error_line(getattr(event.event_specific_data, "error", None))
+            if line:
+                return line
     return "see the run in the Dagster UI"
 
 
+def _error_line(error: Any) -> str | None:
+    """The line to show of a chain of errors: the deepest of ours (a :class:`PgcdcError`
+    names the problem and the fix), else the deepest one's last line."""
+    ours, deepest = None, None
+    while error is not None:
+        if error.cls_name in _pgcdc_error_names():
+            ours = error
+        deepest, error = error, error.cause
+    chosen = ours or deepest
+    if chosen is None:
+        return None
+    text = chosen.message.strip()
+    if ours is None:
+        return text.splitlines()[-1].strip() if text else None
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.rsplit(".", 1)[-1] == chosen.cls_name else text
+
+
+def _pgcdc_error_names() -> set[str]:
+    names, todo = set(), [PgcdcError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
 def clear_the_way(
-    instance: Any, settings: ReplicationSettings, wait_s: float, command: str
+    instance: Any,
+    settings: ReplicationSettings,
+    wait_s: float,
+    command: str,
+    *,
+    holding: bool = False,
 ) -> None:
     """Before a run that takes the range lock: fail the runs whose worker died (saying so),
     cancel queued per-range runs (this command does their work), and wait for a live run to
     finish, or refuse after ``wait_s`` seconds. Runs started here and runs the daemon launches
-    obey the same rule: one holder of the range lock at a time."""
+    obey the same rule: one holder of the range lock at a time.
+
+    ``holding``: this process already holds the lock (a head start), so no other run can be
+    alive; nothing to wait for (a run launched meanwhile fails at once on the lock)."""
     from dagster import DagsterRunStatus
 
     from ..engine.range_lock import lock_holders
@@ -150,7 +180,7 @@ def clear_the_way(
                     )
             elif verdict.state in (ALIVE, QUEUED):
                 waiting.append(verdict)
-        if not waiting and not holders:
+        if holding or (not waiting and not holders):
             return
         if time.monotonic() > deadline:
             who = (

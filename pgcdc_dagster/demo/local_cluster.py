@@ -12,7 +12,6 @@ import atexit
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import psycopg
 
 from ..engine.connect import postgres_bindir
+from ..engine.spark_server import free_port
 
 LOGICAL_SOURCE_SETTINGS: dict[str, str] = {
     "wal_level": "logical",
@@ -60,12 +60,6 @@ def find_bindir() -> Path:
             "/usr/lib/postgresql/*/bin: install them with 'apt-get install postgresql-15'"
         )
     return bindir
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _server_account() -> str | None:

@@ -41,6 +41,7 @@ POINTS: dict[str, str] = {
     "apply.staging": "a Spark worker committed its part of a range's shared staging tables",
     "apply.in_transaction": "inside the apply transaction, rows written, not committed",
     "apply.after_commit": "the range and the origin are committed; Dagster has not recorded it",
+    "follow.recording": "a follow run is recording a range it took (applied, not yet recorded)",
     "snapshot.after_marker": "the store says a snapshot is under way; nothing else done",
     "snapshot.after_slot": "the slot and its exported snapshot exist; nothing copied",
     "snapshot.copying": "the table copy is under way (rows already on the target)",

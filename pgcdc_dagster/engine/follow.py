@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from . import head_start as head_starts
 from . import progress
 from .connect import connect, server_errors
 from .failpoints import failpoint
@@ -125,6 +126,21 @@ def stop_all(reason: str) -> int:
     return len(followers)
 
 
+def head_start(settings: ReplicationSettings, endpos: Lsn | None, spark: SparkProvider) -> Follower:
+    """Start following now, for this process's follow run to :func:`adopt` once it exists
+    (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
+    follower has ended."""
+    follower = Follower(settings, endpos, spark=spark).start()
+    head_starts.offer("follow", settings.slot, follower)
+    return follower
+
+
+def adopt(slot: str) -> Follower | None:
+    """The follower :func:`head_start` started in this process for ``slot``, once."""
+    follower: Follower | None = head_starts.adopt("follow", slot)
+    return follower
+
+
 class Follower:
     """One follow of the slot. Use :meth:`run` once; :meth:`stop` from any thread or a signal
     handler. The caller must hold the range lock (a Dagster run does, for its whole life)."""
@@ -149,6 +165,8 @@ class Follower:
         self._errors: list[BaseException] = []
         self._reached_endpos = False
         self._started = time.monotonic()
+        self._lead: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._rates: collections.deque[tuple[float, int]] = collections.deque([(self._started, 0)])
 
     def stop(self, reason: str) -> None:
@@ -161,26 +179,80 @@ class Follower:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def start(self) -> Follower:
+        """Start working in the background (idempotent): ranges an earlier run stored are
+        applied first, then receive and apply run on their own threads. :meth:`run` takes the
+        ranges as they are done; they wait for it in an unbounded queue, so a follower started
+        before its consumer exists (the CLI's head start, see :func:`head_start`) loses none."""
+        with _active_lock:
+            if self._lead is not None:
+                return self
+            _active.add(self)
+            self._started = time.monotonic()
+            self._lead = threading.Thread(target=self._lead_loop, name="pgcdc-follow", daemon=True)
+        self._lead.start()
+        return self
+
     def run(self) -> Iterator[Followed]:
         """Yield every range as it is applied, until ``endpos`` or a stop. An interrupt (one of
-        ``interrupts``) raised while waiting is taken as a stop; an error of either thread is
-        raised here once both have ended."""
-        started = time.monotonic()
-        with _active_lock:
-            _active.add(self)
+        ``interrupts``) raised while waiting is taken as a stop; an error of the follower's
+        threads is raised here once they have all ended."""
+        self.start()
         try:
-            yield from self._finish_stored()
-            if self._caught_up():
-                self.summary.stopped_by = "endpos"
-                return
-            if self._stop.is_set():
-                self.summary.stopped_by = self._stop_reason
-                return
-            yield from self._stream()
+            while True:
+                try:
+                    item = self._done.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                except self.interrupts as exc:
+                    self.stop(type(exc).__name__)
+                    continue
+                if item is _END:
+                    break
+                yield item
         finally:
-            with _active_lock:
-                _active.discard(self)
-            self.summary.close(started)
+            self.close(self._stop_reason or "closed")
+        if self._errors:
+            raise self._errors[0]
+
+    def close(self, reason: str) -> None:
+        """Stop at the next range boundary and wait for the threads to get there."""
+        self.stop(reason)
+        for thread in [self._lead, *self._threads]:
+            while thread is not None and thread.is_alive():
+                try:
+                    thread.join(timeout=0.2)
+                except self.interrupts:
+                    continue  # already stopping: finish the boundary
+        with _active_lock:
+            _active.discard(self)
+        if not self.summary.stopped_by:
+            self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
+            self.summary.close(self._started)
+
+    def _lead_loop(self) -> None:
+        """Finish what an earlier run stored, then receive here while an applier thread
+        applies. Every way out ends the queue of done ranges with ``_END``."""
+        try:
+            for followed in self._finish_stored():
+                self._done.put(followed)
+            if self._caught_up():
+                self._reached_endpos = True
+            elif not self._stop.is_set():
+                applier = threading.Thread(
+                    target=self._apply_loop, name="pgcdc-follow-apply", daemon=True
+                )
+                self._threads.append(applier)
+                applier.start()
+                self._receive_loop()
+                return  # the applier ends the queue once it has applied what was received
+        except BaseException as exc:  # handed to the consumer by run()
+            self._errors.append(exc)
+            self.stop("error")
+            if self._threads:
+                self._put_to_apply(None)  # let the applier apply what is queued, then end
+                return
+        self._done.put(_END)
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------
 
@@ -205,58 +277,6 @@ class Follower:
         return isinstance(next_step(self.settings, self.endpos), CaughtUp)
 
     # -- streaming -----------------------------------------------------------------------------
-
-    def _stream(self) -> Iterator[Followed]:
-        # Daemon threads: a process that ends (or a caller that drops this generator without
-        # closing it) never waits on them; dying mid-range is safe (see the module docstring).
-        threads = [
-            threading.Thread(
-                target=self._guard(self._receive_loop), name="pgcdc-follow-receive", daemon=True
-            ),
-            threading.Thread(
-                target=self._guard(self._apply_loop), name="pgcdc-follow-apply", daemon=True
-            ),
-        ]
-        for thread in threads:
-            thread.start()
-        try:
-            while True:
-                try:
-                    item = self._done.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                except self.interrupts as exc:
-                    self.stop(type(exc).__name__)
-                    continue
-                if item is _END:
-                    break
-                yield item
-        finally:
-            self.stop(self._stop_reason or "closed")
-            for thread in threads:
-                while thread.is_alive():
-                    try:
-                        thread.join(timeout=0.2)
-                    except self.interrupts:
-                        continue  # already stopping: finish the boundary
-        if self._errors:
-            raise self._errors[0]
-        self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
-
-    def _guard(self, loop: Any) -> Any:
-        def run() -> None:
-            try:
-                loop()
-            except BaseException as exc:  # handed to the caller's thread by run()
-                self._errors.append(exc)
-                self.stop("error")
-                # Let the other side end: the applier applies what is queued, then ends.
-                if loop == self._receive_loop:
-                    self._put_to_apply(None)
-                else:
-                    self._done.put(_END)
-
-        return run
 
     def _receive_loop(self) -> None:
         settings = self.settings
@@ -321,16 +341,20 @@ class Follower:
                     return
 
     def _apply_loop(self) -> None:
-        while (item := self._to_apply.get()) is not None:
-            received, lag = item
-            failpoint("catchup.before_apply")
-            began = time.monotonic()
-            applied = apply_stored_range(
-                self.settings, LsnRange.from_key(received.range_key), self.spark
-            )
-            self.summary.applying.append((began, time.monotonic()))
-            self._count(received, lag)
-            self._done.put(Followed(RangeDone(received, applied), lag))
+        try:
+            while (item := self._to_apply.get()) is not None:
+                received, lag = item
+                failpoint("catchup.before_apply")
+                began = time.monotonic()
+                applied = apply_stored_range(
+                    self.settings, LsnRange.from_key(received.range_key), self.spark
+                )
+                self.summary.applying.append((began, time.monotonic()))
+                self._count(received, lag)
+                self._done.put(Followed(RangeDone(received, applied), lag))
+        except BaseException as exc:  # handed to the consumer by run()
+            self._errors.append(exc)
+            self.stop("error")
         self._done.put(_END)
 
     def _count(self, received: RangeResult, lag_bytes: int | None = None) -> None:

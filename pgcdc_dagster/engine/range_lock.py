@@ -18,6 +18,7 @@ two writers of one range by the store's atomic rename.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from .connect import connect
+from .connect import connect, server_errors
 from .errors import PgcdcError
 
 APPLICATION_PREFIX = "pgcdc lock "
@@ -56,9 +57,22 @@ class RangeLock:
     """A held range lock; :meth:`check` tells whether it is still held (the target may have
     restarted under it, releasing it)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], slot: str, holder: str) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], slot: str, holder: str, target_dsn: str = ""
+    ) -> None:
         self._conn = conn
         self.slot = slot
+        self.holder = holder
+        self._target_dsn = target_dsn
+
+    def rename(self, holder: str) -> None:
+        """Hold on under another name (a run taking over the lock its command lent it). A
+        target that went away took the lock with it: that fails here, in one line."""
+        with server_errors("target", self._target_dsn):
+            self._conn.execute(
+                "SELECT set_config('application_name', %s, false)",
+                ((APPLICATION_PREFIX + holder)[:63],),
+            )
         self.holder = holder
 
     def check(self) -> bool:
@@ -69,10 +83,25 @@ class RangeLock:
             return False
 
 
+_lent: dict[tuple[str, str], RangeLock] = {}
+_lent_lock = threading.Lock()
+
+
 @contextmanager
-def range_lock(target_dsn: str, slot: str, holder: str) -> Iterator[RangeLock]:
+def range_lock(
+    target_dsn: str, slot: str, holder: str, *, lend: bool = False
+) -> Iterator[RangeLock]:
     """Hold the range lock of ``slot`` as ``holder``, or raise :class:`RangeBusyError` naming
-    who holds it. Never waits: a run that cannot run now fails at once and says why."""
+    who holds it. Never waits: a run that cannot run now fails at once and says why.
+
+    ``lend``: a run started by this process while the lock is held takes it over
+    (:func:`lent_lock`) instead of failing on it: the CLI's head start (see :mod:`.head_start`)
+    holds the lock before its run exists. While a lent lock is held, this function called
+    again in the same process for the same slot hands out that lock (the head-started work
+    takes the lock as it always does, and finds it held for it)."""
+    if not lend and (held := lent_lock(target_dsn, slot)) is not None:
+        yield held
+        return
     key = lock_key(slot)
     conn = connect(
         target_dsn,
@@ -90,10 +119,23 @@ def range_lock(target_dsn: str, slot: str, holder: str) -> Iterator[RangeLock]:
                 f"another catch-up of slot {slot} is running ({who}): wait for it to finish "
                 "(pgcdc status shows it); ranges of one slot run one at a time"
             )
-        yield RangeLock(conn, slot, holder)
+        lock = RangeLock(conn, slot, holder, target_dsn)
+        if lend:
+            with _lent_lock:
+                _lent[(target_dsn, slot)] = lock
+        yield lock
     finally:
+        if lend:
+            with _lent_lock:
+                _lent.pop((target_dsn, slot), None)
         # Closing the session releases the lock; no unlock round trip needed.
         conn.close()
+
+
+def lent_lock(target_dsn: str, slot: str) -> RangeLock | None:
+    """The lock of ``slot`` this process holds and lends to its runs, if any."""
+    with _lent_lock:
+        return _lent.get((target_dsn, slot))
 
 
 def lock_holders(target_dsn: str, slot: str) -> list[LockHolder]:

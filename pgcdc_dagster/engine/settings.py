@@ -119,8 +119,9 @@ class ReplicationSettings(BaseModel):
         :data:`SPARK_TABLE_ROWS` go to Spark."""
         if self.snapshot_driver_rows is not None:
             return self.snapshot_driver_rows
-        local = not self.spark_remote and (
-            self.spark_master is None or self.spark_master.startswith("local")
+        target = self.spark_target()
+        local = not target["remote"] and (
+            target["master"] is None or target["master"].startswith("local")
         )
         return sys.maxsize if local else SPARK_TABLE_ROWS
 
@@ -133,6 +134,14 @@ class ReplicationSettings(BaseModel):
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return value or None
+
+    def spark_target(self) -> dict[str, str | None]:
+        """Where Spark runs, as :func:`~.spark_session.get_spark`'s ``master`` and ``remote``:
+        the configured ones, else the warm server ``pgcdc spark start`` recorded in the store
+        if it runs (:func:`~.spark_server.spark_target`), else local Spark."""
+        from .spark_server import spark_target
+
+        return spark_target(self.spark_master, self.spark_remote, self.store_path)
 
     @property
     def origin(self) -> str:

@@ -21,11 +21,9 @@ a Connect session attaches in under a second to a running server, but has no ``s
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -64,34 +62,33 @@ def get_spark(
             .config("spark.driver.host", os.environ["SPARK_LOCAL_IP"])
             .config("spark.driver.bindAddress", os.environ["SPARK_LOCAL_IP"])
         )
-    with _jvm_output_to(Path(tempfile.gettempdir()) / f"pgcdc-spark-{os.getpid()}.log"):
-        session = builder.getOrCreate()
+    _launch_jvm_quietly(builder, Path(tempfile.gettempdir()) / f"pgcdc-spark-{os.getpid()}.log")
+    session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
     return session
 
 
-@contextlib.contextmanager
-def _jvm_output_to(log: Path) -> Iterator[None]:
-    """Send the output of the JVM started meanwhile to ``log``, not to our terminal.
-
-    The JVM inherits this process's stdout and stderr when it is launched; its start-up banner
-    and log lines would otherwise interleave with the one line a command prints. File
-    descriptors 1 and 2 point at ``log`` while the session is built (the JVM keeps them), and
-    are restored afterwards for this process.
+def _launch_jvm_quietly(builder: SparkSession.Builder, log: Path) -> None:
+    """Start the JVM (PySpark's gateway, with the builder's settings) writing its output to
+    ``log``, not to our terminal: its start-up banner and log lines would otherwise interleave
+    with the one line a command prints. The JVM gets its own stdout and stderr, so the
+    process's stay untouched (pointing file descriptors 1 and 2 elsewhere while it starts
+    would also swallow what other threads print meanwhile: the CLI starts Spark on a worker
+    thread while the main thread reports). ``getOrCreate`` then finds the gateway running.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(log, "ab") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    with SparkContext._lock:
+        if SparkContext._gateway is not None:
+            return
+        conf = SparkConf()
+        for key, value in builder._options.items():
+            conf.set(key, str(value))
+        with open(log, "ab") as sink:
+            gateway = launch_gateway(conf, popen_kwargs={"stdout": sink, "stderr": sink})
+        SparkContext._gateway = gateway
+        SparkContext._jvm = gateway.jvm
 
 
 def is_connect_session(spark: SparkSession) -> bool:

@@ -12,8 +12,9 @@ import pyarrow as pa
 import pytest
 
 from pgcdc_dagster.engine import pipeline, verify
-from pgcdc_dagster.engine.follow import Follower
+from pgcdc_dagster.engine.follow import Follower, adopt, head_start
 from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.slot import read_slot
 from pgcdc_dagster.engine.store import EndposOutcome
@@ -209,3 +210,33 @@ def test_a_200k_row_transaction_under_follow_keeps_memory_bounded(settings):
     # The in-process compaction holds one range's changes as Arrow (~600 bytes a change here);
     # ranges past DEFAULT_SPARK_MIN_CHANGES go to Spark, which bounds it.
     assert pool.max_memory() - before < 200 * 1024 * 1024, pool.max_memory()
+
+
+def test_a_head_start_works_before_its_consumer_exists_and_hands_over_lock_and_ranges(settings):
+    """The CLI's head start: the lock is taken and lent, the follower works on its own, and
+    whoever adopts it later gets every range it did, in order, once."""
+    src = settings.source_dsn
+    run_sql(src, "INSERT INTO items SELECT g, 'head' FROM generate_series(5001, 5200) g")
+    run_sql(src, "INSERT INTO log VALUES (1, 'head start')")
+    endpos = flush_lsn(src)
+    dsn, slot = settings.target_dsn, settings.slot
+    assert lent_lock(dsn, slot) is None
+    with range_lock(dsn, slot, "pid test", lend=True) as lock:
+        assert lent_lock(dsn, slot) is lock
+        follower = head_start(settings, endpos, None)
+        deadline = time.monotonic() + 60
+        while pipeline.origin_progress(settings) != endpos:  # nobody is consuming yet
+            assert time.monotonic() < deadline, "the head start did not apply on its own"
+            time.sleep(0.1)
+        lock.rename("run adopted")
+        assert [h.holder for h in lock_holders(dsn, slot)] == ["run adopted"]
+        assert adopt(slot) is follower
+        assert adopt(slot) is None  # adopted once
+        ranges = list(follower.run())
+    assert lent_lock(dsn, slot) is None
+    assert lock_holders(dsn, slot) == []
+    assert ranges and ranges[-1].done.received.endpos == str(endpos)
+    assert sum(r.done.received.transactions for r in ranges) == 2
+    assert follower.summary.stopped_by == "endpos"
+    assert count(settings.target_dsn, "items WHERE name = 'head'") == 200
+    assert equal(settings)

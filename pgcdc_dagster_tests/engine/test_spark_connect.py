@@ -2,106 +2,73 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from pgcdc_dagster.demo.local_cluster import free_port
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine import pipeline, spark_server, verify
 from pgcdc_dagster.engine.apply import apply_range
-from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.settings import SPARK_TABLE_ROWS, ReplicationSettings
 from pgcdc_dagster.engine.spark_session import get_spark, is_connect_session
 
 
 @pytest.fixture(scope="module")
-def connect_url(tmp_path_factory) -> Iterator[str]:
-    """A local Spark Connect server, the one that ships inside the pyspark wheel."""
-    import pyspark
-
-    home = Path(pyspark.__file__).parent
-    port = free_port()
-    work = tmp_path_factory.mktemp("spark-connect")
-    env = {
-        **os.environ,
-        "SPARK_HOME": str(home),
-        "SPARK_LOCAL_IP": "127.0.0.1",
-        "PYSPARK_PYTHON": sys.executable,
-        "SPARK_PID_DIR": str(work),
-        "SPARK_LOG_DIR": str(work),
-    }
-    args = [
-        "--master", "local[2]",
-        "--conf", "spark.connect.grpc.binding.address=127.0.0.1",
-        "--conf", f"spark.connect.grpc.binding.port={port}",
-        "--conf", "spark.ui.enabled=false",
-    ]  # fmt: skip
-    subprocess.run([str(home / "sbin" / "start-connect-server.sh"), *args], env=env, check=True)
+def warm_store(tmp_path_factory) -> Iterator[Path]:
+    """An output store with a warm Spark Connect server recorded in it, as ``pgcdc spark
+    start`` leaves it (the server that ships inside the pyspark wheel)."""
+    store = tmp_path_factory.mktemp("warm-store")
+    server, started = spark_server.start(store, "local[2]")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            if time.monotonic() > deadline:
-                logs = "\n".join(p.read_text()[-2000:] for p in work.glob("*.out"))
-                pytest.fail(f"Spark Connect server did not listen on {port}:\n{logs}")
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
+        assert started and server.url.startswith("sc://127.0.0.1:")
+        assert spark_server.start(store)[0] == server  # found again, not started twice
+        yield store
     finally:
-        pids = [int(f.read_text().strip()) for f in work.glob("*.pid")]
-        subprocess.run([str(home / "sbin" / "stop-connect-server.sh")], env=env, check=False)
-        _make_sure_gone(pids)
-
-
-def _make_sure_gone(pids: list[int], wait_s: float = 15.0) -> None:
-    """The stop script only sends SIGTERM and forgets: a server still busy can outlive the
-    test session (it did, orphaned). SIGKILL whatever is left after ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    for pid in pids:
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if Path(f"/proc/{pid}").exists():
-            os.kill(pid, signal.SIGKILL)
+        stopped = spark_server.stop(store)
+    assert stopped == server
+    assert spark_server.running(store) is None
+    assert not spark_server.record_path(store).exists()
+    # Gone: whoever looks now gets local Spark, not an error.
+    assert spark_server.spark_target(None, None, store) == {"master": None, "remote": None}
 
 
 def test_snapshot_and_spark_compaction_work_unchanged_over_spark_connect(
-    connect_url, source_dsn, target_dsn, tmp_path
+    warm_store, source_dsn, target_dsn
 ):
     # A process holds either a classic or a Connect session, never both (PySpark refuses):
     # the test session already has a classic one, so the scenario runs in its own process.
     done = subprocess.run(
         [sys.executable, "-c", f"import {__name__} as m, sys; m.scenario(*sys.argv[1:])",
-         connect_url, source_dsn, target_dsn, str(tmp_path / "store")],
+         source_dsn, target_dsn, str(warm_store)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "connect scenario ok" in done.stdout
 
 
-def scenario(connect_url: str, source_dsn: str, target_dsn: str, store: str) -> None:
-    """Snapshot through Connect, then one range applied with compaction on Connect."""
+def scenario(source_dsn: str, target_dsn: str, store: str) -> None:
+    """Snapshot through Connect, then one range applied with compaction on Connect: settings
+    that name no Spark find the warm server recorded in the store."""
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(
             "CREATE TABLE t (id int PRIMARY KEY, v text);"
             "INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 20000) g"
         )
-    spark = get_spark(remote=connect_url)
-    assert is_connect_session(spark)
     settings = ReplicationSettings(
         source_dsn=source_dsn,
         target_dsn=target_dsn,
         slot="connect_slot",
         store=store,
-        snapshot_driver_rows=0,  # the copy on Spark Connect, not in this process
     )
+    target = settings.spark_target()
+    assert target["remote"] == spark_server.running_url(Path(store))
+    assert settings.driver_max_rows() == SPARK_TABLE_ROWS  # a warm server takes big tables
+    settings = settings.model_copy(update={"snapshot_driver_rows": 0})  # every table on Spark
+    spark = get_spark(**target)
+    assert is_connect_session(spark)
     snapshot = pipeline.take_snapshot(settings, spark)
     assert snapshot.rows == 20000
 
