@@ -664,6 +664,10 @@ RATIO_LEGEND = {
     "cli_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds from a "
     "fresh process (Python, Dagster, the run, Spark if needed)",
     "cli_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds from a fresh process",
+    "cli_warm_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds with the "
+    "warm Spark Connect server up",
+    "cli_warm_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds with the warm "
+    "Spark Connect server up",
 }
 
 

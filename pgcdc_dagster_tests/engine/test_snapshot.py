@@ -463,3 +463,32 @@ def test_libpq_tool_environment_keeps_the_password_off_the_command_line() -> Non
     assert env["PGPASSWORD"] == "p w" and env["PGDATABASE"] == "my db"
     assert not any("p w" in arg for arg in argv)
     assert argv == ["--dbname=keepalives=1 dbname='my db'"]
+
+
+def test_the_piped_copy_commits_a_range_whole_or_not_at_all(source_dsn: str, target_dsn: str):
+    """The copy through two ``psql`` processes: a range arrives whole; a source side that
+    fails (here: a snapshot that cannot be imported) leaves nothing on the target and hands
+    the range back to the in-process copy, which names the problem."""
+    from pgcdc_dagster.engine.snapshot.common import CopyTask, TableRange
+    from pgcdc_dagster.engine.snapshot.copy import _copy_piped, copy_range, piped_copy_available
+
+    assert piped_copy_available()  # psql and setpriv are part of what CI installs
+    run(
+        source_dsn,
+        "CREATE TABLE piped (id int PRIMARY KEY, note text)",
+        "INSERT INTO piped SELECT i, repeat('x', i % 50) FROM generate_series(1, 30000) i",
+    )
+    run(target_dsn, "CREATE TABLE piped (id int PRIMARY KEY, note text)")
+    table = TableName("public", "piped")
+    rng = TableRange(table, table, ("id", "note"), None, None, 30000)
+
+    bogus = CopyTask(rng, source_dsn, target_dsn, snapshot_name="00000003-0000001B-1")
+    assert _copy_piped(bogus, "binary") is None
+    assert rows_of(target_dsn, table) == []
+    with pytest.raises(SnapshotError, match="snapshot"):
+        copy_range(bogus)
+    assert rows_of(target_dsn, table) == []
+
+    result = _copy_piped(CopyTask(rng, source_dsn, target_dsn, None), "binary")
+    assert result is not None and result[0] == 30000 and result[1] > 30000 * 4
+    assert rows_of(target_dsn, table) == rows_of(source_dsn, table)

@@ -5,6 +5,10 @@ target, in one target transaction."""
 from __future__ import annotations
 
 import math
+import os
+import re
+import shutil
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,7 +17,10 @@ import psycopg
 from psycopg import errors, pq, sql
 
 from ..connect import (
+    ConnectError,
     connect,
+    libpq_tool,
+    libpq_tool_environment,
 )
 from ..identifiers import TableName
 from .common import (
@@ -220,6 +227,99 @@ def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearr
     return rows, nbytes, kept
 
 
+RELAY_BYTES = 1 << 20
+"""The piped copy's read size: Python touches the data once per MiB, not once per row."""
+
+
+def _pipe_tools() -> tuple[str, str] | None:
+    """``psql`` and ``setpriv``, if this machine has both."""
+    try:
+        psql = libpq_tool("psql")
+    except ConnectError:
+        return None
+    setpriv = shutil.which("setpriv")
+    return (psql, setpriv) if setpriv else None
+
+
+def piped_copy_available() -> bool:
+    """Whether :func:`copy_range` copies through ``psql`` here (see :func:`_copy_piped`)."""
+    return _pipe_tools() is not None
+
+
+def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
+    """One attempt at a range through two ``psql`` processes, ``COPY TO STDOUT`` in the
+    exported snapshot on the source and ``COPY FROM STDIN`` on the target, this process
+    relaying the bytes in :data:`RELAY_BYTES` reads. Returns ``(rows, bytes)``, or ``None``
+    when it cannot be used (no ``psql``, no ``setpriv``) or failed: the caller then copies
+    through libpq in this process, which also classifies any error.
+
+    Why: the libpq path calls into Python once per row (``PQgetCopyData`` returns one row),
+    measured 7.9 CPU-seconds for pgbench scale 50 against 2.0 for ``psql | psql``; on a
+    2-core machine those seconds are taken from the two servers doing the copy.
+
+    What must hold: nothing is committed on the target unless the source sent the whole
+    range. A ``COPY FROM STDIN`` that reaches the end of its input commits what it got, so the
+    target side is only ever let finish after the source side exited cleanly; on any failure
+    it is killed (the server then rolls the COPY back). Both run under ``setpriv --pdeathsig
+    KILL``: if this process dies they die too, and never complete a range behind the back of
+    the snapshot redo that follows a crash.
+    """
+    tools = _pipe_tools()
+    if tools is None:
+        return None
+    psql, setpriv = tools
+    source_env, source_args = libpq_tool_environment(task.source_dsn)
+    target_env, target_args = libpq_tool_environment(task.target_dsn)
+    steps = ["BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"]
+    if task.snapshot_name is not None:
+        steps.append(
+            sql.SQL("SET TRANSACTION SNAPSHOT {}")
+            .format(sql.Literal(task.snapshot_name))
+            .as_string(None)
+        )
+    steps += [_select_statement(task, copy_format).as_string(None), "COMMIT"]
+    base = [setpriv, "--pdeathsig", "KILL", psql, "-X", "-v", "ON_ERROR_STOP=1"]
+    utf8 = {"PGCLIENTENCODING": "UTF8"}
+    source = subprocess.Popen(
+        [*base, "-q", *source_args, *(arg for step in steps for arg in ("-c", step))],
+        env={**os.environ, **source_env, **utf8},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    target = subprocess.Popen(
+        [*base, *target_args, "-c", "SET synchronous_commit = off",
+         "-c", _insert_statement(task, copy_format).as_string(None)],
+        env={**os.environ, **target_env, **utf8},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert source.stdout is not None and target.stdin is not None and target.stdout is not None
+    nbytes = 0
+    try:
+        while chunk := os.read(source.stdout.fileno(), RELAY_BYTES):
+            target.stdin.write(chunk)
+            nbytes += len(chunk)
+        if source.wait() != 0:
+            raise OSError("the source side failed")
+        target.stdin.close()
+        out = target.stdout.read().decode(errors="replace")
+        if target.wait() != 0:
+            raise OSError("the target side failed")
+    except OSError:  # BrokenPipeError included: the target side ended early
+        for side in (target, source):
+            side.kill()
+            side.wait()
+        return None
+    finally:
+        source.stdout.close()
+        target.stdout.close()
+    copied = re.findall(r"^COPY (\d+)$", out, re.MULTILINE)
+    if not copied:  # committed, so no second attempt: that would copy the range twice
+        raise SnapshotError(f"psql copied into {task.range.table} without reporting a row count")
+    return int(copied[-1]), nbytes
+
+
 _BINARY_MISMATCH = (
     errors.UndefinedFunction,  # no binary send/receive function for a type
     errors.InvalidBinaryRepresentation,  # the target reads fewer bytes than were sent
@@ -243,6 +343,9 @@ def copy_range(task: CopyTask) -> RangeCopyResult:
         attempts = (task.copy_format,)
     rows, nbytes, used = 0, 0, attempts[-1]
     kept: list[bytearray] = []
+    piped = _copy_piped(task, attempts[0]) if task.export_dir is None else None
+    if piped is not None:
+        (rows, nbytes), used, attempts = piped, attempts[0], ()
     for attempt, copy_format in enumerate(attempts):
         try:
             rows, nbytes, kept = _copy_once(task, copy_format)
