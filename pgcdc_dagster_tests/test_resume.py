@@ -348,8 +348,15 @@ def test_kill_at_a_catchup_fault_point_then_a_plain_catchup_converges(site: Site
 def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(site: Site):
     """Every range on Spark (``PGCDC_SPARK_MIN_CHANGES=1``): a worker has committed its part of
     the shared staging tables when the whole command is SIGKILLed (driver and JVM). The next
-    catch-up starts the staging clean and converges; no staging table is left."""
+    catch-up starts the staging clean and converges; no staging table is left.
+
+    The range also carries a column added on the source: on this path the target's new column
+    is committed before the staging, so the kill lands after that commit, and the next
+    catch-up must find the column there and not add it again."""
     on_spark = {"PGCDC_SPARK_MIN_CHANGES": "1", "PGCDC_RANGE_MAX_BYTES": str(64 << 20)}
+    with psycopg.connect(site.settings.source_dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE accounts ADD COLUMN drift_note text")
+        conn.execute("UPDATE accounts SET drift_note = 'drifted ' || id WHERE id <= 50")
     with site.writer(seed=41) as writer:
         time.sleep(1.0)
         running = site.start(
@@ -362,6 +369,12 @@ def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(s
             running.communicate(timeout=30)
     assert writer.committed > 0
     assert running.returncode == -signal.SIGKILL
+    with psycopg.connect(site.settings.target_dsn) as conn:  # the kill came after that commit
+        added = conn.execute(
+            "SELECT count(*) FROM information_schema.columns "
+            "WHERE table_name = 'accounts' AND column_name = 'drift_note'"
+        ).fetchone()
+        assert added == (1,)
 
     done = site.pgcdc("catchup", "--endpos", "current", env=on_spark)
     assert done.returncode == 0, done.stderr
@@ -370,6 +383,8 @@ def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(s
     site.assert_killed_run_marked_failed()
     with psycopg.connect(site.settings.target_dsn) as conn:
         assert staging.shared_tables(conn, site.settings.origin) == []
+        drifted = conn.execute("SELECT count(drift_note) FROM accounts").fetchone()
+        assert drifted == (50,)
 
 
 def _staged_rows(site: Site) -> int:
