@@ -347,7 +347,7 @@ def cmd_spark(args: argparse.Namespace) -> int:
     :mod:`pgcdc_dagster.engine.spark_server`)."""
     from .engine import spark_server
 
-    store = ReplicationSettings.from_env().store_path
+    store = ReplicationSettings.from_env(require_servers=False).store_path  # only the store
     if args.action == "start":
         store.mkdir(parents=True, exist_ok=True)
         server, started = spark_server.start(store, args.master)

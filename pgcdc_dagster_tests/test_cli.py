@@ -116,6 +116,25 @@ def test_missing_settings_are_one_clear_line(monkeypatch, capsys):
     assert err.startswith("pgcdc: PGCDC_SOURCE_DSN and PGCDC_TARGET_DSN not set")
 
 
+def test_the_warm_spark_command_needs_only_the_store(monkeypatch, capsys, tmp_path):
+    """``pgcdc spark`` looks at the store alone (no servers); a stale record is no server.
+    Starting and stopping one is ``test_spark_connect``'s."""
+    monkeypatch.delenv("PGCDC_SOURCE_DSN", raising=False)
+    monkeypatch.delenv("PGCDC_TARGET_DSN", raising=False)
+    monkeypatch.setenv("PGCDC_STORE", str(tmp_path))
+    code, out, err = run_cli(capsys, "spark", "status")
+    assert (code, out.strip(), err) == (0, "not running", "")
+    (tmp_path / "spark-connect.json").write_text(
+        '{"url": "sc://127.0.0.1:9", "pid": 999999999, "master": "local[*]", '
+        '"started": 0, "work_dir": "."}'
+    )
+    code, out, _ = run_cli(capsys, "spark", "status")
+    assert (code, out.strip()) == (0, "not running")
+    code, out, _ = run_cli(capsys, "spark", "stop")
+    assert (code, out.strip()) == (0, "no Spark Connect server was running")
+    assert not (tmp_path / "spark-connect.json").exists()
+
+
 def not_progress(stderr: str) -> list[str]:
     """The lines of ``stderr`` that are not pgcdc's own progress lines."""
     progress = ("pgcdc: snapshot ", "pgcdc: follow: ")
