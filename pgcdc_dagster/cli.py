@@ -92,9 +92,7 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     from .engine.spark_session import get_spark
 
     def start() -> Any:
-        global _head
-        _head = head_start(settings, target, lambda: get_spark(**settings.spark_target()))
-        return _head
+        return head_start(settings, target, lambda: get_spark(**settings.spark_target()))
 
     with _stops_at_boundary(), shown(), _head_start(settings, "follow", start) as started:
         # While Dagster loads, the follower is already at work (when the lock was free).
@@ -137,7 +135,6 @@ def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterato
     from .engine.head_start import adopt
     from .engine.range_lock import RangeBusyError, range_lock
 
-    global _head
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(
@@ -152,7 +149,6 @@ def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterato
         finally:
             adopt(kind, settings.slot)  # not adopted if the run never started: it ends here
             work.close("the command ended")  # the run has closed it when it ran
-            _head = None
 
 
 def _follow_totals(result: Any) -> dict[str, Any]:
@@ -178,8 +174,6 @@ def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: 
 
 
 _stop_requested = False
-_head: Any = None
-"""The follower of this command's head start, while it runs (the signal handler stops it)."""
 
 
 @contextlib.contextmanager
@@ -187,13 +181,14 @@ def _stops_at_boundary() -> Iterator[None]:
     """SIGTERM and SIGINT stop the follow at a range boundary (exit 0): the first one sets the
     stop, a second one interrupts as usual."""
 
+    from .engine.follow import stop_all
+
     def handler(signum: int, frame: Any) -> None:
         global _stop_requested
         if _stop_requested:
             raise KeyboardInterrupt
         _stop_requested = True
-        if _head is not None:
-            _head.stop(f"stopped by {signal.Signals(signum).name}")
+        stop_all(f"stopped by {signal.Signals(signum).name}")  # a head start's follower too
         print(
             f"pgcdc: {signal.Signals(signum).name}: stopping at the next range boundary",
             file=sys.stderr,

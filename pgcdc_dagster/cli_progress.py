@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -41,25 +39,12 @@ def shown(stream: TextIO | None = None) -> Iterator[None]:
         with _live(stream) as listener, engine_progress.listening(listener):
             yield
     else:
-        with engine_progress.listening(_Plain(stream)):
+
+        def line(text: str) -> None:
+            print(f"pgcdc: {text}", file=stream, flush=True)
+
+        with engine_progress.listening(engine_progress.throttled(line, PLAIN_EVERY_S)):
             yield
-
-
-class _Plain:
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.last = 0.0
-        self.phase = ""
-        self.lock = threading.Lock()
-
-    def __call__(self, report: engine_progress.Progress) -> None:
-        phase = getattr(report, "phase", "follow")
-        now = time.monotonic()
-        with self.lock:
-            if phase == self.phase and now - self.last < PLAIN_EVERY_S:
-                return
-            self.phase, self.last = phase, now
-        print(f"pgcdc: {report.line()}", file=self.stream, flush=True)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from ..engine.catalog import ColumnInfo
 from ..engine.errors import PgcdcError
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
-from ..engine.range_lock import lent_lock
+from ..engine.range_lock import take_over
 from .following import follow_events, new_follower
 from .keys import (
     BASE_SNAPSHOT_KEY,
@@ -122,17 +122,16 @@ def build_assets(
         started = head_start.adopt("snapshot", settings.slot)
         try:
             with logged(context):
+                holder = lock_holder_name(context.run.run_id)
                 if started is not None:
-                    lent = lent_lock(settings.target_dsn, settings.slot)
-                    if lent is not None:
-                        lent.rename(lock_holder_name(context.run.run_id))
+                    take_over(settings.target_dsn, settings.slot, holder)
                     result = started.result()
                 else:
                     result = pipeline.take_snapshot(
                         settings,
                         lambda: spark.spark_session,
                         resnapshot=config.resnapshot,
-                        lock_holder=lock_holder_name(context.run.run_id),
+                        lock_holder=holder,
                         notify=context.log.warning,
                     )
         except ENGINE_ERRORS as exc:

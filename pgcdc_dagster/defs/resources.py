@@ -2,7 +2,7 @@
 Spark, and the range lock a run holds for its whole life."""
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,22 +109,18 @@ class RangeLockResource(ConfigurableResource):
 
     @contextmanager
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
-        from ..engine.range_lock import lent_lock, range_lock
+        from ..engine.range_lock import range_lock, take_over
         from .runs import PROCESS_TAG, lock_holder_name, process_identity
 
         settings = self.pgcdc.settings()
         run = context.run
-        run_id = run.run_id if run is not None else "unknown"
-        lent = lent_lock(settings.target_dsn, settings.slot)
-        with (
-            nullcontext(lent)
-            if lent is not None  # the command that started this run holds it for the run
-            else range_lock(settings.target_dsn, settings.slot, lock_holder_name(run_id))
-        ) as lock:
-            if lent is not None:
-                lock.rename(lock_holder_name(run_id))
+        holder = lock_holder_name(run.run_id if run is not None else "unknown")
+        # A lock the command that started this run lends it is renamed for the run, and
+        # range_lock hands that one out instead of taking its own.
+        take_over(settings.target_dsn, settings.slot, holder)
+        with range_lock(settings.target_dsn, settings.slot, holder) as lock:
             if context.instance is not None and run is not None:
-                context.instance.add_run_tags(run_id, {PROCESS_TAG: process_identity()})
+                context.instance.add_run_tags(run.run_id, {PROCESS_TAG: process_identity()})
             self._lock = lock
             yield self
 

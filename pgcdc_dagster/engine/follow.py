@@ -113,7 +113,9 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
 
 _END = object()
 _active: set[Follower] = set()
-_active_lock = threading.Lock()
+_active_lock = threading.RLock()
+"""Reentrant: :func:`stop_all` runs in signal handlers, which may interrupt a holder on the
+same (main) thread."""
 
 
 def stop_all(reason: str) -> int:

@@ -58,7 +58,7 @@ class RangeLock:
     restarted under it, releasing it)."""
 
     def __init__(
-        self, conn: psycopg.Connection[Any], slot: str, holder: str, target_dsn: str = ""
+        self, conn: psycopg.Connection[Any], slot: str, holder: str, target_dsn: str
     ) -> None:
         self._conn = conn
         self.slot = slot
@@ -136,6 +136,15 @@ def lent_lock(target_dsn: str, slot: str) -> RangeLock | None:
     """The lock of ``slot`` this process holds and lends to its runs, if any."""
     with _lent_lock:
         return _lent.get((target_dsn, slot))
+
+
+def take_over(target_dsn: str, slot: str, holder: str) -> RangeLock | None:
+    """The lock this process lends for ``slot``, now held under ``holder`` (a run taking over
+    what its command started); ``None`` when nothing is lent."""
+    lent = lent_lock(target_dsn, slot)
+    if lent is not None:
+        lent.rename(holder)
+    return lent
 
 
 def lock_holders(target_dsn: str, slot: str) -> list[LockHolder]:

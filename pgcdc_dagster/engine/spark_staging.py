@@ -46,12 +46,23 @@ if TYPE_CHECKING:
     import psycopg
     from pyspark.sql import SparkSession
 
-SUMMARY_SCHEMA = (
-    "tbl int, pid int, changes long, truncates long, truncate_flags int, net_rows long, "
-    "deletes long, upserts long, all_inserts boolean, has_origin boolean, "
-    "keep array<boolean>, old_missing array<boolean>"
+SUMMARY_SCHEMA = pa.schema(
+    [
+        ("tbl", pa.int32()),
+        ("pid", pa.int32()),
+        ("changes", pa.int64()),
+        ("truncates", pa.int64()),
+        ("truncate_flags", pa.int32()),
+        ("net_rows", pa.int64()),
+        ("deletes", pa.int64()),
+        ("upserts", pa.int64()),
+        ("all_inserts", pa.bool_()),
+        ("has_origin", pa.bool_()),
+        ("keep", pa.list_(pa.bool_())),
+        ("old_missing", pa.list_(pa.bool_())),
+    ]
 )
-"""What one task sends back: counts and flags, never rows."""
+"""What one task sends back: counts and flags, never rows (Spark's schema is derived from it)."""
 
 
 @dataclass
@@ -112,7 +123,13 @@ def stage_on_spark(
     names = {t: _create_tables(conn, origin_name, i, relations[t]) for i, t in enumerate(tables)}
     routed = route_changes(spark, files, relations, after_lsn=after_lsn, partitions=partitions)
     kernel = _staging_kernel(tables, relations, names, target_dsn)
-    summary = routed.groupBy("_tbl", "_pid").applyInArrow(kernel, SUMMARY_SCHEMA).toArrow()
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    summary = (
+        routed.groupBy("_tbl", "_pid")
+        .applyInArrow(kernel, from_arrow_schema(SUMMARY_SCHEMA))
+        .toArrow()
+    )
     return _summarise(summary, tables, relations, names)
 
 
@@ -255,25 +272,7 @@ def _any(rows: pa.Table, column: str) -> bool:
 
 
 def _summary_rows(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(
-        rows,
-        schema=pa.schema(
-            [
-                ("tbl", pa.int32()),
-                ("pid", pa.int32()),
-                ("changes", pa.int64()),
-                ("truncates", pa.int64()),
-                ("truncate_flags", pa.int32()),
-                ("net_rows", pa.int64()),
-                ("deletes", pa.int64()),
-                ("upserts", pa.int64()),
-                ("all_inserts", pa.bool_()),
-                ("has_origin", pa.bool_()),
-                ("keep", pa.list_(pa.bool_())),
-                ("old_missing", pa.list_(pa.bool_())),
-            ]
-        ),
-    )
+    return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
 
 
 def _summarise(

@@ -31,6 +31,7 @@ from .common import (
     CopyFormat,
     SnapshotError,
     TargetNotEmptyError,
+    tables_for_spark,
 )
 from .copy import plan_table_ranges
 from .scheduling import copy_tables
@@ -102,10 +103,7 @@ def _start_spark_if_needed(
     background thread; return what :func:`copy_tables` should call for the session."""
     if not callable(spark):
         return spark
-    estimated: dict[TableName, int] = {}
-    for rng in plan_table_ranges(src, tables, None):
-        estimated[rng.table] = estimated.get(rng.table, 0) + rng.estimated_rows
-    if all(rows <= driver_max_rows for rows in estimated.values()):
+    if not tables_for_spark(plan_table_ranges(src, tables, None), driver_max_rows):
         return spark
     starting = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-spark-start").submit(spark)
     return starting.result

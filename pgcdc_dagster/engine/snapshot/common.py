@@ -22,6 +22,7 @@ from ..connect import (
 from ..errors import PgcdcError
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..settings import SPARK_TABLE_ROWS
 
 DEFAULT_ROWS_PER_TASK = 500_000
 """About one to two seconds of COPY per task: big enough that task start-up (two connections, a
@@ -94,9 +95,18 @@ class RangeCopyResult:
     parquet_file: str | None = None
 
 
-DEFAULT_DRIVER_MAX_ROWS = 2_000_000
+DEFAULT_DRIVER_MAX_ROWS = SPARK_TABLE_ROWS
 """Tables estimated at or below this many rows are copied by the driver, not by Spark: see
-:func:`~pgcdc_dagster.engine.snapshot.scheduling.copy_tables`."""
+:func:`~pgcdc_dagster.engine.snapshot.scheduling.copy_tables` (one threshold with the settings'
+:data:`~pgcdc_dagster.engine.settings.SPARK_TABLE_ROWS`)."""
+
+
+def tables_for_spark(ranges: Sequence[TableRange], driver_max_rows: int) -> set[TableName]:
+    """The tables estimated (over all their ranges) above ``driver_max_rows``: Spark's."""
+    estimated: dict[TableName, int] = {}
+    for rng in ranges:
+        estimated[rng.table] = estimated.get(rng.table, 0) + rng.estimated_rows
+    return {table for table, rows in estimated.items() if rows > driver_max_rows}
 
 
 @dataclass(frozen=True)

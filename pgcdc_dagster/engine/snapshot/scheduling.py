@@ -34,6 +34,7 @@ from .common import (
     TableCopyResult,
     resolve_oids,
     snapshot_transaction,
+    tables_for_spark,
 )
 from .copy import copy_range, piped_copy_available, plan_table_ranges
 from .export import publish_export, snapshot_export_path
@@ -222,12 +223,9 @@ def copy_tables(
         )
         for rng in ranges
     ]
-    estimated: dict[TableName, int] = {}
-    for rng in ranges:
-        estimated[rng.table] = estimated.get(rng.table, 0) + rng.estimated_rows
-    on_driver = {t for t, rows in estimated.items() if spark is None or rows <= driver_max_rows}
-    driver_tasks = [t for t in tasks if t.range.table in on_driver]
-    spark_tasks = [t for t in tasks if t.range.table not in on_driver]
+    for_spark = set() if spark is None else tables_for_spark(ranges, driver_max_rows)
+    driver_tasks = [t for t in tasks if t.range.table not in for_spark]
+    spark_tasks = [t for t in tasks if t.range.table in for_spark]
     try:
         with _driver_pool(driver_tasks, parallelism) as pool:
             futures = [pool.submit(copy_range, task) for task in driver_tasks]
@@ -255,7 +253,7 @@ def copy_tables(
             seconds=sum(r.seconds for r in parts),
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
-            copied_by="driver" if table in on_driver else "spark",
+            copied_by="spark" if table in for_spark else "driver",
         )
         for table, parts in by_table.items()
     ]
