@@ -636,6 +636,38 @@ def test_snapshot_killed_at_every_step_is_never_taken_for_a_snapshot_and_is_redo
     assert slots == (1,)  # every killed attempt's slot was dropped and replaced by one
 
 
+def test_a_snapshot_killed_alone_mid_copy_leaves_no_copy_running_behind_the_redo(
+    clusters: Clusters, tmp_path: Path
+):
+    """SIGKILL of the ``pgcdc`` process only (not its group) while its ``psql`` pair copies:
+    the pair ends with it (the bytes go through it) instead of finishing a range behind the
+    redo's back, so nothing more lands on the target, and the redone snapshot converges."""
+    fresh = make_site(clusters, tmp_path, bulk=True)
+    killed = fresh.pgcdc("snapshot", failpoint="snapshot.copying=kill")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    target = fresh.settings.target_dsn
+
+    def copies_running() -> int:
+        with psycopg.connect(target, autocommit=True) as conn:
+            (n,) = conn.execute(
+                "SELECT count(*) FROM pg_stat_progress_copy WHERE datname = current_database()"
+            ).fetchone()
+        return int(n)
+
+    _wait_for(lambda: copies_running() == 0, "the orphaned copies to end", 10)
+    with psycopg.connect(target, autocommit=True) as conn:
+        landed = conn.execute("SELECT count(*) FROM bulk").fetchone()
+        time.sleep(1.0)
+        assert conn.execute("SELECT count(*) FROM bulk").fetchone() == landed
+        assert landed[0] < 1_000_000  # killed mid-copy: the copy did not run to its end
+
+    redone = fresh.pgcdc("snapshot")
+    assert redone.returncode == 0, redone.stderr
+    assert "taking it again" in redone.stderr
+    comparisons = verify.compare_tables(fresh.settings, pipeline.replicated_tables(fresh.settings))
+    assert comparisons and all(c.equal for c in comparisons), comparisons
+
+
 def _descendants(root: int) -> dict[int, str]:
     """Every live descendant of ``root``: pid -> command line."""
     parents: dict[int, int] = {}

@@ -472,7 +472,7 @@ def test_the_piped_copy_commits_a_range_whole_or_not_at_all(source_dsn: str, tar
     from pgcdc_dagster.engine.snapshot.common import CopyTask, TableRange
     from pgcdc_dagster.engine.snapshot.copy import _copy_piped, copy_range, piped_copy_available
 
-    assert piped_copy_available()  # psql and setpriv are part of what CI installs
+    assert piped_copy_available()  # psql is part of what CI installs
     run(
         source_dsn,
         "CREATE TABLE piped (id int PRIMARY KEY, note text)",

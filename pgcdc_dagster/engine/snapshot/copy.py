@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -231,43 +230,41 @@ RELAY_BYTES = 1 << 20
 """The piped copy's read size: Python touches the data once per MiB, not once per row."""
 
 
-def _pipe_tools() -> tuple[str, str] | None:
-    """``psql`` and ``setpriv``, if this machine has both."""
+def _psql() -> str | None:
     try:
-        psql = libpq_tool("psql")
+        return libpq_tool("psql")
     except ConnectError:
         return None
-    setpriv = shutil.which("setpriv")
-    return (psql, setpriv) if setpriv else None
 
 
 def piped_copy_available() -> bool:
     """Whether :func:`copy_range` copies through ``psql`` here (see :func:`_copy_piped`)."""
-    return _pipe_tools() is not None
+    return _psql() is not None
 
 
 def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     """One attempt at a range through two ``psql`` processes, ``COPY TO STDOUT`` in the
     exported snapshot on the source and ``COPY FROM STDIN`` on the target, this process
     relaying the bytes in :data:`RELAY_BYTES` reads. Returns ``(rows, bytes)``, or ``None``
-    when it cannot be used (no ``psql``, no ``setpriv``) or failed: the caller then copies
+    when it cannot be used (no ``psql``) or failed: the caller then copies
     through libpq in this process, which also classifies any error.
 
     Why: the libpq path calls into Python once per row (``PQgetCopyData`` returns one row),
     measured 7.9 CPU-seconds for pgbench scale 50 against 2.0 for ``psql | psql``; on a
     2-core machine those seconds are taken from the two servers doing the copy.
 
-    What must hold: nothing is committed on the target unless the source sent the whole
-    range. A ``COPY FROM STDIN`` that reaches the end of its input commits what it got, so the
-    target side is only ever let finish after the source side exited cleanly; on any failure
-    it is killed (the server then rolls the COPY back). Both run under ``setpriv --pdeathsig
-    KILL``: if this process dies they die too, and never complete a range behind the back of
-    the snapshot redo that follows a crash.
+    What must hold: while this process lives, nothing is committed on the target unless the
+    source sent the whole range. A ``COPY FROM STDIN`` that reaches the end of its input
+    commits what it got, so the target side is only ever let finish after the source side
+    exited cleanly; on any failure it is killed (the server then rolls the COPY back). If this
+    process is killed, the pair ends with it, since the bytes go through this process: the
+    source side's next write fails (SIGPIPE), the target side's input ends. Whatever the target
+    side committed at that instant is a killed snapshot's partial copy, which the redo
+    truncates; nothing lands later, behind the redo's back (a SIGKILL test checks).
     """
-    tools = _pipe_tools()
-    if tools is None:
+    psql = _psql()
+    if psql is None:
         return None
-    psql, setpriv = tools
     source_env, source_args = libpq_tool_environment(task.source_dsn)
     target_env, target_args = libpq_tool_environment(task.target_dsn)
     steps = ["BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"]
@@ -278,7 +275,7 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
             .as_string(None)
         )
     steps += [_select_statement(task, copy_format).as_string(None), "COMMIT"]
-    base = [setpriv, "--pdeathsig", "KILL", psql, "-X", "-v", "ON_ERROR_STOP=1"]
+    base = [psql, "-X", "-v", "ON_ERROR_STOP=1"]
     utf8 = {"PGCLIENTENCODING": "UTF8"}
     source = subprocess.Popen(
         [*base, "-q", *source_args, *(arg for step in steps for arg in ("-c", step))],
