@@ -8,7 +8,9 @@ its whole life, under its run id, and the server frees it the moment the process
 
 A not-finished run is judged, in this order:
 
-1. *queued*: the run coordinator has not launched it; it holds nothing yet;
+1. *queued*: the run coordinator has not launched it; it holds nothing yet (but a run a
+   command created for itself, tagged with that command's process, is *dead* once that
+   process is gone: a command killed between creating its run and starting it);
 2. *alive*: a session holds the range lock as ``run <its id>``;
 3. *alive* or *dead* by its process: the run carries ``pgcdc/process`` (host, pid and the
    process's start time, so a recycled pid is not mistaken for it); on this host that process
@@ -103,13 +105,18 @@ def judge(
     verdicts = []
     now = time.time()
     for run in runs:
+        identity = run.tags.get(PROCESS_TAG)
         if run.status in (DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED):
-            verdicts.append(RunVerdict(run, QUEUED, "queued"))
+            if identity and _process_alive(identity) is False:  # created, then its process died
+                verdicts.append(
+                    RunVerdict(run, DEAD, f"its process ({identity}) is gone before it started")
+                )
+            else:
+                verdicts.append(RunVerdict(run, QUEUED, "queued"))
             continue
         if lock_holder_name(run.run_id) in holding:
             verdicts.append(RunVerdict(run, ALIVE, "holds the range lock"))
             continue
-        identity = run.tags.get(PROCESS_TAG)
         alive = _process_alive(identity)
         if alive is True:
             verdicts.append(RunVerdict(run, ALIVE, f"its process ({identity}) is running"))

@@ -224,6 +224,17 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         "worker is gone" in (record.message or "") for record in r.instance.all_logs(dead.run_id)
     )
 
+    # A run its command created and then died before starting (NOT_STARTED, tagged with that
+    # command's process) is dead too, not queued: nothing waits on it.
+    orphan = create_run_for_test(
+        r.instance,
+        job_name="follow",
+        status=DagsterRunStatus.NOT_STARTED,
+        tags={RANGE_LOCK_TAG: "follow", PROCESS_TAG: identity_of_a_dead_process()},
+    )
+    first = requested_again(r.sensor())
+    assert r.instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.FAILURE
+
     # While a catch-up run is alive (it holds the range lock), the sensor waits.
     in_flight = create_run_for_test(
         r.instance,
