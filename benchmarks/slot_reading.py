@@ -1,0 +1,299 @@
+"""Reading the slot: the SQL peek loop (what ``pgcdc follow`` uses) against the streaming
+protocol (``START_REPLICATION`` on a psycopg 3 replication connection), for throughput and for
+freshness, on the same source in the same run.
+
+Why this exists: issue 9 asks which way of reading the slot to keep. Both readers here do only
+the reading (no decoding into columns, no store, no apply), so the figures compare the two
+ways of getting pgoutput messages into this process; everything after that is the same code
+whichever way the bytes came.
+
+Set-up: one throwaway source cluster (logical WAL), ``pgbench -i`` at ``--scale``, a
+publication for all tables and one slot per reader and repeat, created at one point.
+
+Throughput (engine-only): a TPC-B backlog of ``--transactions`` per client (4 clients) is read
+up to the flushed WAL position, median of ``--repeat`` runs each, wall and this process's CPU:
+
+* peek: ``pg_logical_slot_peek_binary_changes`` through a binary server-side cursor, 20,000
+  rows a fetch (psycopg builds the rows in C);
+* stream: ``START_REPLICATION SLOT … LOGICAL`` (pgoutput, the same options), one
+  ``PGconn.get_copy_data`` per message (psycopg 3 has no replication API above the libpq
+  level, so each XLogData header is parsed here, per message), until a keepalive reports the
+  server's sent position at or past the backlog's end.
+
+Freshness: ``pgbench -b simple-update`` rate limited to ``--tps`` for ``--seconds`` while a probe
+transaction commits every 0.5 s (its own connection); both readers run at once, each on its own
+slot and connection. A probe's freshness is the time from its COMMIT returning to its BEGIN
+message reaching the reader (found by xid). The peek reader does what the follower's receiver
+does: look at the flushed position every 50 ms, peek up to it at most every 200 ms
+(``PGCDC_FOLLOW_CUT_MS``), then move the slot to the last commit read. The stream reader sends
+standby status feedback every second.
+
+Usage: ``.venv/bin/python benchmarks/slot_reading.py [--transactions 20000] [--tps 1000]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import statistics
+import struct
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
+from pgcdc_dagster.demo.run import pgbench
+from pgcdc_dagster.engine.lsn import Lsn
+
+PUBLICATION = "bench_pub"
+OPTIONS = f"proto_version '1', publication_names '{PUBLICATION}'"
+XLOG_DATA = struct.Struct("!cQQQ")  # 'w', dataStart, walEnd, sendTime; the message follows
+KEEPALIVE = struct.Struct("!cQQB")  # 'k', walEnd, sendTime, replyRequested
+FEEDBACK = struct.Struct("!cQQQQB")  # 'r', written, flushed, applied, sendTime, replyRequested
+BEGIN = struct.Struct("!cQqI")  # 'B', final_lsn, commit time, xid
+COMMIT_END = struct.Struct("!Q")  # a Commit message's end_lsn, at offset 10
+PG_EPOCH = 946_684_800  # seconds from 1970 to 2000, PostgreSQL's timestamp epoch
+
+
+def cpu_wall(fn: Any, *args: Any) -> tuple[float, float, Any]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args)
+    return time.perf_counter() - wall, time.process_time() - cpu, out
+
+
+def peek_read(dsn: str, slot: str, upto: Lsn) -> int:
+    """Every message up to ``upto``, the way :mod:`pgcdc_dagster.engine.receive` fetches."""
+    messages = 0
+    with psycopg.connect(dsn) as conn, conn.cursor(name="raw", binary=True) as cur:
+        cur.execute(
+            "SELECT (lsn - '0/0'::pg_lsn)::int8, data FROM pg_logical_slot_peek_binary_changes("
+            "%s, %s::pg_lsn, NULL, 'proto_version', '1', 'publication_names', %s)",
+            (slot, str(upto), PUBLICATION),
+        )
+        while batch := cur.fetchmany(20_000):
+            messages += len(batch)
+    return messages
+
+
+class Stream:
+    """A ``START_REPLICATION`` stream of one slot, read at the libpq level."""
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.conn = psycopg.Connection.connect(dsn, replication="database", autocommit=True)
+        self.pg = self.conn.pgconn
+        self.pg.send_query(f"START_REPLICATION SLOT {slot} LOGICAL 0/0 ({OPTIONS})".encode())
+        self.pg.flush()
+        while True:
+            self.pg.consume_input()
+            if not self.pg.is_busy():
+                break
+            select.select([self.pg.socket], [], [])
+        result = self.pg.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            raise RuntimeError(f"START_REPLICATION failed: {self.pg.error_message!r}")
+
+    def messages(self, timeout: float) -> Any:
+        """Yield ``(kind, header, payload)`` as they arrive; ``None`` after ``timeout`` idle."""
+        get = self.pg.get_copy_data
+        while True:
+            n, data = get(1)
+            if n == 0:
+                if not select.select([self.pg.socket], [], [], timeout)[0]:
+                    yield None
+                self.pg.consume_input()
+                continue
+            if n < 0:
+                raise RuntimeError(f"stream ended: {self.pg.error_message!r}")
+            if data[0] == 0x77:
+                yield "w", XLOG_DATA.unpack_from(data), data[25:]
+            elif data[0] == 0x6B:
+                yield "k", KEEPALIVE.unpack_from(data), None
+
+    def feedback(self, flushed: int) -> None:
+        now = int((time.time() - PG_EPOCH) * 1e6)
+        self.pg.put_copy_data(FEEDBACK.pack(b"r", flushed, flushed, flushed, now, 0))
+        self.pg.flush()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def stream_read(dsn: str, slot: str, upto: Lsn) -> int:
+    stream = Stream(dsn, slot)
+    messages = 0
+    try:
+        for item in stream.messages(5.0):
+            if item is None:
+                raise RuntimeError("stream idle before the backlog's end")
+            kind, header, payload = item
+            if kind == "w":
+                messages += 1
+                payload = bytes(payload)  # what a decoder would keep
+            elif header[1] >= upto:
+                break
+    finally:
+        stream.close()
+    return messages
+
+
+def throughput(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
+    dsn = cluster.dsn()
+    slots = make_slots(dsn, ["tp"])
+    workload = pgbench(cluster, "-n", "-c", "4", "-j", "2", "-t", str(args.transactions))
+    assert workload is not None and workload.wait() == 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+        upto = Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+    report: dict[str, Any] = {"transactions": 4 * args.transactions}
+    for name, reader in (("peek", peek_read), ("stream", stream_read)):
+        runs = [cpu_wall(reader, dsn, slots[0], upto) for _ in range(args.repeat)]
+        report[name] = {
+            "seconds": round(statistics.median(r[0] for r in runs), 3),
+            "client_cpu_s": round(statistics.median(r[1] for r in runs), 3),
+            "messages": runs[0][2],
+            "runs_s": [round(r[0], 3) for r in runs],
+        }
+    report["stream_over_peek_time"] = round(
+        report["stream"]["seconds"] / report["peek"]["seconds"], 2
+    )
+    return report
+
+
+def make_slots(dsn: str, names: list[str]) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        starts = [
+            Lsn(
+                conn.execute(
+                    "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
+                    (name,),
+                ).fetchone()[0]
+            )
+            for name in names
+        ]
+        for name in names:
+            conn.execute(
+                "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (name, str(max(starts)))
+            )
+    return names
+
+
+def peek_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.Event) -> None:
+    """The follower's receive loop, reading only: poll the flush every 50 ms, peek at most
+    every 200 ms, then move the slot to the last commit read."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        last_end = 0
+        while not stop.is_set():
+            cycle = time.monotonic()
+            flush = Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+            if flush <= last_end:
+                time.sleep(0.05)
+                continue
+            with conn.cursor(binary=True) as cur:
+                cur.execute(
+                    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
+                    "'proto_version', '1', 'publication_names', %s)",
+                    (slot, str(flush), PUBLICATION),
+                )
+                for (data,) in cur:
+                    if data[0] == 0x42:
+                        seen.setdefault(BEGIN.unpack_from(data)[3], time.time())
+                    elif data[0] == 0x43:
+                        last_end = max(last_end, COMMIT_END.unpack_from(data, 10)[0])
+            if last_end:
+                conn.execute(
+                    "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (slot, str(Lsn(last_end)))
+                )
+            stop.wait(max(0.0, cycle + 0.2 - time.monotonic()))
+
+
+def stream_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.Event) -> None:
+    stream = Stream(dsn, slot)
+    last_end, fed = 0, time.monotonic()
+    try:
+        for item in stream.messages(0.1):
+            if stop.is_set():
+                return
+            if item is not None and item[0] == "w":
+                data = item[2]
+                if data[0] == 0x42:
+                    seen.setdefault(BEGIN.unpack_from(data)[3], time.time())
+                elif data[0] == 0x43:
+                    last_end = COMMIT_END.unpack_from(data, 10)[0]
+            if time.monotonic() - fed >= 1.0 and last_end:
+                stream.feedback(last_end)
+                fed = time.monotonic()
+    finally:
+        stream.close()
+
+
+def freshness(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
+    dsn = cluster.dsn()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE probe (id int PRIMARY KEY, at timestamptz)")
+    make_slots(dsn, ["fr_peek", "fr_stream"])
+    stop = threading.Event()
+    seen: dict[str, dict[int, float]] = {"peek": {}, "stream": {}}
+    readers = [
+        threading.Thread(target=peek_follower, args=(dsn, "fr_peek", seen["peek"], stop)),
+        threading.Thread(target=stream_follower, args=(dsn, "fr_stream", seen["stream"], stop)),
+    ]
+    for reader in readers:
+        reader.start()
+    load = pgbench(
+        cluster, "-n", "-b", "simple-update", "-c", "4", "-j", "2",
+        "-R", str(args.tps), "-T", str(args.seconds),
+    )  # fmt: skip
+    committed: dict[int, float] = {}
+    with psycopg.connect(dsn) as conn:
+        time.sleep(2)
+        deadline = time.monotonic() + args.seconds - 4
+        i = 0
+        while time.monotonic() < deadline:
+            i += 1
+            xid = conn.execute(
+                "INSERT INTO probe VALUES (%s, now()) RETURNING txid_current()", (i,)
+            ).fetchone()[0]
+            conn.commit()
+            committed[xid % 2**32] = time.time()
+            time.sleep(0.5)
+    assert load is not None and load.wait() == 0
+    time.sleep(1)
+    stop.set()
+    for reader in readers:
+        reader.join()
+    report: dict[str, Any] = {"tps": args.tps, "probes": len(committed)}
+    for name, arrivals in seen.items():
+        lags = sorted(arrivals[x] - t for x, t in committed.items() if x in arrivals)
+        report[name] = {
+            "seen": len(lags),
+            "median_ms": round(1000 * statistics.median(lags)),
+            "p95_ms": round(1000 * lags[int(0.95 * (len(lags) - 1))]),
+            "max_ms": round(1000 * lags[-1]),
+        }
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=10)
+    parser.add_argument("--transactions", type=int, default=20_000, help="per client (4 clients)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tps", type=int, default=1000)
+    parser.add_argument("--seconds", type=int, default=30)
+    args = parser.parse_args()
+    cluster = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-")
+    with cluster:
+        pgbench(cluster, "-i", "-q", "-s", str(args.scale))
+        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR ALL TABLES")
+        report = {"throughput": throughput(args, cluster), "freshness": freshness(args, cluster)}
+    cluster.destroy()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
