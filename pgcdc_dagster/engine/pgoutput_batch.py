@@ -11,7 +11,7 @@ How: the batch's messages are concatenated into one byte buffer with per-message
 field at a fixed offset is a gather. Tuple data is walked column by column across all rows at
 once: column j's kind byte sits at a per-row position that the previous column's length moved
 on. Text values are never copied into Python objects: their (start, length) pairs become Arrow
-string arrays through one gather of the buffer.
+string arrays through one copy of each value (see :func:`gather_values`).
 """
 
 from __future__ import annotations
@@ -216,16 +216,8 @@ def text_lists(
     flat_starts = starts[entry_mask]
     flat_lengths = lengths[entry_mask]
     flat_kinds = kinds[entry_mask]
-    value_offsets = np.zeros(len(flat_starts) + 1, np.int64)
-    np.cumsum(flat_lengths, out=value_offsets[1:])
+    value_offsets, data = gather_values(batch.buf, flat_starts, flat_lengths)
     total = int(value_offsets[-1])
-    if total:
-        gather = np.arange(total, dtype=np.int64) - np.repeat(
-            value_offsets[:-1] - flat_starts, flat_lengths
-        )
-        data = batch.buf[gather]
-    else:
-        data = np.zeros(0, np.uint8)
     is_value = (flat_kinds == _T) | (flat_kinds == _B)
     offsets_type = pa.int32() if total < 2**31 else pa.int64()
     string_type = pa.string() if offsets_type == pa.int32() else pa.large_string()
@@ -235,7 +227,7 @@ def text_lists(
         [
             pa.array(is_value, pa.bool_()).buffers()[1] if not is_value.all() else None,
             pa.py_buffer(value_offsets.astype(np.int32 if total < 2**31 else np.int64)),
-            pa.py_buffer(data),
+            data,
         ],
     )
     try:
@@ -250,6 +242,45 @@ def text_lists(
     np.cumsum(widths, out=list_offsets[1:])
     mask = None if row_valid is None else pa.array(~row_valid, pa.bool_())
     return pa.ListArray.from_arrays(pa.array(list_offsets, pa.int32()), values, mask=mask)
+
+
+def gather_values(
+    buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, pa.Buffer]:
+    """The values ``buf[starts[i] : starts[i] + lengths[i]]`` laid end to end: their offsets
+    (``len + 1``, from 0) and the bytes.
+
+    Values of a batch lie in ``buf`` in order, one after the other with gaps (kind bytes and
+    lengths) between them. So ``buf`` itself is the data of a binary array whose elements
+    alternate value, gap, value...; Arrow's ``take`` of every other element then copies each
+    value with one ``memcpy``, far faster than a NumPy gather of every byte. Zero-length values
+    (NULL, unchanged TOAST, empty strings) are placed at the previous value's end so the bounds
+    never go back; bounds that still go back (values not in buffer order) take the byte gather.
+    """
+    n = len(starts)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    if not total:
+        return offsets, pa.py_buffer(b"")
+    ends = starts + lengths
+    empty = lengths == 0
+    if empty.any():
+        reached = np.maximum.accumulate(np.where(empty, 0, ends))
+        before = np.concatenate(([0], reached[:-1]))
+        starts = np.where(empty, before, starts)
+        ends = np.where(empty, before, ends)
+    if not (starts[1:] >= ends[:-1]).all():
+        gather = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
+        return offsets, pa.py_buffer(buf[gather])
+    bounds = np.empty(2 * n, np.int64)
+    bounds[0::2] = starts
+    bounds[1::2] = ends
+    whole = pa.Array.from_buffers(
+        pa.large_binary(), 2 * n - 1, [None, pa.py_buffer(bounds), pa.py_buffer(buf)]
+    )
+    values = whole.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int64)))
+    return offsets, values.buffers()[2]
 
 
 @dataclass

@@ -292,12 +292,12 @@ class RangeDecoder:
             if carried and completed[0, 0] < 0:
                 carried_offset = self._flush_pending(completed[0])
             if len(rows):
-                rows_table = table.take(pa.array(rows))
+                rows_table = _take(table, rows)
                 self._write_completed(rows_table, which[rows], completed, carried_offset)
         if self.open is not None:
             open_rows = np.flatnonzero(msg_idx > self.open.position)
             if len(open_rows):
-                chunk = table.take(pa.array(open_rows))
+                chunk = _take(table, open_rows)
                 seq = np.arange(len(open_rows), dtype=np.int32) + self.pending_rows
                 self._add_pending(chunk, seq)
             self.open.position = -1
@@ -511,6 +511,16 @@ _ROW_SCHEMA = pa.schema(
         ("flags", pa.int8()),
     ]
 )
+
+
+def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table``'s ``rows`` (ascending): a zero-copy slice when they are one run, as they
+    nearly always are (a batch's changes minus those of transactions before the range or still
+    open at its end), else a copy. A slice keeps the whole batch's buffers alive, so a small
+    part of a batch (which may be parked for long) is copied."""
+    if int(rows[-1]) - int(rows[0]) + 1 == len(rows) and 2 * len(rows) >= table.num_rows:
+        return table.slice(int(rows[0]), len(rows))
+    return table.take(pa.array(rows))
 
 
 def _merge_in_order(table: pa.Table, truncates: list[tuple[int, int, int, int]]) -> pa.Table:
