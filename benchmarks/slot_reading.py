@@ -44,12 +44,12 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
+from receive import PUBLICATION, raw_read
 
 from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.lsn import Lsn
 
-PUBLICATION = "bench_pub"
 OPTIONS = f"proto_version '1', publication_names '{PUBLICATION}'"
 XLOG_DATA = struct.Struct("!cQQQ")  # 'w', dataStart, walEnd, sendTime; the message follows
 KEEPALIVE = struct.Struct("!cQQB")  # 'k', walEnd, sendTime, replyRequested
@@ -66,17 +66,8 @@ def cpu_wall(fn: Any, *args: Any) -> tuple[float, float, Any]:
 
 
 def peek_read(dsn: str, slot: str, upto: Lsn) -> int:
-    """Every message up to ``upto``, the way :mod:`pgcdc_dagster.engine.receive` fetches."""
-    messages = 0
-    with psycopg.connect(dsn) as conn, conn.cursor(name="raw", binary=True) as cur:
-        cur.execute(
-            "SELECT (lsn - '0/0'::pg_lsn)::int8, data FROM pg_logical_slot_peek_binary_changes("
-            "%s, %s::pg_lsn, NULL, 'proto_version', '1', 'publication_names', %s)",
-            (slot, str(upto), PUBLICATION),
-        )
-        while batch := cur.fetchmany(20_000):
-            messages += len(batch)
-    return messages
+    """Every message up to ``upto``, by the cursor and batch size receive uses (data only)."""
+    return raw_read(dsn, slot, upto)[1]
 
 
 class Stream:
