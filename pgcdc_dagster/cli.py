@@ -41,7 +41,6 @@ class CliError(PgcdcError):
 def cmd_snapshot(args: argparse.Namespace) -> int:
     from .engine import pipeline
     from .engine.head_start import Background, offer
-    from .engine.spark_session import get_spark
 
     settings = ReplicationSettings.from_env()
     resnapshot = bool(args.resnapshot)
@@ -52,9 +51,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
     def start() -> Background[Any]:
         work = Background(
-            lambda: pipeline.take_snapshot(
-                settings, lambda: get_spark(**settings.spark_target()), resnapshot=resnapshot
-            ),
+            lambda: pipeline.take_snapshot(settings, settings.spark_session, resnapshot=resnapshot),
             name="pgcdc-snapshot",
         )
         offer("snapshot", settings.slot, work)
@@ -84,15 +81,14 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     from .engine import pipeline
+    from .engine.follow import head_start
     from .engine.next_step import CaughtUp
 
     settings = ReplicationSettings.from_env()
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
-    from .engine.follow import head_start
-    from .engine.spark_session import get_spark
 
     def start() -> Any:
-        return head_start(settings, target, lambda: get_spark(**settings.spark_target()))
+        return head_start(settings, target, settings.spark_session)
 
     with _stops_at_boundary(), shown(), _head_start(settings, "follow", start) as started:
         # While Dagster loads, the follower is already at work (when the lock was free).

@@ -109,8 +109,9 @@ class RangeLockResource(ConfigurableResource):
 
     @contextmanager
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
+        from ..engine import processes
         from ..engine.range_lock import range_lock, take_over
-        from .runs import PROCESS_TAG, lock_holder_name, process_identity
+        from .runs import PROCESS_TAG, lock_holder_name
 
         settings = self.pgcdc.settings()
         run = context.run
@@ -120,7 +121,7 @@ class RangeLockResource(ConfigurableResource):
         take_over(settings.target_dsn, settings.slot, holder)
         with range_lock(settings.target_dsn, settings.slot, holder) as lock:
             if context.instance is not None and run is not None:
-                context.instance.add_run_tags(run.run_id, {PROCESS_TAG: process_identity()})
+                context.instance.add_run_tags(run.run_id, {PROCESS_TAG: processes.identity()})
             self._lock = lock
             yield self
 

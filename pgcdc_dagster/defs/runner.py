@@ -83,14 +83,15 @@ def run_job(
     """Execute a job of the code location in this process, recorded in the instance and tagged
     with this process's identity (so that, if this process dies, the next command sees at once
     that the run is dead)."""
-    from .runs import PROCESS_TAG, process_identity
+    from ..engine import processes
+    from .runs import PROCESS_TAG
 
     job = load_defs().resolve_job_def(name)
     result = job.execute_in_process(
         instance=dagster_instance(),
         partition_key=partition_key,
         run_config={**QUIET, **(run_config or {})},
-        tags={PROCESS_TAG: process_identity()},
+        tags={PROCESS_TAG: processes.identity()},
         raise_on_error=False,
     )
     if not result.success and not allow_failure:

@@ -27,8 +27,6 @@ the origin, the slot and the store each refuse a second writer on their own.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,12 +34,13 @@ from dataclasses import dataclass
 from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES, DagsterRun
 
+from ..engine import processes
 from ..engine.range_lock import LockHolder
 
 RANGE_LOCK_TAG = "pgcdc/range_lock"
 """Carried by every run that holds the range lock; ``dagster.yaml`` runs them one at a time."""
 PROCESS_TAG = "pgcdc/process"
-"""``host:pid:start`` of the process executing the run."""
+"""The process executing the run, named by :func:`~pgcdc_dagster.engine.processes.identity`."""
 DEFAULT_GRACE_S = 10.0
 
 QUEUED = "queued"
@@ -59,33 +58,6 @@ class RunVerdict:
 def lock_holder_name(run_id: str) -> str:
     """How a run names itself as the range lock's holder."""
     return f"run {run_id}"
-
-
-def process_identity(pid: int | None = None) -> str:
-    """``host:pid:start`` of a process of this machine (this one by default)."""
-    pid = os.getpid() if pid is None else pid
-    return f"{socket.gethostname()}:{pid}:{_start_ticks(pid)}"
-
-
-def _start_ticks(pid: int) -> str:
-    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _process_alive(identity: str | None) -> bool | None:
-    """Whether the process named by ``identity`` still runs; ``None`` when it cannot be told
-    from here (another host, or no identity)."""
-    if not identity:
-        return None
-    host, _, rest = identity.partition(":")
-    pid_text, _, start = rest.partition(":")
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return None
-    return _start_ticks(int(pid_text)) == start != "?"
 
 
 def pgcdc_runs_not_finished(instance: DagsterInstance) -> list[DagsterRun]:
@@ -107,7 +79,7 @@ def judge(
     for run in runs:
         identity = run.tags.get(PROCESS_TAG)
         if run.status in (DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED):
-            if identity and _process_alive(identity) is False:  # created, then its process died
+            if identity and processes.alive(identity) is False:  # created, then its process died
                 verdicts.append(
                     RunVerdict(run, DEAD, f"its process ({identity}) is gone before it started")
                 )
@@ -117,7 +89,7 @@ def judge(
         if lock_holder_name(run.run_id) in holding:
             verdicts.append(RunVerdict(run, ALIVE, "holds the range lock"))
             continue
-        alive = _process_alive(identity)
+        alive = processes.alive(identity)
         if alive is True:
             verdicts.append(RunVerdict(run, ALIVE, f"its process ({identity}) is running"))
             continue

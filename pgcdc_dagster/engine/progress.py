@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from .connect import connect
 from .identifiers import TableName
@@ -127,16 +126,17 @@ def throttled(emit: Callable[[str], None], every_s: float) -> Listener:
     """A listener that hands ``emit`` a report's line at most every ``every_s`` seconds, and at
     once whenever the phase changes (a snapshot's ``schema``/``copy``/``keys``/``done``): what
     a plain log wants, whether a terminal without a live display or a Dagster run's log."""
-    last: list[Any] = ["", 0.0]  # phase, when
+    last_phase, last_at = "", 0.0
     lock = threading.Lock()
 
     def listener(report: Progress) -> None:
+        nonlocal last_phase, last_at
         phase = getattr(report, "phase", "follow")
         now = time.monotonic()
         with lock:
-            if phase == last[0] and now - last[1] < every_s:
+            if phase == last_phase and now - last_at < every_s:
                 return
-            last[:] = [phase, now]
+            last_phase, last_at = phase, now
         emit(report.line())
 
     return listener

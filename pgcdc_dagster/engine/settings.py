@@ -143,6 +143,14 @@ class ReplicationSettings(BaseModel):
 
         return spark_target(self.spark_master, self.spark_remote, self.store_path)
 
+    def spark_session(self) -> Any:
+        """A SparkSession where :meth:`spark_target` says: what the engine takes as its lazy
+        Spark provider outside Dagster (a run takes its ``spark`` resource's)."""
+        from .spark_session import get_spark
+
+        target = self.spark_target()
+        return get_spark(master=target["master"], remote=target["remote"])
+
     @property
     def origin(self) -> str:
         """The target's replication origin for this slot."""

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import PgcdcError
+from .processes import pid_running
 
 RECORD = "spark-connect.json"
 START_TIMEOUT_S = 120.0
@@ -58,7 +59,7 @@ def running(store: Path) -> SparkServer | None:
         server = SparkServer(**json.loads(record_path(store).read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if not _alive(server.pid) or not _listening(_port(server.url)):
+    if not pid_running(server.pid) or not _listening(_port(server.url)):
         return None
     return server
 
@@ -121,7 +122,7 @@ def start(store: Path, master: str = "local[*]") -> tuple[SparkServer, bool]:
     pid = int(pid_files[0].read_text().strip()) if pid_files else 0
     deadline = time.monotonic() + START_TIMEOUT_S
     while not _listening(port):
-        if time.monotonic() > deadline or (pid and not _alive(pid)):
+        if time.monotonic() > deadline or (pid and not pid_running(pid)):
             logs = sorted(work.glob(f"*pgcdc-{port}*.out"))
             tail = logs[-1].read_text()[-400:] if logs else ""
             raise SparkServerError(
@@ -144,32 +145,15 @@ def stop(store: Path) -> SparkServer | None:
         return None
     os.kill(server.pid, signal.SIGTERM)
     deadline = time.monotonic() + 20
-    while _alive(server.pid) and time.monotonic() < deadline:
+    while pid_running(server.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(server.pid):
+    if pid_running(server.pid):
         os.kill(server.pid, signal.SIGKILL)
     return server
 
 
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1].split("/")[0])
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is dead for our purpose.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _listening(port: int) -> bool:

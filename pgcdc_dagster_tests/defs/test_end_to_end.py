@@ -28,7 +28,7 @@ from psycopg import sql
 
 from pgcdc_dagster.definitions import build_definitions, resolve_tables
 from pgcdc_dagster.defs.partitions import LSN_RANGES
-from pgcdc_dagster.defs.runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name, process_identity
+from pgcdc_dagster.defs.runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,
@@ -36,6 +36,7 @@ from pgcdc_dagster.demo.local_cluster import (
 )
 from pgcdc_dagster.engine import pipeline, verify
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.processes import identity as process_identity
 from pgcdc_dagster.engine.range_lock import range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
@@ -211,29 +212,24 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     first = requested_again(r.sensor())
 
     # A run whose worker is gone never blocks: the sensor marks it failed, saying why, and
-    # requests the range anyway.
-    dead = create_run_for_test(
-        r.instance,
-        job_name="catchup",
-        status=DagsterRunStatus.STARTED,
-        tags={RANGE_LOCK_TAG: "catchup", PROCESS_TAG: identity_of_a_dead_process()},
-    )
-    first = requested_again(r.sensor())
-    assert r.instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
-    assert any(
-        "worker is gone" in (record.message or "") for record in r.instance.all_logs(dead.run_id)
-    )
-
-    # A run its command created and then died before starting (NOT_STARTED, tagged with that
-    # command's process) is dead too, not queued: nothing waits on it.
-    orphan = create_run_for_test(
-        r.instance,
-        job_name="follow",
-        status=DagsterRunStatus.NOT_STARTED,
-        tags={RANGE_LOCK_TAG: "follow", PROCESS_TAG: identity_of_a_dead_process()},
-    )
-    first = requested_again(r.sensor())
-    assert r.instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.FAILURE
+    # requests the range anyway. So is a run its command created and then died before
+    # starting (NOT_STARTED, tagged with that command's process): dead, not queued.
+    for job_name, status in (
+        ("catchup", DagsterRunStatus.STARTED),
+        ("follow", DagsterRunStatus.NOT_STARTED),
+    ):
+        dead = create_run_for_test(
+            r.instance,
+            job_name=job_name,
+            status=status,
+            tags={RANGE_LOCK_TAG: job_name, PROCESS_TAG: identity_of_a_dead_process()},
+        )
+        first = requested_again(r.sensor())
+        assert r.instance.get_run_by_id(dead.run_id).status == DagsterRunStatus.FAILURE
+        assert any(
+            "worker is gone" in (record.message or "")
+            for record in r.instance.all_logs(dead.run_id)
+        )
 
     # While a catch-up run is alive (it holds the range lock), the sensor waits.
     in_flight = create_run_for_test(
