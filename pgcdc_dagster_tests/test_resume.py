@@ -640,8 +640,9 @@ def test_a_snapshot_killed_alone_mid_copy_leaves_no_copy_running_behind_the_redo
     clusters: Clusters, tmp_path: Path
 ):
     """SIGKILL of the ``pgcdc`` process only (not its group) while its ``psql`` pair copies:
-    the pair ends with it (the bytes go through it) instead of finishing a range behind the
-    redo's back, so nothing more lands on the target, and the redone snapshot converges."""
+    the pair is killed with it (parent-death signal) and its target side never got the
+    ``COMMIT`` that only ``pgcdc`` writes, so nothing more lands on the target, and the redone
+    snapshot converges."""
     fresh = make_site(clusters, tmp_path, bulk=True)
     killed = fresh.pgcdc("snapshot", failpoint="snapshot.copying=kill")
     assert killed.returncode == -signal.SIGKILL, killed.stderr

@@ -21,10 +21,12 @@ from pgcdc_dagster.engine.sequences import sync_sequences
 from pgcdc_dagster.engine.slot import create_slot_with_snapshot
 from pgcdc_dagster.engine.snapshot import (
     SnapshotError,
+    TableRange,
     TargetNotEmptyError,
     copy_schema_post_data,
     copy_schema_pre_data,
     copy_tables,
+    merge_ranges,
     plan_table_ranges,
     snapshot_export_path,
     take_base_snapshot,
@@ -174,6 +176,59 @@ def test_large_table_split_into_ctid_ranges_copies_every_row_once(
     assert results[0].rows == 36000 and results[0].tasks == len(ranges)
     assert results[0].copy_formats == ("binary",)
     assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+
+
+@pytest.mark.parametrize(("parallelism", "tasks"), [(1, 1), (2, 2)])
+def test_driver_copies_in_as_many_ranges_as_it_has_workers(
+    source_dsn: str, target_dsn: str, parallelism: int, tasks: int
+) -> None:
+    """The plan cuts ``big`` into many ranges; the driver joins neighbours back into one range
+    per worker (a range costs a psql pair and a snapshot import), and still copies every row
+    exactly once, holes and moved row versions included."""
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int PRIMARY KEY, payload text)",
+        "INSERT INTO big SELECT i, md5(i::text) FROM generate_series(1, 30000) i",
+        "DELETE FROM big WHERE id % 10 = 3",
+        "UPDATE big SET payload = 'moved' WHERE id % 100 = 7",
+        "ANALYZE big",
+    )
+    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
+    with psycopg.connect(source_dsn) as conn:
+        planned = plan_table_ranges(conn, [BIG], None, target_rows_per_task=3000)
+    assert len(planned) >= 8
+
+    results = copy_tables(
+        None, source_dsn, target_dsn, None, [BIG], parallelism=parallelism,
+        target_rows_per_task=3000,
+    )  # fmt: skip
+
+    assert results[0].copied_by == "driver" and results[0].tasks == tasks
+    assert results[0].rows == 27000
+    assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+
+
+def test_merged_ranges_tile_each_relation() -> None:
+    columns = ("id",)
+    t, leaf_a, leaf_b = (TableName("public", n) for n in ("t", "t_a", "t_b"))
+    ranges = [
+        TableRange(t, leaf_a, columns, None, 10, 100),
+        TableRange(t, leaf_a, columns, 10, 20, 100),
+        TableRange(t, leaf_a, columns, 20, None, 100),
+        TableRange(t, leaf_b, columns, None, 5, 50),
+        TableRange(t, leaf_b, columns, 5, None, 50),
+    ]
+
+    assert merge_ranges(ranges, 10**9) == [
+        TableRange(t, leaf_a, columns, None, None, 300),
+        TableRange(t, leaf_b, columns, None, None, 100),
+    ]
+    assert merge_ranges(ranges, 150) == [
+        TableRange(t, leaf_a, columns, None, 20, 200),
+        TableRange(t, leaf_a, columns, 20, None, 100),
+        TableRange(t, leaf_b, columns, None, None, 100),
+    ]
+    assert merge_ranges(ranges, 1) == ranges
 
 
 def test_dataframe_scheduler_for_spark_connect_copies_the_same(

@@ -65,7 +65,7 @@ from .common import (
     TableRange,
     TargetNotEmptyError,
 )
-from .copy import copy_range, plan_table_ranges
+from .copy import copy_range, merge_ranges, plan_table_ranges
 from .export import snapshot_export_path
 from .scheduling import copy_tables
 from .schema import copy_schema_post_data, copy_schema_pre_data
@@ -84,6 +84,7 @@ __all__ = [
     "copy_schema_post_data",
     "copy_schema_pre_data",
     "copy_tables",
+    "merge_ranges",
     "plan_table_ranges",
     "snapshot_export_path",
     "take_base_snapshot",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 import os
 import shutil
@@ -32,11 +33,12 @@ from .common import (
     RangeCopyResult,
     SnapshotError,
     TableCopyResult,
+    TableRange,
     resolve_oids,
     snapshot_transaction,
     tables_for_spark,
 )
-from .copy import copy_range, piped_copy_available, plan_table_ranges
+from .copy import copy_range, merge_ranges, piped_copy_available, plan_table_ranges
 from .export import publish_export, snapshot_export_path
 
 if TYPE_CHECKING:
@@ -207,8 +209,17 @@ def copy_tables(
         staging = Path(export_store) / "snapshot" / f".tmp-{uuid.uuid4().hex}"
         for table in tables:
             (staging / snapshot_export_path(export_store, table).name).mkdir(parents=True)
-    tasks = [
-        CopyTask(
+    for_spark = set() if spark is None else tables_for_spark(ranges, driver_max_rows)
+    driver_ranges = [r for r in ranges if r.table not in for_spark]
+    workers = _driver_workers(len(driver_ranges), parallelism)
+    driver_rows = sum(r.estimated_rows for r in driver_ranges)
+    # The driver cuts no finer than its workers need: one range per table with one worker.
+    driver_ranges = merge_ranges(
+        driver_ranges, max(target_rows_per_task, math.ceil(driver_rows / workers))
+    )
+
+    def make_task(rng: TableRange) -> CopyTask:
+        return CopyTask(
             range=rng,
             source_dsn=source_dsn,
             target_dsn=target_dsn,
@@ -221,13 +232,11 @@ def copy_tables(
             ),
             column_types=tuple(column_types[rng.table][c] for c in rng.columns),
         )
-        for rng in ranges
-    ]
-    for_spark = set() if spark is None else tables_for_spark(ranges, driver_max_rows)
-    driver_tasks = [t for t in tasks if t.range.table not in for_spark]
-    spark_tasks = [t for t in tasks if t.range.table in for_spark]
+
+    driver_tasks = [make_task(r) for r in driver_ranges]
+    spark_tasks = [make_task(r) for r in ranges if r.table in for_spark]
     try:
-        with _driver_pool(driver_tasks, parallelism) as pool:
+        with _driver_pool(driver_tasks, workers) as pool:
             futures = [pool.submit(copy_range, task) for task in driver_tasks]
             results = []
             if spark_tasks:
@@ -276,24 +285,30 @@ DRIVER_PROCESSES_MIN_ROWS = 2_000_000
 (measured, pgbench scale 10, 1M rows: threads 1.9 s, two spawned processes 2.8 s)."""
 
 
-def _driver_pool(tasks: Sequence[CopyTask], parallelism: int | None) -> Executor:
-    """Where the driver's copy tasks run.
+def _driver_workers(tasks: int, parallelism: int | None) -> int:
+    """How many copy tasks the driver runs at once.
 
-    With ``psql`` at hand (the usual case) a copy is two ``psql`` processes and this process
-    only relays MiB-sized reads (:func:`~.copy.copy_range`), so threads do, and as many at once
+    With ``psql`` at hand (the usual case) a copy is two ``psql`` processes piped into each
+    other (:func:`~.copy.copy_range`), so threads do, and as many at once
     as half the cores: each copy keeps two server backends busy (measured, pgbench scale 50 on
-    2 cores: one stream is as fast as two, with half the contention).
-
-    Without it the copy calls into Python once per row (``PQgetCopyData`` returns one row at
-    a time), so threads share one core through the GIL: past :data:`DRIVER_PROCESSES_MIN_ROWS`
-    the tasks run on spawned processes (this process may hold threads: no fork), for about
-    0.5 s of start-up (pgbench scale 50, 5M rows: ``pgcdc snapshot`` 13 s with two processes).
-    """
+    2 cores: one stream is as fast as two, with half the contention). Without it the copy calls
+    into Python once per row, and every core gets one."""
     cores = os.cpu_count() or 1
+    default = max(1, cores // 2) if piped_copy_available() else cores
+    return max(1, min(tasks or 1, parallelism or default))
+
+
+def _driver_pool(tasks: Sequence[CopyTask], workers: int) -> Executor:
+    """Where the driver's copy tasks run: threads when they copy through ``psql``, since this
+    process only starts the pair and waits then.
+
+    Without ``psql`` threads would share one core through the GIL (``PQgetCopyData`` returns
+    one row at a time): past :data:`DRIVER_PROCESSES_MIN_ROWS` the tasks run on spawned
+    processes (this process may hold threads: no fork), for about 0.5 s of start-up (pgbench
+    scale 50, 5M rows: ``pgcdc snapshot`` 13 s with two processes).
+    """
     if piped_copy_available():
-        workers = max(1, min(len(tasks) or 1, parallelism or max(1, cores // 2)))
         return ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy")
-    workers = max(1, min(len(tasks) or 1, parallelism or cores))
     if sum(t.range.estimated_rows for t in tasks) < DRIVER_PROCESSES_MIN_ROWS:
         return ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy")
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
