@@ -139,22 +139,29 @@ def test_odd_identifiers_types_and_toast_arrive_exactly(
     assert result.sequences['"Odd Schema"."Mixed Case_id_seq"'] == 500
 
 
-def test_large_table_split_into_ctid_ranges_copies_every_row_once(
-    source_dsn: str, target_dsn: str, spark: Any
-) -> None:
+def make_big_with_holes(
+    source_dsn: str, target_dsn: str, rows: int, rows_per_task: int
+) -> list[TableRange]:
+    """``big`` on the source with holes and moved row versions (so ranges hold unequal,
+    non-contiguous rows), created empty on the target; returns its planned ranges."""
     run(
         source_dsn,
         "CREATE TABLE big (id int PRIMARY KEY, payload text, flag boolean)",
         "INSERT INTO big SELECT i, repeat(md5(i::text), 2), i % 2 = 0 "
-        "FROM generate_series(1, 40000) i",
-        # Holes and moved row versions, so ranges hold unequal, non-contiguous rows.
+        f"FROM generate_series(1, {rows}) i",
         "DELETE FROM big WHERE id % 10 = 3",
         "UPDATE big SET payload = 'moved' WHERE id % 100 = 7",
         "ANALYZE big",
     )
     copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
     with psycopg.connect(source_dsn) as conn:
-        ranges = plan_table_ranges(conn, [BIG], None, target_rows_per_task=5000)
+        return plan_table_ranges(conn, [BIG], None, target_rows_per_task=rows_per_task)
+
+
+def test_large_table_split_into_ctid_ranges_copies_every_row_once(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    ranges = make_big_with_holes(source_dsn, target_dsn, 40000, rows_per_task=5000)
     assert len(ranges) >= 5
     assert ranges[0].start_block is None and ranges[-1].end_block is None
     for before, after in itertools.pairwise(ranges):
@@ -185,17 +192,7 @@ def test_driver_copies_in_as_many_ranges_as_it_has_workers(
     """The plan cuts ``big`` into many ranges; the driver joins neighbours back into one range
     per worker (a range costs a psql pair and a snapshot import), and still copies every row
     exactly once, holes and moved row versions included."""
-    run(
-        source_dsn,
-        "CREATE TABLE big (id int PRIMARY KEY, payload text)",
-        "INSERT INTO big SELECT i, md5(i::text) FROM generate_series(1, 30000) i",
-        "DELETE FROM big WHERE id % 10 = 3",
-        "UPDATE big SET payload = 'moved' WHERE id % 100 = 7",
-        "ANALYZE big",
-    )
-    copy_schema_pre_data(source_dsn, target_dsn, [BIG], None)
-    with psycopg.connect(source_dsn) as conn:
-        planned = plan_table_ranges(conn, [BIG], None, target_rows_per_task=3000)
+    planned = make_big_with_holes(source_dsn, target_dsn, 30000, rows_per_task=3000)
     assert len(planned) >= 8
 
     results = copy_tables(
