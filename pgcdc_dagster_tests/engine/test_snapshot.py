@@ -542,5 +542,7 @@ def test_the_piped_copy_commits_a_range_whole_or_not_at_all(source_dsn: str, tar
     assert rows_of(target_dsn, table) == []
 
     result = _copy_piped(CopyTask(rng, source_dsn, target_dsn, None), "binary")
-    assert result is not None and result[0] == 30000 and result[1] > 30000 * 4
+    assert result is not None and result[0] == 30000
+    # bytes come from the source side's /proc/<pid>/io, where the kernel offers it
+    assert result[1] > 30000 * 4 if Path("/proc/self/io").is_file() else result[1] == 0
     assert rows_of(target_dsn, table) == rows_of(source_dsn, table)
