@@ -41,6 +41,7 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.procs import descendants
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -669,32 +670,6 @@ def test_a_snapshot_killed_alone_mid_copy_leaves_no_copy_running_behind_the_redo
     assert comparisons and all(c.equal for c in comparisons), comparisons
 
 
-def _descendants(root: int) -> dict[int, str]:
-    """Every live descendant of ``root``: pid -> command line."""
-    parents: dict[int, int] = {}
-    commands: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            commands[int(entry.name)] = (
-                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            )
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: dict[int, str] = {}
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        for child, parent in parents.items():
-            if parent == pid and child not in found:
-                found[child] = commands.get(child, "")
-                frontier.append(child)
-    return found
-
-
 @pytest.mark.parametrize("mode", ["range", "follow"])
 def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_killed(
     clusters: Clusters, tmp_path: Path, mode: str
@@ -735,7 +710,7 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
             writing_until = time.monotonic() + 35
             while time.monotonic() < writing_until:
                 time.sleep(chance.uniform(1.0, 4.0))
-                tree = _descendants(daemon.pid)
+                tree = descendants(daemon.pid)
                 # The code server spawns each run worker through multiprocessing.
                 workers = [pid for pid, cmd in tree.items() if "multiprocessing.spawn" in cmd]
                 if workers:

@@ -31,6 +31,7 @@ from pgcdc_dagster.engine.snapshot import (
     snapshot_export_path,
     take_base_snapshot,
 )
+from pgcdc_dagster_tests.procs import descendants
 
 ODD = TableName("Odd Schema", "Mixed Case")
 KEYWORD = TableName("public", "select")
@@ -546,3 +547,114 @@ def test_the_piped_copy_commits_a_range_whole_or_not_at_all(source_dsn: str, tar
     # bytes come from the source side's /proc/<pid>/io, where the kernel offers it
     assert result[1] > 30000 * 4 if Path("/proc/self/io").is_file() else result[1] == 0
     assert rows_of(target_dsn, table) == rows_of(source_dsn, table)
+
+
+def _piped_task(source_dsn: str, target_dsn: str, rows: int) -> Any:
+    """A one-range copy task of a ``piped`` table long enough to be caught mid-COPY."""
+    from pgcdc_dagster.engine.snapshot.common import CopyTask, TableRange
+
+    ddl = "CREATE TABLE piped (id int PRIMARY KEY, note text)"
+    run(
+        source_dsn,
+        ddl,
+        f"INSERT INTO piped SELECT i, repeat(md5(i::text), 3) FROM generate_series(1, {rows}) i",
+    )
+    run(target_dsn, ddl)
+    table = TableName("public", "piped")
+    return CopyTask(
+        TableRange(table, table, ("id", "note"), None, None, rows), source_dsn, target_dsn, None
+    )
+
+
+def _wait_for_copy_rows(target_dsn: str) -> None:
+    """Until the target's COPY has taken rows (the copy is under way)."""
+    deadline = time.monotonic() + 30
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            (n,) = conn.execute(  # type: ignore[misc]
+                "SELECT coalesce(sum(tuples_processed), 0) FROM pg_stat_progress_copy "
+                "WHERE datname = current_database()"
+            ).fetchone()
+            if n > 0:
+                return
+            time.sleep(0.01)
+    raise AssertionError("the target's COPY never started")
+
+
+def _copies_end(target_dsn: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        while conn.execute(
+            "SELECT FROM pg_stat_progress_copy WHERE datname = current_database()"
+        ).fetchone():
+            assert time.monotonic() < deadline, "a COPY kept running"
+            time.sleep(0.05)
+
+
+def test_the_piped_copy_commits_nothing_when_its_source_side_is_killed_mid_stream(
+    source_dsn: str, target_dsn: str
+) -> None:
+    """SIGKILL of the source ``psql`` while rows flow: the target side has taken rows of an
+    unfinished range, but never gets its COMMIT. Text format, because a text COPY takes a cut
+    last line as a row (a binary one rejects a cut tuple by itself)."""
+    import os
+    import signal
+
+    from pgcdc_dagster.engine.snapshot.copy import _copy_piped
+
+    task = _piped_task(source_dsn, target_dsn, 600_000)
+    outcome: list[Any] = []
+    copier = threading.Thread(target=lambda: outcome.append(_copy_piped(task, "text")))
+    copier.start()
+    _wait_for_copy_rows(target_dsn)
+    sources = [pid for pid, cmd in descendants(os.getpid()).items() if "TO STDOUT" in cmd]
+    assert len(sources) == 1
+    os.kill(sources[0], signal.SIGKILL)
+    copier.join(30)
+
+    assert outcome == [None]  # handed back to the in-process copy
+    _copies_end(target_dsn, 10)
+    assert rows_of(target_dsn, TableName("public", "piped")) == []
+
+
+@pytest.mark.parametrize("setpriv", [True, False])
+def test_a_piped_copy_whose_process_is_killed_lands_nothing(
+    source_dsn: str, target_dsn: str, setpriv: bool
+) -> None:
+    """SIGKILL of the process that runs the pair mid-COPY: its command pipe ends without
+    COMMIT. With ``setpriv`` the pair dies with it at once; without, the pair runs to the end
+    of its range and the target side rolls back."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    task = _piped_task(source_dsn, target_dsn, 600_000)
+    script = (
+        "import sys\n"
+        "from pgcdc_dagster.engine.snapshot import copy\n"
+        "from pgcdc_dagster.engine.snapshot.common import CopyTask, TableRange\n"
+        "from pgcdc_dagster.engine.identifiers import TableName\n"
+        f"{'' if setpriv else 'copy._ending_with_this_process = lambda: []'}\n"
+        "t = TableName('public', 'piped')\n"
+        "rng = TableRange(t, t, ('id', 'note'), None, None, 0)\n"
+        "copy._copy_piped(CopyTask(rng, sys.argv[1], sys.argv[2], None), 'binary')\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, task.source_dsn, task.target_dsn])
+    try:
+        _wait_for_copy_rows(target_dsn)
+        pair = list(descendants(child.pid))
+        assert len(pair) == 2
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(10) == -signal.SIGKILL
+        if setpriv:
+            deadline = time.monotonic() + 5
+            while any(Path(f"/proc/{pid}").exists() for pid in pair):
+                assert time.monotonic() < deadline, "the psql pair outlived its process"
+                time.sleep(0.05)
+        _copies_end(target_dsn, 30)
+        time.sleep(0.5)  # the target side's disconnect, after its COPY ended
+        assert rows_of(target_dsn, TableName("public", "piped")) == []
+    finally:
+        child.kill()
+        child.wait()

@@ -308,11 +308,11 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     What must hold: nothing is committed on the target unless the source side sent the whole
     range. A ``COPY FROM STDIN`` that reaches the end of its input takes what it got, so the
     target side runs ``BEGIN`` and the COPY, then reads its next commands from a pipe of this
-    process, which writes ``COMMIT`` there only after the source side exited cleanly. On any
-    failure both are killed (the server rolls the transaction back). If this process dies, the
-    command pipe ends without ``COMMIT``, so the target side ends with its transaction rolled
-    back; with ``setpriv`` both sides are also killed at once (a SIGKILL test checks that
-    nothing lands behind the redo's back).
+    process, which writes ``COMMIT`` there only after the source side exited cleanly; otherwise
+    the pipe closes empty and the target side disconnects with its transaction open (the
+    server rolls it back). If this process dies, the command pipe ends the same way; with
+    ``setpriv`` both sides are also killed at once. SIGKILL tests check each: the source side
+    killed mid-stream, this process killed with and without ``setpriv``.
     """
     psql = _psql()
     if psql is None:
@@ -365,11 +365,9 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
         source_ok = False
     finally:
         os.close(decide)
+    # Both sides have ended here: the target's commands end with COMMIT or without it.
     out = target.communicate()[0].decode(errors="replace")
     if not source_ok or target.returncode != 0:
-        for side in (target, source):
-            side.kill()
-            side.wait()
         return None
     copied = re.findall(r"^COPY (\d+)$", out, re.MULTILINE)
     if not copied:  # committed, so no second attempt: that would copy the range twice

@@ -289,10 +289,9 @@ def _driver_workers(tasks: int, parallelism: int | None) -> int:
     """How many copy tasks the driver runs at once.
 
     With ``psql`` at hand (the usual case) a copy is two ``psql`` processes piped into each
-    other (:func:`~.copy.copy_range`), so threads do, and as many at once
-    as half the cores: each copy keeps two server backends busy (measured, pgbench scale 50 on
-    2 cores: one stream is as fast as two, with half the contention). Without it the copy calls
-    into Python once per row, and every core gets one."""
+    other (:func:`~.copy.copy_range`), as many at once as half the cores: each keeps two server
+    backends busy (measured, pgbench scale 50 on 2 cores: one stream is as fast as two, with
+    half the contention). Without it the copy calls into Python once per row, one per core."""
     cores = os.cpu_count() or 1
     default = max(1, cores // 2) if piped_copy_available() else cores
     return max(1, min(tasks or 1, parallelism or default))
