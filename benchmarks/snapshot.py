@@ -381,8 +381,9 @@ def run_cli(
     (PostgreSQL storage, the shipped dagster.yaml), Spark only if a table needs it.
 
     ``warm``: with the warm Spark Connect server of ``pgcdc spark start`` up (started and given
-    a first job before the timing, as after an earlier snapshot), so tables past
-    ``SPARK_TABLE_ROWS`` are copied on it."""
+    a first job before the timing, as after an earlier snapshot). It runs local[*] on this
+    machine's cores, so the driver still copies every table (``driver_max_rows``); what the
+    warm run measures is that a running server costs the snapshot nothing."""
     import shutil
     import sys
 

@@ -77,6 +77,19 @@ def spark_target(master: str | None, remote: str | None, store: Path) -> dict[st
     return {"master": None, "remote": running_url(store)}
 
 
+def cores_are_local(master: str | None, remote: str | None, store: Path) -> bool:
+    """Whether Spark's executors would run on this machine's cores, which the snapshot's
+    driver-side copy processes use as well: a configured local master, no Spark configured at
+    all, or (with neither configured) a warm server recorded here that runs a local master.
+    A configured ``remote`` is taken for a cluster: where it runs cannot be known from here."""
+    if remote:
+        return False
+    if master:
+        return master.startswith("local")
+    server = running(store)
+    return server is None or server.master.startswith("local")
+
+
 def start(store: Path, master: str = "local[*]") -> tuple[SparkServer, bool]:
     """Start the server (or find the one already running); returns it and whether it was
     started now. Blocks until it accepts connections."""
