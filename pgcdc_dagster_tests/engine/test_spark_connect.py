@@ -97,3 +97,22 @@ def scenario(source_dsn: str, target_dsn: str, store: str) -> None:
     assert [(str(c.table), c.equal) for c in comparisons] == [("public.t", True)]
     spark.stop()
     print("connect scenario ok")
+
+
+@pytest.mark.parametrize(
+    ("master", "remote", "local"),
+    [
+        (None, None, True),  # local Spark: every table on the driver
+        ("local[2]", None, True),
+        ("spark://spark-master:7077", None, False),  # a cluster takes tables past 2M rows
+        (None, "sc://spark-connect:15002", False),
+        ("local[2]", "sc://spark-connect:15002", False),  # remote wins, as in get_spark
+    ],
+)
+def test_snapshot_split_follows_where_spark_cores_are(
+    master: str | None, remote: str | None, local: bool, tmp_path: Path
+) -> None:
+    settings = ReplicationSettings(spark_master=master, spark_remote=remote, store=str(tmp_path))
+    assert settings.driver_max_rows() == (sys.maxsize if local else SPARK_TABLE_ROWS)
+    explicit = settings.model_copy(update={"snapshot_driver_rows": 0})
+    assert explicit.driver_max_rows() == 0  # the setting always wins
