@@ -18,6 +18,7 @@ from ..engine.identifiers import TableName
 from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .resources import PgcdcResource, RangeLockResource, SparkResource
+from .runner import keep_storage_connections
 from .runs import RANGE_LOCK_TAG
 
 FOLLOW_JOB = "follow"
@@ -44,6 +45,7 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
         range_lock: RangeLockResource,
     ) -> Iterator[Any]:
         settings = pgcdc.settings(spark)
+        keep_storage_connections(context.instance)  # a long run writes events every range
         try:
             endpos = None if config.endpos.strip().lower() == NO_ENDPOS else config.endpos
             follower = new_follower(settings, endpos, spark)

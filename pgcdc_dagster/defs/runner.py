@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,64 @@ def dagster_instance() -> Any:
         finally:
             logging.getLogger("dagster").removeFilter(quiet)
         _instance = DagsterInstance.from_ref(ref)
+        keep_storage_connections(_instance)
     return _instance
+
+
+POOL_RECYCLE_S = 3600
+"""A kept storage connection is replaced after this long (as dagster-webserver's default)."""
+POOL_MAX_OVERFLOW = 8
+"""Connections beyond the kept one while several threads write at once (closed after use)."""
+_kept: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def keep_storage_connections(instance: Any) -> None:
+    """Hold one connection per storage open for the life of this process, as dagster-webserver
+    does (``DagsterInstance.optimize_for_webserver``), instead of Dagster's default of a new
+    connection for every read and write.
+
+    Why: a ``follow`` run writes the events of every range it materialises, a range every
+    ``PGCDC_FOLLOW_CUT_MS`` while changes flow: measured at 300 tps with the storage on the
+    target server, 706 new server connections in 11 s (a backend started and ended for each
+    write), against 9 with this; the 2-core machine was busy 17.3-18.3 CPU-s of every 10 s
+    against 14.3-14.9. A ``pgcdc snapshot`` opened 56.
+
+    What must hold: a connection the server dropped (a restart, an idle timeout) is never
+    handed to Dagster. Each checkout pings first and a dead connection is replaced
+    (:func:`_ping_on_checkout`), so a storage restart costs nothing more than it did
+    unpooled. No statement timeout is set on them (0), as on Dagster's own unpooled ones.
+    Idempotent; storages that are not SQL (none here) ignore it."""
+    if instance in _kept:
+        return
+    _listen_for_checkouts()
+    instance.optimize_for_webserver(
+        statement_timeout=0, pool_recycle=POOL_RECYCLE_S, max_overflow=POOL_MAX_OVERFLOW
+    )
+    _kept.add(instance)
+
+
+def _listen_for_checkouts() -> None:
+    from sqlalchemy import event
+    from sqlalchemy.pool import Pool
+
+    if not event.contains(Pool, "checkout", _ping_on_checkout):
+        event.listen(Pool, "checkout", _ping_on_checkout)
+
+
+def _ping_on_checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    """SQLAlchemy's pessimistic disconnect handling: raising ``DisconnectionError`` here
+    makes the pool drop this connection and check out a fresh one."""
+    from sqlalchemy.exc import DisconnectionError
+
+    del record, proxy
+    try:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT 1")
+        finally:
+            cursor.close()
+    except Exception as exc:  # any failure of the ping means the connection is unusable
+        raise DisconnectionError("Dagster storage connection lost; reconnecting") from exc
 
 
 class _DropMissingConfigWarning(logging.Filter):

@@ -1,0 +1,62 @@
+"""Dagster's storage connections are kept for the process, and a dropped one is replaced."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from dagster import AssetKey, AssetMaterialization, DagsterInstance
+from dagster._core.instance.ref import InstanceRef
+
+from pgcdc_dagster.defs.runner import keep_storage_connections
+
+WRITES = 30
+
+
+def _sessions(admin: psycopg.Connection[Any], database: str) -> int:
+    """Sessions that ended on ``database`` (counted when a backend exits)."""
+    admin.execute("SELECT pg_stat_clear_snapshot()")
+    row = admin.execute(
+        "SELECT sessions FROM pg_stat_database WHERE datname = %s", (database,)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _backends(admin: psycopg.Connection[Any], database: str) -> list[int]:
+    rows = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+        (database,),
+    ).fetchall()
+    return [int(pid) for (pid,) in rows]
+
+
+def test_storage_connections_are_kept_and_a_dropped_one_is_replaced(
+    target_cluster, target_dsn, tmp_path
+) -> None:
+    database = psycopg.conninfo.conninfo_to_dict(target_dsn)["dbname"]
+    url = f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{database}"
+    ref = InstanceRef.from_dir(
+        str(tmp_path), overrides={"storage": {"postgres": {"postgres_url": url}}}
+    )
+    with (
+        DagsterInstance.from_ref(ref) as instance,
+        psycopg.connect(target_cluster.dsn(), autocommit=True) as admin,
+    ):
+        keep_storage_connections(instance)
+        keep_storage_connections(instance)  # idempotent
+        before = _sessions(admin, str(database))
+        for i in range(WRITES):
+            instance.report_runless_asset_event(AssetMaterialization(f"kept_{i % 3}"))
+            instance.get_runs(limit=1)
+        # Unpooled, every write and read above would have started and ended a backend.
+        assert _sessions(admin, str(database)) - before <= 3
+        kept = _backends(admin, str(database))
+        assert 1 <= len(kept) <= 3
+
+        # The server drops them (a restart, an idle timeout): the next use reconnects.
+        for pid in kept:
+            admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        instance.report_runless_asset_event(AssetMaterialization("after_drop"))
+        assert instance.get_latest_materialization_event(AssetKey("after_drop")) is not None
+        assert not set(_backends(admin, str(database))) & set(kept)
