@@ -79,11 +79,12 @@ def keep_storage_connections(instance: Any) -> None:
     write), against 9 with this; the 2-core machine was busy 17.3-18.3 CPU-s of every 10 s
     against 14.3-14.9. A ``pgcdc snapshot`` opened 56.
 
-    What must hold: a connection the server dropped (a restart, an idle timeout) is never
-    handed to Dagster. Each checkout pings first and a dead connection is replaced
-    (:func:`_ping_on_checkout`), so a storage restart costs nothing more than it did
-    unpooled. No statement timeout is set on them (0), as on Dagster's own unpooled ones.
-    Idempotent; storages that are not SQL (none here) ignore it."""
+    What must hold: a kept connection the server dropped while it sat in the pool (a restart,
+    an idle timeout) is not handed to Dagster: each checkout pings first and a dead connection
+    is replaced (:func:`_ping_on_checkout`). One dropped while a write is under way fails that
+    write, as it did unpooled. ``optimize_for_webserver`` sets ``statement_timeout`` on each
+    connection; 0 (none) is Dagster's own default, but it overrides a timeout set on the
+    storage database or role. Idempotent; storages that are not SQL (none here) ignore it."""
     if instance in _kept:
         return
     _listen_for_checkouts()
@@ -94,6 +95,9 @@ def keep_storage_connections(instance: Any) -> None:
 
 
 def _listen_for_checkouts() -> None:
+    """On every SQLAlchemy pool of this process: the storages' engines are private to
+    dagster-postgres, and Dagster's are the only pools here. A fresh connection is pinged too,
+    one round trip beside its connect."""
     from sqlalchemy import event
     from sqlalchemy.pool import Pool
 
