@@ -47,7 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 
 
-def run_ours_cli(setup: Setup, target: Any, work: Path, meter: CpuMeter) -> dict[str, Any]:
+def run_ours_cli(
+    setup: Setup, target: Any, work: Path, meter: CpuMeter, warm: bool = False
+) -> dict[str, Any]:
     storage_db = "dagster_storage"
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {storage_db}")
@@ -66,10 +68,17 @@ def run_ours_cli(setup: Setup, target: Any, work: Path, meter: CpuMeter) -> dict
         "DAGSTER_POSTGRES_URL": (
             f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage_db}"
         ),
+        "PGCDC_SERVER": "auto" if warm else "off",
+        "PGCDC_SERVER_DIR": str(work / "srv"),
     }
     # Dagster creates its storage schema on first use: do that outside the timing, as a user's
     # instance already has it.
     subprocess.run([PGCDC, "status"], env=env, capture_output=True, check=False, cwd=work)
+    if warm:  # what an earlier command leaves up: the command server
+        subprocess.run([PGCDC, "server", "start"], env=env, check=True, capture_output=True)
+        status = subprocess.run([PGCDC, "server", "status"], env=env, check=True,
+                                capture_output=True, text=True).stdout  # fmt: skip
+        meter.roots["command_server"] = int(status.split("(pid ")[1].split(")")[0])
     with meter:
         started = time.perf_counter()
         done = subprocess.run(
@@ -80,6 +89,9 @@ def run_ours_cli(setup: Setup, target: Any, work: Path, meter: CpuMeter) -> dict
             cwd=work,
         )
         seconds = time.perf_counter() - started
+    if warm:
+        subprocess.run([PGCDC, "server", "stop"], env=env, check=True, capture_output=True)
+        del meter.roots["command_server"]
     if done.returncode != 0:
         raise RuntimeError(f"pgcdc catchup failed: {done.stderr[-3000:]}")
     summary = json.loads(done.stdout)
@@ -99,7 +111,7 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
         meter = CpuMeter(source, target)
         order, results = alternating(
             {
-                "ours": lambda: run_ours_cli(setup, target, work, meter),
+                "ours": lambda: run_ours_cli(setup, target, work, meter, args.server == "warm"),
                 "native": lambda: run_native(setup, source, target, meter, args.native_timeout),
             },
             index,
@@ -129,11 +141,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--native-timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--server",
+        choices=["off", "warm"],
+        default="off",
+        help="off: the command in a fresh process of its own, cold (the first command on the "
+        "machine); warm: with the command server an earlier command leaves up, the command runs "
+        "in its forked child (Dagster and the definitions already imported)",
+    )
     args = parser.parse_args()
     spark = get_spark()  # for the untimed snapshot; the timed command starts its own
     runs = [one_run(args, spark, i) for i in range(args.repeat)]
     report = {
         "command": "pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
+        "command_server": args.server,
         "transactions": 4 * args.transactions,
         "median_ratio": statistics.median(r["ratio"] for r in runs),
         "runs": runs,

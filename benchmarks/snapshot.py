@@ -144,8 +144,12 @@ class CpuMeter:
     pg_dump, pg_restore); plus what the whole machine used, to tell other people's load apart.
     """
 
-    def __init__(self, source: LocalCluster, target: LocalCluster) -> None:
+    def __init__(
+        self, source: LocalCluster, target: LocalCluster, command_server: int | None = None
+    ) -> None:
         self.servers = {"source_pg": _postmaster_pid(source), "target_pg": _postmaster_pid(target)}
+        if command_server is not None:  # the warm pgcdc server: the command runs in its child
+            self.servers["pgcdc_server"] = command_server
 
     def sample(self) -> dict[str, int]:
         table = _process_table()
@@ -212,8 +216,10 @@ def _wal_mb(conn: psycopg.Connection[Any], start: str) -> float:
 class Measured:
     """Wall time, CPU split and target WAL of one timed run."""
 
-    def __init__(self, source: LocalCluster, target: LocalCluster) -> None:
-        self.meter = CpuMeter(source, target)
+    def __init__(
+        self, source: LocalCluster, target: LocalCluster, command_server: int | None = None
+    ) -> None:
+        self.meter = CpuMeter(source, target, command_server)
         self.target_dsn = target.dsn()
 
     def __enter__(self) -> Measured:
@@ -380,10 +386,16 @@ def run_cli(
     """``pgcdc snapshot`` from a fresh process, as a user runs it: Python, Dagster, the run
     (PostgreSQL storage, the shipped dagster.yaml), Spark only if a table needs it.
 
-    ``warm``: with the warm Spark Connect server of ``pgcdc spark start`` up (started and given
-    a first job before the timing, as after an earlier snapshot). It runs local[*] on this
-    machine's cores, so the driver still copies every table (``driver_max_rows``); what the
-    warm run measures is that a running server costs the snapshot nothing."""
+    Cold (``warm=False``): the first command on the machine, nothing of ours running
+    (``PGCDC_SERVER=off``: the same process a first command is, without leaving a server).
+
+    ``warm``: a second snapshot, into a fresh target, with what the first one leaves up: the
+    command server (:mod:`pgcdc_dagster.launcher`; the command runs in its forked child, with
+    Dagster and the definitions already imported), and the warm Spark Connect server of
+    ``pgcdc spark start`` (started and given a first job before the timing). That server runs
+    local[*] on this machine's cores, so the driver still copies every table
+    (``driver_max_rows``). The command server's CPU (its child's) is counted apart as
+    ``pgcdc_server``."""
     import shutil
     import sys
 
@@ -409,7 +421,10 @@ def run_cli(
         "DAGSTER_POSTGRES_URL": (
             f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage}"
         ),
+        "PGCDC_SERVER": "auto" if warm else "off",
+        "PGCDC_SERVER_DIR": str(work / f"srv_{run_name}"),
     }
+    pgcdc = str(Path(sys.executable).parent / "pgcdc")
     # A user's Dagster storage already has its schema: create it outside the timing.
     subprocess.run(
         [sys.executable, "-c", "from pgcdc_dagster.defs.runner import dagster_instance as d; d()"],
@@ -417,8 +432,13 @@ def run_cli(
         check=True,
         cwd=work,
     )
-    server = None
+    server, command_server = None, None
     if warm:
+        subprocess.run([pgcdc, "server", "start"], env=env, check=True, capture_output=True)
+        command_server = int(
+            subprocess.run([pgcdc, "server", "status"], env=env, check=True, capture_output=True,
+                           text=True).stdout.split("(pid ")[1].split(")")[0]
+        )  # fmt: skip
         store = work / f"store_{run_name}"
         store.mkdir()
         server, _ = spark_server.start(store)
@@ -428,9 +448,9 @@ def run_cli(
             check=True, env=env, cwd=work,
         )  # fmt: skip
     _quiesce(source, target)
-    with Measured(source, target) as measured:
+    with Measured(source, target, command_server) as measured:
         done = subprocess.run(
-            [str(Path(sys.executable).parent / "pgcdc"), "snapshot"],
+            [pgcdc, "snapshot"],
             env=env,
             capture_output=True,
             text=True,
@@ -438,6 +458,8 @@ def run_cli(
         )
     if server is not None:
         spark_server.stop(work / f"store_{run_name}")
+    if command_server is not None:
+        subprocess.run([pgcdc, "server", "stop"], env=env, check=True, capture_output=True)
     if done.returncode != 0:
         raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
@@ -665,10 +687,10 @@ RATIO_LEGEND = {
     "cli_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds from a "
     "fresh process (Python, Dagster, the run, Spark if needed)",
     "cli_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds from a fresh process",
-    "cli_warm_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds with the "
-    "warm Spark Connect server up",
-    "cli_warm_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds with the warm "
-    "Spark Connect server up",
+    "cli_warm_vs_native": "native seconds to all tables ready / `pgcdc snapshot` seconds with "
+    "what a first snapshot leaves up: the command server and the warm Spark Connect server",
+    "cli_warm_vs_pipe": "pipe copy + post-data seconds / `pgcdc snapshot` seconds with the "
+    "command server and the warm Spark Connect server up",
 }
 
 
@@ -688,8 +710,8 @@ def main() -> None:
         "--methods",
         default="ours,native,pipe",
         help="comma-separated subset of ours,native,pipe,cli,cli_warm (in this order within a "
-        "repeat); cli is `pgcdc snapshot` from a fresh process, cli_warm the same with the warm "
-        "Spark Connect server of `pgcdc spark start` up",
+        "repeat); cli is `pgcdc snapshot` from a fresh process, cold; cli_warm the same with the "
+        "command server and the warm Spark Connect server of `pgcdc spark start` up",
     )
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import signal
 import sys
@@ -353,6 +352,39 @@ def cmd_spark(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    """Start, stop or show the warm command server (see :mod:`pgcdc_dagster.launcher`)."""
+    from . import launcher
+
+    try:
+        if args.action == "start":
+            if os.environ.get("PGCDC_SERVER") == "off":
+                raise CliError("PGCDC_SERVER=off: commands would not use the server; unset it")
+            launcher.start_server(wait_s=60.0)
+            print(_server_line(launcher.ask("status")))
+        elif args.action == "stop":
+            reply = launcher.ask("stop")
+            running = reply["commands_running"]
+            print(
+                f"stopped the command server (pid {reply['pid']})"
+                + (f"; {running} command(s) under way finish first" if running else "")
+            )
+        else:
+            print(_server_line(launcher.ask("status")))
+    except launcher.ServerUnavailable as exc:
+        if args.action == "start":
+            raise CliError(str(exc)) from None
+        print("no command server is running")
+    return 0
+
+
+def _server_line(status: dict[str, Any]) -> str:
+    return (
+        f"command server running (pid {status['pid']}): {status['commands_served']} command(s) "
+        f"served, {status['commands_running']} running, stops after {status['idle_s']:.0f} s idle"
+    )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo.run import run_demo
 
@@ -389,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--master", default="local[*]", help="the server's master (local[*])")
     p.set_defaults(func=cmd_spark)
+    p = sub.add_parser("server", help="the warm process commands run in (PGCDC_SERVER=off: none)")
+    p.add_argument("action", choices=["start", "stop", "status"])
+    p.set_defaults(func=cmd_server)
     p = sub.add_parser("demo", help="the embedded default: local clusters, workload, cutover")
     p.add_argument("--ui", action="store_true", help="leave the webserver running afterwards")
     p.add_argument("--seconds", type=float, default=30.0, help="workload duration")
@@ -416,20 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def entry() -> None:
-    """The ``pgcdc`` command: :func:`main`, then leave without the interpreter's teardown.
-
-    Tearing down the modules Dagster, SQLAlchemy and PySpark load takes about a second
-    (measured: a caught-up ``pgcdc catchup`` 3.6 s with it, 2.6 s without) and has nothing
-    left to do: every run record and every byte of the store was written and synced before
-    ``main`` returned, a local Spark JVM exits when its parent goes, and a process killed at
-    any instruction is the case the whole design already survives."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
+    from .launcher import entry
+
     entry()

@@ -8,8 +8,10 @@ so slots, publications and tables of one test never leak into another.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -21,7 +23,12 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 
+REPO = Path(__file__).resolve().parent.parent
+
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# Every `pgcdc` a test starts runs in its own process and leaves no command server behind;
+# test_command_server.py runs them through one on purpose.
+os.environ["PGCDC_SERVER"] = "off"
 
 
 @pytest.fixture(scope="session")
@@ -81,3 +88,43 @@ def spark():
     session = get_spark(master="local[2]")
     yield session
     session.stop()
+
+
+@pytest.fixture
+def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
+    """The environment of a `pgcdc` command (set in this process, so subprocesses inherit
+    it): a table `items` of 100 rows, a slot and store of its own, the shipped dagster.yaml
+    on a storage database of its own."""
+    storage_db = f"dagster_cli_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(target_cluster.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            """
+            CREATE TABLE items (id int PRIMARY KEY, name text);
+            INSERT INTO items SELECT g, 'i' || g FROM generate_series(1, 100) g;
+            """
+        )
+    slot = f"cli_{uuid.uuid4().hex[:8]}"
+    env = {
+        "PGCDC_SOURCE_DSN": source_dsn,
+        "PGCDC_TARGET_DSN": target_dsn,
+        "PGCDC_STORE": str(tmp_path / "store"),
+        "PGCDC_SLOT": slot,
+        "DAGSTER_HOME": str(home),
+        "DAGSTER_POSTGRES_URL": (
+            f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{storage_db}"
+        ),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    yield env
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = %s AND NOT active",
+            (slot,),
+        )

@@ -3,55 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import psycopg
-import pytest
-from psycopg import sql
 
 from pgcdc_dagster.cli import main
 from pgcdc_dagster.engine.range_lock import range_lock
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
-    storage_db = f"dagster_cli_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(target_cluster.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute(
-            """
-            CREATE TABLE items (id int PRIMARY KEY, name text);
-            INSERT INTO items SELECT g, 'i' || g FROM generate_series(1, 100) g;
-            """
-        )
-    slot = f"cli_{uuid.uuid4().hex[:8]}"
-    env = {
-        "PGCDC_SOURCE_DSN": source_dsn,
-        "PGCDC_TARGET_DSN": target_dsn,
-        "PGCDC_STORE": str(tmp_path / "store"),
-        "PGCDC_SLOT": slot,
-        "DAGSTER_HOME": str(home),
-        "DAGSTER_POSTGRES_URL": (
-            f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{storage_db}"
-        ),
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    yield env
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-            "WHERE slot_name = %s AND NOT active",
-            (slot,),
-        )
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:

@@ -1,0 +1,208 @@
+"""``pgcdc`` commands run in a warm command server's child (:mod:`pgcdc_dagster.launcher`):
+they must behave exactly as in their own process, die with it, and never run stale code."""
+
+from __future__ import annotations
+
+import os
+import pty
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pgcdc_dagster import launcher
+from pgcdc_dagster_tests.procs import descendants
+
+PGCDC = str(Path(sys.executable).parent / "pgcdc")
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists():
+            return True
+        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
+        if "\nState:\tZ" in status:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def server(monkeypatch):
+    """A warm server of its own (a private directory; short: a socket path has 108 bytes)."""
+    directory = tempfile.mkdtemp(prefix="pgcdc-srv-")
+    monkeypatch.setenv("PGCDC_SERVER", "auto")
+    monkeypatch.setenv("PGCDC_SERVER_DIR", directory)
+    started = subprocess.run([PGCDC, "server", "start"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    pid = launcher.ask("status")["pid"]
+    yield pid
+    subprocess.run([PGCDC, "server", "stop"], capture_output=True, check=True)
+    assert _gone(pid, 10)
+
+
+def _served() -> int:
+    return int(launcher.ask("status")["commands_served"])
+
+
+def test_commands_run_warm_with_their_own_terminal_directory_and_environment(
+    server, cli_env, tmp_path, monkeypatch
+):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("PGCDC_STORE", "relative-store")  # resolved in the command's directory
+    before = _served()
+    master, slave = pty.openpty()
+    snap = subprocess.Popen([PGCDC, "snapshot"], cwd=work, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal's other side closed
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    out, _ = snap.communicate(timeout=300)
+    os.close(master)
+    text = drawn.decode(errors="replace")
+    assert snap.returncode == 0, text
+    assert "\x1b[" in text and "public.items" in text  # rich drew on the passed terminal
+    assert out.decode().startswith("base snapshot taken: consistent point ")
+    assert (work / "relative-store").is_dir()
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items SELECT g, 'n' FROM generate_series(1001, 1100) g")
+    caught = subprocess.run([PGCDC, "catchup"], cwd=work, capture_output=True, text=True)
+    assert caught.returncode == 0, caught.stderr
+    assert "pgcdc: follow: 1 ranges, 1 transactions, 100 changes" in caught.stderr
+    assert "\x1b[" not in caught.stderr  # a pipe stays a pipe
+    assert _served() == before + 2
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as conn:
+        assert conn.execute("SELECT count(*) FROM items").fetchone() == (200,)
+
+
+@pytest.mark.parametrize(
+    "args,unset",
+    [(["status"], "PGCDC_SOURCE_DSN"), (["bogus"], None), (["--help"], None)],
+)
+def test_exit_status_and_output_are_the_command_s_own(server, args, unset):
+    env = {k: v for k, v in os.environ.items() if k != unset}
+    here = subprocess.run([PGCDC, *args], env={**env, "PGCDC_SERVER": "off"},
+                          capture_output=True, text=True)  # fmt: skip
+    before = _served()
+    warm = subprocess.run([PGCDC, *args], env=env, capture_output=True, text=True)
+    assert _served() == before + 1
+    assert (warm.returncode, warm.stdout, warm.stderr) == (here.returncode, here.stdout,
+                                                           here.stderr)  # fmt: skip
+    assert here.returncode == (0 if args == ["--help"] else 2)
+
+
+def _command_child(server_pid: int) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        children = [p for p in descendants(server_pid) if _parent(p) == server_pid]
+        if children:
+            return children[0]
+        time.sleep(0.05)
+    raise AssertionError("no command child of the server")
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env):
+    taken = subprocess.run([PGCDC, "snapshot"], capture_output=True, text=True)
+    assert taken.returncode == 0, taken.stderr
+
+    def limited() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (900, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        )
+
+    follow = subprocess.Popen(["nice", "-n", "7", PGCDC, "follow"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, preexec_fn=limited)  # fmt: skip
+    child = _command_child(server)
+    time.sleep(3)  # under way: the follower is running
+    # It runs at its process's niceness and within its limits, not the server's.
+    assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 7
+    limits = Path(f"/proc/{child}/limits").read_text()
+    assert any(
+        ln.startswith("Max open files") and ln.split()[3] == "900" for ln in limits.splitlines()
+    )
+    follow.send_signal(signal.SIGTERM)
+    out, err = follow.communicate(timeout=60)
+    assert follow.returncode == 0, err
+    assert "SIGTERM: stopping at the next range boundary" in err
+    assert out.startswith("stopped at a range boundary")
+    assert _gone(child, 10)
+
+    follow = subprocess.Popen([PGCDC, "follow"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    child = _command_child(server)
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items SELECT g, 'n' FROM generate_series(2001, 2050) g")
+    time.sleep(2)
+    follow.kill()  # SIGKILL: the command's own process cannot pass anything on
+    follow.wait()
+    assert _gone(child, 5), "the command ran on after its process was killed"
+
+    # The next plain command resumes from the durable state: each row exactly once.
+    caught = subprocess.run([PGCDC, "catchup"], capture_output=True, text=True)
+    assert caught.returncode == 0, caught.stderr
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as conn:
+        assert conn.execute("SELECT count(*), count(DISTINCT id) FROM items").fetchone() == (
+            150,
+            150,
+        )
+
+
+def test_a_server_never_runs_changed_code(server):
+    with launcher.connected(5) as conn:
+        request = {"op": "run", "argv0": "pgcdc", "argv": ["status"], "env": {}, "cwd": "/",
+                   "umask": 0o22, "fingerprint": "0" * 64}  # fmt: skip
+        launcher.send_message(conn, request, [0, 1, 2])
+        reply, _ = launcher.receive_message(conn)
+    assert reply == {"stale": True}
+    assert _gone(server, 10)
+    assert not launcher.server_paths().socket.exists()
+
+    # The next command runs in its own process, then leaves a server with the current code.
+    ran = subprocess.run([PGCDC, "server", "status"], capture_output=True, text=True)
+    assert ran.stdout.strip() == "no command server is running"
+    ran = subprocess.run([PGCDC, "--help"], capture_output=True, text=True)
+    assert ran.returncode == 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            status = launcher.ask("status")
+            break
+        except launcher.ServerUnavailable:
+            time.sleep(0.2)
+    else:
+        raise AssertionError("no new server after a command ran without one")
+    assert status["pid"] != server and status["commands_served"] == 0
+
+
+def test_an_idle_server_goes_away(monkeypatch):
+    monkeypatch.setenv("PGCDC_SERVER_DIR", tempfile.mkdtemp(prefix="pgcdc-srv-"))
+    monkeypatch.setenv("PGCDC_SERVER_IDLE_S", "1")
+    monkeypatch.setenv("PGCDC_SERVER", "auto")
+    started = subprocess.run([PGCDC, "server", "start"], capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    pid = launcher.ask("status")["pid"]
+    assert _gone(pid, 10)
+    assert not launcher.server_paths().socket.exists()
