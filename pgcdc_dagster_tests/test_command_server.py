@@ -170,6 +170,26 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
         )
 
 
+def test_a_command_outlives_its_server_and_still_reports(server, cli_env):
+    """The server killed outright while a command runs in its child: the command goes on,
+    signals still reach it, and it still reports its own exit status."""
+    taken = subprocess.run([PGCDC, "snapshot"], capture_output=True, text=True)
+    assert taken.returncode == 0, taken.stderr
+    follow = subprocess.Popen([PGCDC, "follow"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    child = _command_child(server)
+    time.sleep(2)
+    os.kill(server, signal.SIGKILL)
+    assert _gone(server, 5)
+    time.sleep(1)
+    assert not _gone(child, 0.1)
+    follow.send_signal(signal.SIGTERM)
+    out, err = follow.communicate(timeout=60)
+    assert follow.returncode == 0, err
+    assert out.startswith("stopped at a range boundary")
+    assert _gone(child, 10)
+
+
 def test_a_server_never_runs_changed_code(server):
     with launcher.connected(5) as conn:
         request = {"op": "run", "argv0": "pgcdc", "argv": ["status"], "env": {}, "cwd": "/",
