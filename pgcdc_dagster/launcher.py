@@ -128,7 +128,8 @@ def send_message(
     frame = struct.pack("!I", len(data)) + data
     if fds:
         sent = socket.send_fds(conn, [frame], fds)
-        conn.sendall(frame[sent:])
+        if sent < len(frame):  # (a peer that already answered and closed refuses even b"")
+            conn.sendall(frame[sent:])
     else:
         conn.sendall(frame)
 

@@ -1,6 +1,33 @@
 """Live processes, from ``/proc``, for tests that kill some and check what is left."""
 
+import time
 from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (state first), or ``None`` when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def gone(pid: int, within_s: float) -> bool:
+    """Whether ``pid`` has exited (a zombie counts: it runs no more) within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        fields = _stat_fields(pid)
+        if fields is None or fields[0] == "Z":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def nice(pid: int) -> int:
+    fields = _stat_fields(pid)
+    assert fields is not None, f"process {pid} is gone"
+    return int(fields[16])
 
 
 def descendants(root: int) -> dict[int, str]:
@@ -10,14 +37,15 @@ def descendants(root: int) -> dict[int, str]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
+        fields = _stat_fields(int(entry.name))
         try:
-            stat = (entry / "stat").read_text()
             commands[int(entry.name)] = (
                 (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             )
         except OSError:
             continue
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        if fields is not None:
+            parents[int(entry.name)] = int(fields[1])
     found: dict[int, str] = {}
     frontier = [root]
     while frontier:

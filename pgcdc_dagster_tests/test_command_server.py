@@ -17,21 +17,9 @@ import psycopg
 import pytest
 
 from pgcdc_dagster import launcher
-from pgcdc_dagster_tests.procs import descendants
+from pgcdc_dagster_tests.procs import descendants, gone, nice
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
-
-
-def _gone(pid: int, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not Path(f"/proc/{pid}").exists():
-            return True
-        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
-        if "\nState:\tZ" in status:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -45,7 +33,7 @@ def server(monkeypatch):
     pid = launcher.ask("status")["pid"]
     yield pid
     subprocess.run([PGCDC, "server", "stop"], capture_output=True, check=True)
-    assert _gone(pid, 10)
+    assert gone(pid, 10)
 
 
 def _served() -> int:
@@ -107,21 +95,14 @@ def test_exit_status_and_output_are_the_command_s_own(server, args, unset):
 
 
 def _command_child(server_pid: int) -> int:
+    """The server's child running the command just started."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        children = [p for p in descendants(server_pid) if _parent(p) == server_pid]
-        if children:
-            return children[0]
+        for pid, command in descendants(server_pid).items():
+            if "command_server" in command and pid != server_pid:
+                return pid
         time.sleep(0.05)
     raise AssertionError("no command child of the server")
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env):
@@ -138,7 +119,7 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
     child = _command_child(server)
     time.sleep(3)  # under way: the follower is running
     # It runs at its process's niceness and within its limits, not the server's.
-    assert int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[16]) == 7
+    assert nice(child) == 7
     limits = Path(f"/proc/{child}/limits").read_text()
     assert any(
         ln.startswith("Max open files") and ln.split()[3] == "900" for ln in limits.splitlines()
@@ -148,7 +129,7 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
     assert follow.returncode == 0, err
     assert "SIGTERM: stopping at the next range boundary" in err
     assert out.startswith("stopped at a range boundary")
-    assert _gone(child, 10)
+    assert gone(child, 10)
 
     follow = subprocess.Popen([PGCDC, "follow"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
@@ -158,7 +139,7 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
     time.sleep(2)
     follow.kill()  # SIGKILL: the command's own process cannot pass anything on
     follow.wait()
-    assert _gone(child, 5), "the command ran on after its process was killed"
+    assert gone(child, 5), "the command ran on after its process was killed"
 
     # The next plain command resumes from the durable state: each row exactly once.
     caught = subprocess.run([PGCDC, "catchup"], capture_output=True, text=True)
@@ -180,14 +161,14 @@ def test_a_command_outlives_its_server_and_still_reports(server, cli_env):
     child = _command_child(server)
     time.sleep(2)
     os.kill(server, signal.SIGKILL)
-    assert _gone(server, 5)
+    assert gone(server, 5)
     time.sleep(1)
-    assert not _gone(child, 0.1)
+    assert not gone(child, 0.1)
     follow.send_signal(signal.SIGTERM)
     out, err = follow.communicate(timeout=60)
     assert follow.returncode == 0, err
     assert out.startswith("stopped at a range boundary")
-    assert _gone(child, 10)
+    assert gone(child, 10)
 
 
 def test_a_server_never_runs_changed_code(server):
@@ -197,7 +178,7 @@ def test_a_server_never_runs_changed_code(server):
         launcher.send_message(conn, request, [0, 1, 2])
         reply, _ = launcher.receive_message(conn)
     assert reply == {"stale": True}
-    assert _gone(server, 10)
+    assert gone(server, 10)
     assert not launcher.server_paths().socket.exists()
 
     # The next command runs in its own process, then leaves a server with the current code.
@@ -224,5 +205,5 @@ def test_an_idle_server_goes_away(monkeypatch):
     started = subprocess.run([PGCDC, "server", "start"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
     pid = launcher.ask("status")["pid"]
-    assert _gone(pid, 10)
+    assert gone(pid, 10)
     assert not launcher.server_paths().socket.exists()
