@@ -13,8 +13,14 @@ Reported per run: both wall times, the ratio (native seconds / ours, > 1: we are
 from the follow run's own totals how long receive and apply were busy and how long they ran at
 the same time.
 
+``--server off`` (default): the command is the first on the machine, cold, in a process of its
+own. ``--server warm``: an earlier command left the command server up
+(:mod:`pgcdc_dagster.launcher`), so the command runs in its forked child with Dagster and the
+definitions already imported; the child's CPU is counted as ``command_server``.
+
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
-[--transactions 20000] [--scale 10] [--repeat 1]`` (80k transactions = 4 x 20000).
+[--transactions 20000] [--scale 10] [--repeat 1] [--server off|warm]`` (80k transactions =
+4 x 20000).
 """
 
 from __future__ import annotations

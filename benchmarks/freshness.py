@@ -64,7 +64,12 @@ def main() -> None:
     clusters = start_clusters(base)
     follow: subprocess.Popen[str] | None = None
     try:
-        env = {**os.environ, **demo_environment(base, clusters), "PGCDC_MODE": "follow"}
+        env = {
+            **os.environ,
+            **demo_environment(base, clusters),
+            "PGCDC_MODE": "follow",
+            "PGCDC_SERVER": "off",  # steady state is measured; start-up is reported apart
+        }
         os.environ.update(env)
         load_sample_data(clusters.source)
         settings = ReplicationSettings.from_env()
