@@ -13,7 +13,8 @@ descriptors, so a terminal stays a terminal).
 What must hold:
 
 * the command behaves as if it ran here: its exit status is this process's, SIGINT, SIGTERM,
-  SIGHUP and SIGQUIT sent to this process reach it, and it runs at this process's niceness
+  SIGHUP and SIGQUIT sent to this process reach it (job control does not: Ctrl-Z stops this
+  process, not the command), and it runs at this process's niceness
   and within its resource limits (``ulimit``; a limit above the server's own cannot be
   raised). It does not run in this process's cgroup: under a service manager that limits
   memory or CPU by cgroup (a systemd unit's ``MemoryMax=``), set ``PGCDC_SERVER=off``;
