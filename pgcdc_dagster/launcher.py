@@ -135,26 +135,42 @@ def send_message(
         conn.sendall(frame)
 
 
+class MessageReader:
+    """The messages of one connection, in order. Several can arrive in one read (a quick
+    command's ``pid`` and ``exit``): what follows a message stays buffered for the next."""
+
+    def __init__(self, conn: socket.socket, want_fds: int = 0) -> None:
+        self.conn = conn
+        self.want_fds = want_fds
+        self.fds: list[int] = []
+        self.buffer = bytearray()
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message; ``None`` at the end of the stream."""
+        while True:
+            if len(self.buffer) >= 4:
+                (length,) = struct.unpack("!I", self.buffer[:4])
+                if len(self.buffer) >= 4 + length:
+                    message = json.loads(self.buffer[4 : 4 + length])
+                    del self.buffer[: 4 + length]
+                    return message
+            if self.want_fds:  # descriptors come with the first bytes of their message
+                data, fds, _, _ = socket.recv_fds(self.conn, 65536, self.want_fds)
+                self.fds += fds
+                self.want_fds = 0
+            else:
+                data = self.conn.recv(65536)
+            if not data:
+                return None
+            self.buffer += data
+
+
 def receive_message(
     conn: socket.socket, want_fds: int = 0
 ) -> tuple[dict[str, Any] | None, list[int]]:
-    """The next message and the descriptors that came with it; ``None`` at end of stream."""
-    fds: list[int] = []
-    if want_fds:
-        data, fds, _, _ = socket.recv_fds(conn, 65536, want_fds)
-    else:
-        data = conn.recv(65536)
-    buffer = bytearray(data)
-    if not buffer:
-        return None, fds
-    while len(buffer) < 4 or len(buffer) < 4 + struct.unpack("!I", buffer[:4])[0]:
-        more = conn.recv(65536)
-        if not more:
-            return None, fds
-        buffer += more
-    (length,) = struct.unpack("!I", buffer[:4])
-    # one request or one reply per direction at a time: nothing follows a message unread
-    return json.loads(buffer[4 : 4 + length]), fds
+    """The first message of a connection and the descriptors that came with it."""
+    reader = MessageReader(conn, want_fds)
+    return reader.next(), reader.fds
 
 
 @contextlib.contextmanager
@@ -216,11 +232,9 @@ def run_on_server(argv: list[str]) -> int:
                 "fingerprint": code_fingerprint(),
             }
             send_message(conn, request, [0, 1, 2])
+            replies = MessageReader(conn)
             while True:
-                try:
-                    reply, _ = receive_message(conn)
-                except InterruptedError:
-                    continue
+                reply = replies.next()
                 if reply is None:
                     if not child:
                         raise ServerUnavailable("the server closed the connection")

@@ -207,3 +207,18 @@ def test_an_idle_server_goes_away(monkeypatch):
     pid = launcher.ask("status")["pid"]
     assert gone(pid, 10)
     assert not launcher.server_paths().socket.exists()
+
+
+def test_messages_that_arrive_in_one_read_are_all_delivered():
+    """A quick command's child sends its ``pid`` and its ``exit`` back to back: the client may
+    read both at once, and must not lose the second (it would report no exit status)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        launcher.send_message(theirs, {"pid": 123})
+        launcher.send_message(theirs, {"exit": 0})
+        theirs.shutdown(socket.SHUT_WR)
+        time.sleep(0.1)  # both frames are in our receive buffer before the first read
+        replies = launcher.MessageReader(ours)
+        assert [replies.next(), replies.next(), replies.next()] == [{"pid": 123}, {"exit": 0}, None]
