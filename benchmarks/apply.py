@@ -55,6 +55,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -181,6 +183,21 @@ class CpuMeter:
         ours = {k: cpu_between(self.started[k], ended[k]) for k in self.roots}
         self.seconds = {k: round(v, 2) for k, v in ours.items()}
         self.seconds["others"] = round(busy - sum(ours.values()), 2)
+
+
+@contextlib.contextmanager
+def warm_command_server(env: dict[str, str]) -> Iterator[int]:
+    """What an earlier ``pgcdc`` command leaves up: the command server of ``env`` (its
+    ``PGCDC_SERVER_DIR``), started before a measured command and stopped after it. Yields its
+    pid: the measured command runs in its forked child, so that tree holds the command's CPU."""
+    pgcdc = str(Path(sys.executable).parent / "pgcdc")
+    subprocess.run([pgcdc, "server", "start"], env=env, check=True, capture_output=True)
+    try:
+        status = subprocess.run([pgcdc, "server", "status", "--json"], env=env, check=True,
+                                capture_output=True, text=True)  # fmt: skip
+        yield int(json.loads(status.stdout)["pid"])
+    finally:
+        subprocess.run([pgcdc, "server", "stop"], env=env, check=True, capture_output=True)
 
 
 # -- setup ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ from apply import (
     prepare,
     run_native,
     verify_target,
+    warm_command_server,
 )
 
 from pgcdc_dagster.engine.spark_session import get_spark
@@ -80,24 +82,20 @@ def run_ours_cli(
     # Dagster creates its storage schema on first use: do that outside the timing, as a user's
     # instance already has it.
     subprocess.run([PGCDC, "status"], env=env, capture_output=True, check=False, cwd=work)
-    if warm:  # what an earlier command leaves up: the command server
-        subprocess.run([PGCDC, "server", "start"], env=env, check=True, capture_output=True)
-        status = subprocess.run([PGCDC, "server", "status"], env=env, check=True,
-                                capture_output=True, text=True).stdout  # fmt: skip
-        meter.roots["command_server"] = int(status.split("(pid ")[1].split(")")[0])
-    with meter:
-        started = time.perf_counter()
-        done = subprocess.run(
-            [PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            cwd=work,
-        )
-        seconds = time.perf_counter() - started
-    if warm:
-        subprocess.run([PGCDC, "server", "stop"], env=env, check=True, capture_output=True)
-        del meter.roots["command_server"]
+    with contextlib.ExitStack() as stack:
+        if warm:
+            meter.roots["command_server"] = stack.enter_context(warm_command_server(env))
+            stack.callback(meter.roots.pop, "command_server")
+        with meter:
+            started = time.perf_counter()
+            done = subprocess.run(
+                [PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=work,
+            )
+            seconds = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"pgcdc catchup failed: {done.stderr[-3000:]}")
     summary = json.loads(done.stdout)

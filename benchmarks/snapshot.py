@@ -39,6 +39,7 @@ Usage: ``.venv/bin/python benchmarks/snapshot.py [--scale 50] [--repeat 1] [--pa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from apply import warm_command_server
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import (
@@ -432,34 +434,28 @@ def run_cli(
         check=True,
         cwd=work,
     )
-    server, command_server = None, None
-    if warm:
-        subprocess.run([pgcdc, "server", "start"], env=env, check=True, capture_output=True)
-        command_server = int(
-            subprocess.run([pgcdc, "server", "status"], env=env, check=True, capture_output=True,
-                           text=True).stdout.split("(pid ")[1].split(")")[0]
-        )  # fmt: skip
-        store = work / f"store_{run_name}"
-        store.mkdir()
-        server, _ = spark_server.start(store)
-        subprocess.run(
-            [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark_session import "
-             "get_spark; get_spark(remote=sys.argv[1]).range(1000).count()", server.url],
-            check=True, env=env, cwd=work,
-        )  # fmt: skip
-    _quiesce(source, target)
-    with Measured(source, target, command_server) as measured:
-        done = subprocess.run(
-            [pgcdc, "snapshot"],
-            env=env,
-            capture_output=True,
-            text=True,
-            cwd=work,
-        )
-    if server is not None:
-        spark_server.stop(work / f"store_{run_name}")
-    if command_server is not None:
-        subprocess.run([pgcdc, "server", "stop"], env=env, check=True, capture_output=True)
+    with contextlib.ExitStack() as stack:
+        command_server = stack.enter_context(warm_command_server(env)) if warm else None
+        if warm:
+            store = work / f"store_{run_name}"
+            store.mkdir()
+            server, _ = spark_server.start(store)
+            stack.callback(spark_server.stop, store)
+            subprocess.run(
+                [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark_session "
+                 "import get_spark; get_spark(remote=sys.argv[1]).range(1000).count()",
+                 server.url],
+                check=True, env=env, cwd=work,
+            )  # fmt: skip
+        _quiesce(source, target)
+        with Measured(source, target, command_server) as measured:
+            done = subprocess.run(
+                [pgcdc, "snapshot"],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=work,
+            )
     if done.returncode != 0:
         raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
     with psycopg.connect(source.dsn(), autocommit=True) as conn:

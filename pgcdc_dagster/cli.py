@@ -369,6 +369,8 @@ def cmd_server(args: argparse.Namespace) -> int:
                 f"stopped the command server (pid {reply['pid']})"
                 + (f"; {running} command(s) under way finish first" if running else "")
             )
+        elif args.json:
+            print(json.dumps(launcher.ask("status")))
         else:
             print(_server_line(launcher.ask("status")))
     except launcher.ServerUnavailable as exc:
@@ -423,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_spark)
     p = sub.add_parser("server", help="the warm process commands run in (PGCDC_SERVER=off: none)")
     p.add_argument("action", choices=["start", "stop", "status"])
+    p.add_argument("--json", action="store_true", help="status as JSON (pid, commands served)")
     p.set_defaults(func=cmd_server)
     p = sub.add_parser("demo", help="the embedded default: local clusters, workload, cutover")
     p.add_argument("--ui", action="store_true", help="leave the webserver running afterwards")

@@ -151,6 +151,17 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
         )
 
 
+def _next_server() -> dict:
+    """The status of the server a command left behind (it starts as that command exits)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            return launcher.ask("status")
+        except launcher.ServerUnavailable:
+            time.sleep(0.2)
+    raise AssertionError("no new server after a command ran without one")
+
+
 def test_a_command_outlives_its_server_and_still_reports(server, cli_env):
     """The server killed outright while a command runs in its child: the command goes on,
     signals still reach it, and it still reports its own exit status."""
@@ -170,6 +181,13 @@ def test_a_command_outlives_its_server_and_still_reports(server, cli_env):
     assert out.startswith("stopped at a range boundary")
     assert gone(child, 10)
 
+    # The dead server's socket is left behind: the next command runs in its own process, and
+    # the server it leaves takes over the dead one's lock and socket.
+    assert launcher.server_paths().socket.exists()
+    ran = subprocess.run([PGCDC, "--help"], capture_output=True, text=True)
+    assert ran.returncode == 0
+    assert _next_server()["pid"] != server
+
 
 def test_a_server_never_runs_changed_code(server):
     with launcher.connected(5) as conn:
@@ -186,15 +204,7 @@ def test_a_server_never_runs_changed_code(server):
     assert ran.stdout.strip() == "no command server is running"
     ran = subprocess.run([PGCDC, "--help"], capture_output=True, text=True)
     assert ran.returncode == 0
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            status = launcher.ask("status")
-            break
-        except launcher.ServerUnavailable:
-            time.sleep(0.2)
-    else:
-        raise AssertionError("no new server after a command ran without one")
+    status = _next_server()
     assert status["pid"] != server and status["commands_served"] == 0
 
 
