@@ -3,6 +3,8 @@
 import time
 from pathlib import Path
 
+from pgcdc_dagster.engine.processes import pid_running
+
 
 def _stat_fields(pid: int) -> list[str] | None:
     """``/proc/<pid>/stat`` after the command name (state first), or ``None`` when gone."""
@@ -13,11 +15,11 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 
 def gone(pid: int, within_s: float) -> bool:
-    """Whether ``pid`` has exited (a zombie counts: it runs no more) within ``within_s``."""
+    """Whether ``pid`` has exited within ``within_s`` (a zombie counts: it runs no more; the
+    engine's own answer, :func:`~pgcdc_dagster.engine.processes.pid_running`)."""
     deadline = time.monotonic() + within_s
     while True:
-        fields = _stat_fields(pid)
-        if fields is None or fields[0] == "Z":
+        if not pid_running(pid):
             return True
         if time.monotonic() >= deadline:
             return False
