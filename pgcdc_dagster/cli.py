@@ -87,7 +87,10 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
 
     def start() -> Any:
-        return head_start(settings, target, settings.spark_session)
+        # Cold (Dagster not loaded yet): the follower gets a process of its own, so the imports
+        # below do not share its interpreter lock. Warm (the command server's child), threads.
+        cold = "dagster" not in sys.modules
+        return head_start(settings, target, settings.spark_session, own_process=cold)
 
     with _stops_at_boundary(), shown(), _head_start(settings, "follow", start) as started:
         # While Dagster loads, the follower is already at work (when the lock was free).

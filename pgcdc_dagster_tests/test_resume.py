@@ -11,6 +11,7 @@ rows, and no Dagster run is left not finished.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -41,7 +42,7 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster_tests.procs import descendants
+from pgcdc_dagster_tests.procs import descendants, gone
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -415,6 +416,36 @@ def test_sigterm_stops_follow_at_a_range_boundary_and_the_next_resumes_exactly_o
             (run,) = instance.get_runs(RunsFilter(job_name="follow"), limit=1)
             assert run.status == DagsterRunStatus.SUCCESS
         time.sleep(1.0)  # more commits after the stop
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+@pytest.mark.parametrize("victim", ["command", "follower"])
+def test_a_cold_follow_runs_in_a_process_that_lives_and_dies_with_its_command(
+    site: Site, victim: str
+):
+    """A fresh ``pgcdc follow`` forks its follower before importing Dagster
+    (:mod:`pgcdc_dagster.engine.follow_process`). SIGKILL of the command alone takes the
+    follower down with it (parent-death signal), so no follower runs on without the command's
+    range lock; SIGKILL of the follower alone (as the OOM killer would) takes the command with
+    it. Either way the next plain catch-up converges."""
+    before = _ranges_stored(site)
+    with site.writer(seed=37 if victim == "command" else 38):
+        follow = site.start("follow")
+        try:
+            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+            followers = [pid for pid, cmd in descendants(follow.pid).items() if PGCDC in cmd]
+            assert len(followers) == 1, descendants(follow.pid)
+            (follower,) = followers
+            os.kill(follow.pid if victim == "command" else follower, signal.SIGKILL)
+            assert gone(follower, 5), "the follower ran on after its command was killed"
+            _, err = follow.communicate(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(follow.pid, signal.SIGKILL)
+        assert follow.returncode == -signal.SIGKILL, err
+        time.sleep(0.5)  # more commits after the kill
     done = site.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
     site.assert_converged()

@@ -112,7 +112,7 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
 
 
 _END = object()
-_active: set[Follower] = set()
+_active: set[Any] = set()
 _active_lock = threading.RLock()
 """Reentrant: :func:`stop_all` runs in signal handlers, which may interrupt a holder on the
 same (main) thread."""
@@ -128,19 +128,43 @@ def stop_all(reason: str) -> int:
     return len(followers)
 
 
-def head_start(settings: ReplicationSettings, endpos: Lsn | None, spark: SparkProvider) -> Follower:
+def track(follower: Any) -> None:
+    """Let :func:`stop_all` reach ``follower`` (anything with ``stop(reason)``) until
+    :func:`untrack`."""
+    with _active_lock:
+        _active.add(follower)
+
+
+def untrack(follower: Any) -> None:
+    with _active_lock:
+        _active.discard(follower)
+
+
+def head_start(
+    settings: ReplicationSettings,
+    endpos: Lsn | None,
+    spark: SparkProvider,
+    *,
+    own_process: bool = False,
+) -> Any:
     """Start following now, for this process's follow run to :func:`adopt` once it exists
     (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
-    follower has ended."""
-    follower = Follower(settings, endpos, spark=spark).start()
+    follower has ended. ``own_process``: in a forked child, for a caller about to spend its
+    interpreter on imports (:mod:`.follow_process`)."""
+    if own_process:
+        from .follow_process import ProcessFollower
+
+        follower: Any = ProcessFollower(settings, endpos, spark=spark).start()
+    else:
+        follower = Follower(settings, endpos, spark=spark).start()
     head_starts.offer("follow", settings.slot, follower)
     return follower
 
 
-def adopt(slot: str) -> Follower | None:
-    """The follower :func:`head_start` started in this process for ``slot``, once."""
-    follower: Follower | None = head_starts.adopt("follow", slot)
-    return follower
+def adopt(slot: str) -> Any | None:
+    """The follower :func:`head_start` started in this process for ``slot`` (a
+    :class:`Follower` or a :class:`~.follow_process.ProcessFollower`), once."""
+    return head_starts.adopt("follow", slot)
 
 
 class Follower:
@@ -189,7 +213,7 @@ class Follower:
         with _active_lock:
             if self._lead is not None:
                 return self
-            _active.add(self)
+            track(self)
             self._started = time.monotonic()
             self._lead = threading.Thread(target=self._lead_loop, name="pgcdc-follow", daemon=True)
         self._lead.start()
@@ -226,8 +250,7 @@ class Follower:
                     thread.join(timeout=0.2)
                 except self.interrupts:
                     continue  # already stopping: finish the boundary
-        with _active_lock:
-            _active.discard(self)
+        untrack(self)
         if not self.summary.stopped_by:
             self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
             self.summary.close(self._started)

@@ -109,6 +109,15 @@ def listening(listener: Listener) -> Iterator[None]:
             _listeners.remove(listener)
 
 
+def forward_only(listener: Listener) -> None:
+    """In a forked child: forget the parent's listeners (its display is not ours to draw on)
+    and its lock (a parent thread may have held it at the fork); hand every report to
+    ``listener`` instead."""
+    global _lock
+    _lock = threading.Lock()
+    _listeners[:] = [listener]
+
+
 def active() -> bool:
     return bool(_listeners)
 
