@@ -33,7 +33,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -111,7 +111,31 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
     return total
 
 
-_END = object()
+END = object()
+"""Ends a queue of done ranges (:func:`done_ranges`)."""
+
+
+def done_ranges(
+    done: queue.Queue[Any],
+    interrupts: tuple[type[BaseException], ...],
+    stop: Callable[[str], None],
+) -> Iterator[Followed]:
+    """The ranges put in ``done`` until :data:`END`. An interrupt (one of ``interrupts``: the
+    run's SIGINT or Dagster's termination) raised while waiting is taken as ``stop``: the
+    follower stops at its next boundary, and what it finishes is still yielded."""
+    while True:
+        try:
+            item = done.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        except interrupts as exc:
+            stop(type(exc).__name__)
+            continue
+        if item is END:
+            return
+        yield item
+
+
 _active: set[Any] = set()
 _active_lock = threading.RLock()
 """Reentrant: :func:`stop_all` runs in signal handlers, which may interrupt a holder on the
@@ -151,12 +175,12 @@ def head_start(
     (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
     follower has ended. ``own_process``: in a forked child, for a caller about to spend its
     interpreter on imports (:mod:`.follow_process`)."""
+    follower: Any = Follower(settings, endpos, spark=spark)
     if own_process:
         from .follow_process import ProcessFollower
 
-        follower: Any = ProcessFollower(settings, endpos, spark=spark).start()
-    else:
-        follower = Follower(settings, endpos, spark=spark).start()
+        follower = ProcessFollower(follower)
+    follower.start()
     head_starts.offer("follow", settings.slot, follower)
     return follower
 
@@ -225,17 +249,7 @@ class Follower:
         threads is raised here once they have all ended."""
         self.start()
         try:
-            while True:
-                try:
-                    item = self._done.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                except self.interrupts as exc:
-                    self.stop(type(exc).__name__)
-                    continue
-                if item is _END:
-                    break
-                yield item
+            yield from done_ranges(self._done, self.interrupts, self.stop)
         finally:
             self.close(self._stop_reason or "closed")
         if self._errors:
@@ -257,7 +271,7 @@ class Follower:
 
     def _lead_loop(self) -> None:
         """Finish what an earlier run stored, then receive here while an applier thread
-        applies. Every way out ends the queue of done ranges with ``_END``."""
+        applies. Every way out ends the queue of done ranges with ``END``."""
         try:
             for followed in self._finish_stored():
                 self._done.put(followed)
@@ -277,7 +291,7 @@ class Follower:
             if self._threads:
                 self._put_to_apply(None)  # let the applier apply what is queued, then end
                 return
-        self._done.put(_END)
+        self._done.put(END)
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------
 
@@ -380,7 +394,7 @@ class Follower:
         except BaseException as exc:  # handed to the consumer by run()
             self._errors.append(exc)
             self.stop("error")
-        self._done.put(_END)
+        self._done.put(END)
 
     def _count(self, received: RangeResult, lag_bytes: int | None = None) -> None:
         summary = self.summary

@@ -42,14 +42,11 @@ from typing import Any
 
 from . import progress
 from .errors import PgcdcError
-from .follow import Followed, Follower, FollowSummary, track, untrack
+from .follow import END, Followed, Follower, FollowSummary, done_ranges, track, untrack
 from .lsn import Lsn
-from .pipeline import SparkProvider
-from .settings import ReplicationSettings
 
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
-_END = object()
 
 
 class FollowProcessError(PgcdcError):
@@ -57,21 +54,13 @@ class FollowProcessError(PgcdcError):
 
 
 class ProcessFollower:
-    """A :class:`~.follow.Follower` run in a forked child process. Start it before the process
-    imports anything heavy and before it starts threads of its own."""
+    """A :class:`~.follow.Follower`, not yet started, run in a forked child process. Start it
+    before the process imports anything heavy and before it starts threads of its own."""
 
-    def __init__(
-        self,
-        settings: ReplicationSettings,
-        endpos: Lsn | None = None,
-        *,
-        spark: SparkProvider = None,
-        interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
-    ) -> None:
-        self.settings = settings
-        self.endpos = endpos
-        self.spark = spark
-        self.interrupts = interrupts
+    def __init__(self, follower: Follower) -> None:
+        self.follower = follower
+        """Not started here: the child runs it, on its copy of this process."""
+        self.interrupts = follower.interrupts
         self.summary = FollowSummary()
         self.pid = 0
         self._stopping = False
@@ -115,6 +104,10 @@ class ProcessFollower:
                 os.write(self._stop_fd, reason.replace("\n", " ").encode()[:200] + b"\n")
 
     @property
+    def endpos(self) -> Lsn | None:
+        return self.follower.endpos
+
+    @property
     def stopping(self) -> bool:
         return self._stopping
 
@@ -122,17 +115,7 @@ class ProcessFollower:
         """As :meth:`.follow.Follower.run`: every range as it is applied, until the end."""
         self.start()
         try:
-            while True:
-                try:
-                    item = self._done.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                except self.interrupts as exc:
-                    self.stop(type(exc).__name__)
-                    continue
-                if item is _END:
-                    break
-                yield item
+            yield from done_ranges(self._done, self.interrupts, self.stop)
         finally:
             self.close(self.summary.stopped_by or "closed")
         if self._errors:
@@ -180,7 +163,7 @@ class ProcessFollower:
                     "run the command again: it resumes from what is durable"
                 )
             )
-        self._done.put(_END)
+        self._done.put(END)
 
 
 def _describe(status: int) -> str:
@@ -211,7 +194,7 @@ def _child(spec: ProcessFollower, parent: int, up: int, down: int) -> None:
                     view = view[os.write(up, view) :]
 
         progress.forward_only(lambda report: send("progress", report))
-        follower = Follower(spec.settings, spec.endpos, spark=spec.spark)
+        follower = spec.follower
 
         def stop_on(signum: int, frame: Any) -> None:
             follower.stop(f"stopped by {signal.Signals(signum).name}")
