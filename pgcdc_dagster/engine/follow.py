@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -174,9 +175,9 @@ def head_start(
     """Start following now, for this process's follow run to :func:`adopt` once it exists
     (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
     follower has ended. ``own_process``: in a forked child, for a caller about to spend its
-    interpreter on imports (:mod:`.follow_process`)."""
+    interpreter on imports (:mod:`.follow_process`; Linux only, elsewhere on threads)."""
     follower: Any = Follower(settings, endpos, spark=spark)
-    if own_process:
+    if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
         from .follow_process import ProcessFollower
 
         follower = ProcessFollower(follower)
