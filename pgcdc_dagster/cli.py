@@ -363,8 +363,9 @@ def cmd_server(args: argparse.Namespace) -> int:
         if args.action == "start":
             if os.environ.get("PGCDC_SERVER") == "off":
                 raise CliError("PGCDC_SERVER=off: commands would not use the server; unset it")
-            launcher.start_server(wait_s=60.0)
-            print(_server_line(launcher.ask("status")))
+            status = launcher.start_server(wait_s=60.0)
+            assert status is not None  # with a wait: the status, or ServerUnavailable
+            print(_server_line(status))
         elif args.action == "stop":
             reply = launcher.ask("stop")
             running = reply["commands_running"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
-import io
 import os
 import selectors
 import signal
@@ -34,6 +33,7 @@ import traceback
 from typing import Any
 
 from . import launcher
+from .engine.processes import fresh_standard_streams
 
 PRELOAD = (
     "pgcdc_dagster.cli",
@@ -255,7 +255,7 @@ class _Server:
         for target, fd in zip((0, 1, 2), fds, strict=True):
             os.dup2(fd, target)
             os.close(fd)
-        _standard_streams()
+        fresh_standard_streams()
         os.environ.clear()
         os.environ.update(request["env"])
         time.tzset()
@@ -302,18 +302,6 @@ def _die_with_client(conn: socket.socket) -> None:
             data = b""
         if not data:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _standard_streams() -> None:
-    """Python's standard streams over the command's descriptors, buffered as a fresh process
-    would buffer them: line by line on a terminal, in blocks otherwise (stderr: lines)."""
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), line_buffering=os.isatty(1), errors="strict"
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), line_buffering=True, errors="backslashreplace"
-    )
 
 
 def serve() -> int:

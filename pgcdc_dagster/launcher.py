@@ -274,9 +274,10 @@ def _rlimits() -> dict[str, tuple[int, int]]:
     }
 
 
-def start_server(wait_s: float = 0.0) -> None:
+def start_server(wait_s: float = 0.0) -> dict[str, Any] | None:
     """Start a server in the background (a new session, its own log), unless one runs or is
-    starting (the server's lock decides). ``wait_s``: wait until it answers, up to that long."""
+    starting (the server's lock decides). ``wait_s``: wait until it answers, up to that long,
+    and return its status."""
     paths = server_paths()
     env = {k: v for k, v in os.environ.items() if k in SERVER_ENV or k.startswith("LC_")}
     with open(paths.log, "ab") as log:
@@ -292,11 +293,11 @@ def start_server(wait_s: float = 0.0) -> None:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         with contextlib.suppress(ServerUnavailable, OSError):
-            ask("status", timeout=1.0)
-            return
+            return ask("status", timeout=1.0)
         time.sleep(0.1)
     if wait_s:
         raise ServerUnavailable(f"the server did not answer within {wait_s:.0f} s; see {paths.log}")
+    return None
 
 
 def run_main(argv: list[str]) -> int:

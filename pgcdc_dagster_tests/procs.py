@@ -3,15 +3,7 @@
 import time
 from pathlib import Path
 
-from pgcdc_dagster.engine.processes import pid_running
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` after the command name (state first), or ``None`` when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
+from pgcdc_dagster.engine.processes import pid_running, stat_fields
 
 
 def gone(pid: int, within_s: float) -> bool:
@@ -27,7 +19,7 @@ def gone(pid: int, within_s: float) -> bool:
 
 
 def nice(pid: int) -> int:
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     assert fields is not None, f"process {pid} is gone"
     return int(fields[16])
 
@@ -39,7 +31,7 @@ def descendants(root: int) -> dict[int, str]:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        fields = _stat_fields(int(entry.name))
+        fields = stat_fields(int(entry.name))
         try:
             commands[int(entry.name)] = (
                 (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()

@@ -18,7 +18,7 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
 from ..engine.failpoints import failpoint
-from ..engine.follow import Follower, FollowSummary, adopt
+from ..engine.follow import Follower, Following, FollowSummary, adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from .keys import DECODED_CHANGES_KEY, target_key
@@ -34,7 +34,7 @@ def follow_events(
     context: Any,
     settings: pipeline.ReplicationSettings,
     tables: Sequence[TableName],
-    follower: Follower,
+    follower: Following,
 ) -> Iterator[AssetMaterialization | AssetCheckEvaluation | AssetObservation]:
     """Run ``follower`` (this run holds the range lock) and yield each range's events as soon
     as the range is applied. A failed ``no_gap`` stops the follower and fails the run."""
@@ -77,7 +77,7 @@ def _events(
     context: Any,
     settings: pipeline.ReplicationSettings,
     tables: Sequence[TableName],
-    follower: Follower,
+    follower: Following,
     row_counts: TargetRowCounts,
 ) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
     for followed in follower.run():
@@ -101,7 +101,7 @@ def _events(
 
 def new_follower(
     settings: pipeline.ReplicationSettings, endpos: str | None, spark: Any
-) -> Follower:
+) -> Following:
     """A follower of the run's slot up to ``endpos`` (``current``, ``X/Y``, or ``None``: until
     stopped), with Spark from the run's ``spark`` resource, started only if a range needs it.
 

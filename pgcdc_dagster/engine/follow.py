@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from . import head_start as head_starts
 from . import progress
@@ -112,6 +112,25 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
     return total
 
 
+class Following(Protocol):
+    """What a follow run uses of a follower: one on threads (:class:`Follower`) or one in a
+    process of its own (:class:`~.follow_process.ProcessFollower`)."""
+
+    summary: FollowSummary
+    interrupts: tuple[type[BaseException], ...]
+
+    @property
+    def endpos(self) -> Lsn | None: ...
+
+    def start(self) -> Any: ...
+
+    def run(self) -> Iterator[Followed]: ...
+
+    def stop(self, reason: str) -> None: ...
+
+    def close(self, reason: str) -> None: ...
+
+
 END = object()
 """Ends a queue of done ranges (:func:`done_ranges`)."""
 
@@ -137,7 +156,7 @@ def done_ranges(
         yield item
 
 
-_active: set[Any] = set()
+_active: set[Following] = set()
 _active_lock = threading.RLock()
 """Reentrant: :func:`stop_all` runs in signal handlers, which may interrupt a holder on the
 same (main) thread."""
@@ -153,14 +172,13 @@ def stop_all(reason: str) -> int:
     return len(followers)
 
 
-def track(follower: Any) -> None:
-    """Let :func:`stop_all` reach ``follower`` (anything with ``stop(reason)``) until
-    :func:`untrack`."""
+def track(follower: Following) -> None:
+    """Let :func:`stop_all` reach ``follower`` until :func:`untrack`."""
     with _active_lock:
         _active.add(follower)
 
 
-def untrack(follower: Any) -> None:
+def untrack(follower: Following) -> None:
     with _active_lock:
         _active.discard(follower)
 
@@ -171,25 +189,27 @@ def head_start(
     spark: SparkProvider,
     *,
     own_process: bool = False,
-) -> Any:
+) -> Following:
     """Start following now, for this process's follow run to :func:`adopt` once it exists
     (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
     follower has ended. ``own_process``: in a forked child, for a caller about to spend its
     interpreter on imports (:mod:`.follow_process`; Linux only, elsewhere on threads)."""
-    follower: Any = Follower(settings, endpos, spark=spark)
+    threaded = Follower(settings, endpos, spark=spark)
+    follower: Following = threaded
     if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
         from .follow_process import ProcessFollower
 
-        follower = ProcessFollower(follower)
+        follower = ProcessFollower(threaded)
     follower.start()
     head_starts.offer("follow", settings.slot, follower)
     return follower
 
 
-def adopt(slot: str) -> Any | None:
+def adopt(slot: str) -> Following | None:
     """The follower :func:`head_start` started in this process for ``slot`` (a
     :class:`Follower` or a :class:`~.follow_process.ProcessFollower`), once."""
-    return head_starts.adopt("follow", slot)
+    follower: Following | None = head_starts.adopt("follow", slot)
+    return follower
 
 
 class Follower:

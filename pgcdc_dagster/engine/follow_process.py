@@ -44,6 +44,7 @@ from . import progress
 from .errors import PgcdcError
 from .follow import END, Followed, Follower, FollowSummary, done_ranges, track, untrack
 from .lsn import Lsn
+from .processes import fresh_standard_streams
 
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
@@ -180,9 +181,7 @@ def _child(spec: ProcessFollower, parent: int, up: int, down: int) -> None:
     code = 0
     try:
         _die_with(parent)
-        # Fresh objects for the standard streams: a thread of the parent may have held theirs.
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (never closed: fd 1 stays)
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        fresh_standard_streams()  # a thread of the parent may have held the old ones' locks
         lock = threading.Lock()
 
         def send(kind: str, payload: Any) -> None:
