@@ -87,10 +87,9 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
 
     def start() -> Any:
-        # Cold (Dagster not loaded yet): the follower gets a process of its own, so the imports
-        # below do not share its interpreter lock. Warm (the command server's child), threads.
-        cold = "dagster" not in sys.modules
-        return head_start(settings, target, settings.spark_session, own_process=cold)
+        # The follower gets a process of its own (engine/follow_process.py), so neither the
+        # Dagster imports of a cold command nor the run's own work share its interpreter lock.
+        return head_start(settings, target, settings.spark_session, own_process=True)
 
     with _stops_at_boundary(), shown(), _head_start(settings, "follow", start) as started:
         # While Dagster loads, the follower is already at work (when the lock was free).

@@ -10,11 +10,23 @@ Data flow::
 Ranges are cut at commit boundaries by construction (a range holds the transactions whose
 COMMIT ends in it, see :mod:`.receive`): while changes flow, the receiver cuts one at most every
 ``follow_cut_ms`` and caps each at ``follow_range_bytes`` of WAL, so on a backlog the applier
-works on range N while the receiver reads range N+1. Every range goes through the same store,
-the same slot advance (only once it is durable) and the same apply (one target transaction that
-also moves the replication origin) as a range run on its own: follow adds no durable state and
-no new invariant, so a follower killed anywhere is resumed by anything that asks
-:mod:`.next_step` (another follower, a per-range run, ``pgcdc catchup``).
+works on range N while the receiver reads range N+1. On a backlog bigger than one range, the
+ranges are shaped by :func:`backlog_range_bytes`: small first (the applier starts after a
+fraction of a second, not after a whole capped range), doubling up to the cap, and halving
+towards the end of the backlog (the last range's apply overlaps nothing).
+
+Every range goes through the same store, the same slot advance (only once it is durable) and
+the same apply (one target transaction that also moves the replication origin) as a range run
+on its own: follow adds no durable state and no new invariant, so a follower killed anywhere is
+resumed by anything that asks :mod:`.next_step` (another follower, a per-range run,
+``pgcdc catchup``).
+
+The receiver reads its own cuts only :data:`CUT_LOOKAHEAD_BYTES` past their end, the endpos
+range the full lookahead of :mod:`.receive`. That is safe for any lookahead: the peek decodes
+the WAL record that crosses its limit, so a COMMIT record containing the cut is seen and the
+slot stops at its start (tested without any lookahead in ``test_receive``). The lookahead only
+lets the report see a transaction still open across the cut (``mid_transaction``); a cut at the
+flushed position, as every live range is, has none.
 
 Idle source: a poll that finds no committed published change stores nothing and leaves the slot
 where it is; an empty range is still stored (and the slot moved) every ``follow_idle_s`` or once
@@ -64,6 +76,32 @@ POLL_S = 0.05
 """How often the receiver looks at the source's flushed WAL position when nothing moved."""
 QUEUE_RANGES = 2
 """Stored ranges waiting for the applier: the receiver is at most this far ahead."""
+FIRST_RANGE_BYTES = 4 * MiB
+"""On a backlog, the first range's WAL (then doubling): about a quarter of a second to receive."""
+CUT_LOOKAHEAD_BYTES = 1 * MiB
+"""How far past its own cuts the receiver decodes, to report transactions open across them.
+The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
+
+
+def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
+    """WAL for the next range of a backlog: ``remaining`` bytes are flushed and not received,
+    ``previous`` is the size of the range just cut if it was cut by size (``None`` for the
+    first, or after the receiver caught up), ``cap`` is ``follow_range_bytes``.
+
+    A backlog that fits in one range (and every live range) is one range, as it always was: its
+    endpos outcome then describes the endpos itself. A bigger one: receive and apply overlap only
+    between ranges, the first range is received with the applier idle and the last applied with
+    the receiver idle. So the first is small (:data:`FIRST_RANGE_BYTES`), each next one doubles
+    (per-range costs, a target transaction and the run's events, shrink as ranges grow), and
+    none takes more than half of what remains (the last one is small again). Never above
+    ``cap``, so a small cap keeps its meaning. Measured, 80k pgbench transactions (43.7 MB of
+    WAL) in a warm command: a 32 MiB range and the rest 3.7-5.1 s, these 6 ranges 3.3-4.5 s,
+    faster in 7 of 7 pairs."""
+    if previous is None and remaining <= cap:
+        return cap
+    grown = FIRST_RANGE_BYTES if previous is None else 2 * previous
+    tail = max(FIRST_RANGE_BYTES, (remaining + 1) // 2)
+    return max(1, min(cap, grown, tail))
 
 
 class Followed(NamedTuple):
@@ -192,8 +230,9 @@ def head_start(
 ) -> Following:
     """Start following now, for this process's follow run to :func:`adopt` once it exists
     (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
-    follower has ended. ``own_process``: in a forked child, for a caller about to spend its
-    interpreter on imports (:mod:`.follow_process`; Linux only, elsewhere on threads)."""
+    follower has ended. ``own_process``: in a forked child, for a caller whose interpreter has
+    other work, Dagster's imports and run (:mod:`.follow_process`; Linux only, elsewhere on
+    threads)."""
     threaded = Follower(settings, endpos, spark=spark)
     follower: Following = threaded
     if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
@@ -345,6 +384,7 @@ class Follower:
         cap = settings.follow_range_bytes
         cut_s = settings.follow_cut_ms / 1000
         last_kept = time.monotonic()
+        previous: int | None = None  # the last range's size, while cut by size
         with (
             server_errors("source", settings.source_dsn),
             connect(settings.source_dsn, role="source") as conn,
@@ -354,12 +394,13 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
-                end = Lsn(min(goal, start + cap))
+                size = backlog_range_bytes(previous, goal - start, cap)
+                end = Lsn(min(goal, start + size))
                 if end <= start:
                     time.sleep(POLL_S)
                     continue
                 final = self.endpos is not None and end == self.endpos
-                capped = end == start + cap
+                capped = end == start + size
                 due = (
                     final
                     or capped
@@ -375,6 +416,7 @@ class Follower:
                     end,
                     conn=conn,
                     keep_empty=due,
+                    **({} if final else {"lookahead_bytes": CUT_LOOKAHEAD_BYTES}),
                 )
                 self.summary.receiving.append((cycle, time.monotonic()))
                 if result is not None:
@@ -384,7 +426,8 @@ class Follower:
                     if final:
                         self._reached_endpos = True
                         break
-                    if capped and end < goal:
+                    previous = size if capped and end < goal else None
+                    if previous is not None:
                         continue  # a backlog: the next range right away
                 self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
         self._put_to_apply(None)

@@ -1,11 +1,15 @@
-"""A follower in a process of its own: a command's head start while the command loads Dagster.
+"""A follower in a process of its own: a command's head start while the command runs Dagster.
 
-Why: a fresh ``pgcdc catchup`` starts following at once (:mod:`.head_start`) while its main
-thread imports Dagster, its storage and the definitions, about 2 CPU-s of pure Python. On
-threads, the follower's receive and apply share one interpreter lock with those imports; in a
-process forked before the imports, they run on the other core. Measured on the 2-core reference
-machine, 80k pgbench transactions: the engine's follow alone 4.1-4.3 s; beside an import of the
-same modules in another process 4.3-4.5 s for both; on threads of the cold command 5.1-5.6 s.
+Why: ``pgcdc catchup`` and ``follow`` start following at once (:mod:`.head_start`) while the
+command's main thread imports Dagster, its storage and the definitions (a fresh process: about
+2 CPU-s of pure Python), opens the instance, creates the run and records every range's events.
+On threads, the follower's receive and apply share one interpreter lock with all of that; in a
+forked process they do not. Measured on the 2-core reference machine, 80k pgbench transactions:
+cold, the engine's follow alone 4.1-4.3 s; beside an import of the same modules in another
+process 4.3-4.5 s for both; on threads of the cold command 5.1-5.6 s. Warm (the command
+server's child, Dagster already imported), with the backlog cut into growing ranges
+(:func:`~.follow.backlog_range_bytes`): 3.3-4.5 s in a process against 3.7-5.1 s on threads,
+faster in 7 of 7 pairs; on threads, more ranges gained nothing (more run events on the lock).
 
 How: :class:`ProcessFollower` forks; the child runs an ordinary :class:`~.follow.Follower` and
 sends each range it applies, its progress reports and, at the end, its summary and error (if
@@ -19,8 +23,9 @@ What must hold:
 * The parent holds the range lock until the child has ended (:meth:`close` waits for it), as
   for a follower on threads.
 * The child touches nothing of the parent's: not its connections (the range lock's), not its
-  terminal display, not its locks. It was forked before Dagster was imported, writes only to
-  its pipe, and leaves with ``os._exit``, so no finaliser runs on what it inherited.
+  terminal display, not its locks. It is forked before the Dagster instance is opened, from the
+  main thread (the parent-death signal follows the thread that forked), writes only to its
+  pipe, and leaves with ``os._exit``, so no finaliser runs on what it inherited.
 * A child killed by SIGKILL (a failpoint, the OOM killer) takes the command with it, exactly as
   when the follower ran on threads: what is durable is resumed by the next command.
 """
@@ -56,7 +61,8 @@ class FollowProcessError(PgcdcError):
 
 class ProcessFollower:
     """A :class:`~.follow.Follower`, not yet started, run in a forked child process. Start it
-    before the process imports anything heavy and before it starts threads of its own."""
+    from the main thread, before the process opens a connection of Dagster's or starts threads
+    that take locks (the command server's child has one, blocked in ``recv``)."""
 
     def __init__(self, follower: Follower) -> None:
         self.follower = follower

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import tracemalloc
@@ -11,11 +12,11 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine import pipeline, verify
-from pgcdc_dagster.engine.follow import Follower, adopt, head_start
+from pgcdc_dagster.engine import follow, pipeline, verify
+from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
-from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.settings import MiB, ReplicationSettings
 from pgcdc_dagster.engine.slot import read_slot
 from pgcdc_dagster.engine.store import EndposOutcome
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
@@ -120,6 +121,61 @@ def test_follow_stops_at_an_endpos_in_each_of_the_four_outcomes(settings):
     # Asking again for an endpos already reached does nothing.
     follower, ranges = follow_to(settings, empty)
     assert ranges == [] and follower.summary.stopped_by == "endpos"
+
+
+def cut(backlog: int, cap: int) -> list[int]:
+    """The sizes the receiver cuts a backlog of ``backlog`` bytes into (nothing arriving)."""
+    sizes: list[int] = []
+    previous = None
+    while backlog > 0:
+        size = backlog_range_bytes(previous, backlog, cap)
+        taken = min(size, backlog)
+        sizes.append(taken)
+        backlog -= taken
+        previous = size if taken == size and backlog else None
+    return sizes
+
+
+def test_a_backlog_is_cut_small_first_then_doubling_then_halving_towards_its_end():
+    first = follow.FIRST_RANGE_BYTES
+    sizes = cut(43_700_000, 32 * MiB)  # 80k pgbench transactions
+    assert sum(sizes) == 43_700_000
+    assert sizes[:2] == [first, 2 * first]
+    assert sizes[-1] <= first and max(sizes) <= 32 * MiB
+    big = cut(2_000 * MiB, 32 * MiB)
+    assert big[:4] == [first, 2 * first, 4 * first, 8 * first] and big.count(32 * MiB) > 50
+    assert big[-1] <= first
+    # A cap below the first size keeps its meaning: every range at most the cap.
+    assert set(cut(10 * MiB, MiB)) == {MiB}
+    # A backlog that fits in one range is one range, as is every live range.
+    assert cut(20 * MiB, 32 * MiB) == [20 * MiB]
+    assert cut(first - 1, 32 * MiB) == [first - 1]
+
+
+def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(settings, monkeypatch):
+    """Real servers, a first size of 64 KiB and a cap of 256 KiB: the ranges are contiguous,
+    grow then shrink, the endpos range ends exactly at the endpos, and every row arrives once
+    (a table without a key keeps the source's count)."""
+    monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
+    settings = settings.model_copy(update={"follow_range_bytes": 256 * 1024})
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        for n in range(1, 2001):
+            with conn.transaction():
+                conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
+                conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
+    endpos = flush_lsn(settings.source_dsn)
+    follower, ranges = follow_to(settings, endpos)
+    received = [r.done.received for r in ranges]
+    bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
+    sizes = [end - start for start, end in bounds]
+    assert len(ranges) >= 4, sizes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert sizes[:2] == [64 * 1024, 128 * 1024]
+    assert sizes[-1] <= 64 * 1024 and bounds[-1][1] == endpos
+    assert follower.summary.stopped_by == "endpos"
+    assert sum(r.transactions for r in received) == 2000
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
 
 
 def writer(dsn: str, stop: threading.Event) -> None:
