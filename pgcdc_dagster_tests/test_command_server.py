@@ -105,6 +105,18 @@ def _command_child(server_pid: int) -> int:
     raise AssertionError("no command child of the server")
 
 
+def _follower_of(child: int) -> int:
+    """The follower process the command's child forked (the same program, one level down)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = [pid for pid, cmd in descendants(child).items() if "command_server" in cmd]
+        if found:
+            (pid,) = found
+            return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no follower process under the command's child {child}")
+
+
 def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env):
     taken = subprocess.run([PGCDC, "snapshot"], capture_output=True, text=True)
     assert taken.returncode == 0, taken.stderr
@@ -134,12 +146,14 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
     follow = subprocess.Popen([PGCDC, "follow"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     child = _command_child(server)
+    follower = _follower_of(child)  # warm too, the follower has a process of its own
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("INSERT INTO items SELECT g, 'n' FROM generate_series(2001, 2050) g")
     time.sleep(2)
     follow.kill()  # SIGKILL: the command's own process cannot pass anything on
     follow.wait()
     assert gone(child, 5), "the command ran on after its process was killed"
+    assert gone(follower, 5), "the follower ran on without the command that held the lock"
 
     # The next plain command resumes from the durable state: each row exactly once.
     caught = subprocess.run([PGCDC, "catchup"], capture_output=True, text=True)

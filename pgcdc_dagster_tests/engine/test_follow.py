@@ -136,34 +136,39 @@ def cut(backlog: int, cap: int) -> list[int]:
     return sizes
 
 
-def test_a_backlog_is_cut_small_first_then_doubling_then_halving_towards_its_end():
+def test_a_backlog_of_up_to_two_ranges_is_cut_small_first_doubling_then_halving():
     first = follow.FIRST_RANGE_BYTES
     sizes = cut(43_700_000, 32 * MiB)  # 80k pgbench transactions
     assert sum(sizes) == 43_700_000
     assert sizes[:2] == [first, 2 * first]
-    assert sizes[-1] <= first and max(sizes) <= 32 * MiB
+    assert sizes[-1] <= first and max(sizes) < 32 * MiB
+    # A bigger backlog is cut at the cap (every range more costs the source a decode).
     big = cut(2_000 * MiB, 32 * MiB)
-    assert big[:4] == [first, 2 * first, 4 * first, 8 * first] and big.count(32 * MiB) > 50
-    assert big[-1] <= first
+    assert big[:-1] == [32 * MiB] * (len(big) - 1) and big[-1] == 2_000 * MiB % (32 * MiB)
     # A cap below the first size keeps its meaning: every range at most the cap.
     assert set(cut(10 * MiB, MiB)) == {MiB}
+    assert set(cut(int(1.5 * MiB), MiB)) == {MiB, MiB // 2}
     # A backlog that fits in one range is one range, as is every live range.
     assert cut(20 * MiB, 32 * MiB) == [20 * MiB]
     assert cut(first - 1, 32 * MiB) == [first - 1]
 
 
 def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(settings, monkeypatch):
-    """Real servers, a first size of 64 KiB and a cap of 256 KiB: the ranges are contiguous,
-    grow then shrink, the endpos range ends exactly at the endpos, and every row arrives once
-    (a table without a key keeps the source's count)."""
+    """Real servers, a first size of 64 KiB and a backlog of 1.5 ranges: the ranges are
+    contiguous, grow then shrink, the endpos range ends exactly at the endpos, and every row
+    arrives once (a table without a key keeps the source's count)."""
     monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
-    settings = settings.model_copy(update={"follow_range_bytes": 256 * 1024})
+    start = flush_lsn(settings.source_dsn)
     with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
         for n in range(1, 2001):
             with conn.transaction():
                 conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
                 conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
     endpos = flush_lsn(settings.source_dsn)
+    # A cap for which the backlog is one to two ranges.
+    cap = (endpos - start) * 2 // 3
+    assert cap > 256 * 1024
+    settings = settings.model_copy(update={"follow_range_bytes": cap})
     follower, ranges = follow_to(settings, endpos)
     received = [r.done.received for r in ranges]
     bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
