@@ -100,8 +100,11 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     such ranges 7.9-9.3 s against 7.7-9.1 s for 5 of 32 MiB, the source's CPU 4.4-5.5 s against
     3.9-4.8 s). Never above ``cap``, so a small cap keeps its meaning.
 
-    Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command: one 32 MiB range and
-    the rest 3.7-5.1 s, these 6 ranges 3.3-4.5 s, faster in 7 of 7 pairs."""
+    Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command, pairs alternating
+    with the code before (a 32 MiB range and the rest, on threads): a busy hour, these 6 ranges
+    3.3-4.5 s against 3.7-5.1 s, faster in 7 of 7; a calm one, median 3.27 s against 3.45 s,
+    faster in 5 of 8 (the slower ones spent more source CPU re-decoding from the restart point).
+    On threads (Dagster's run sharing the interpreter lock) the same ranges gained nothing."""
     if previous is None:
         if remaining <= cap or remaining > 2 * cap:
             return cap

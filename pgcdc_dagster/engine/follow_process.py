@@ -8,8 +8,9 @@ forked process they do not. Measured on the 2-core reference machine, 80k pgbenc
 cold, the engine's follow alone 4.1-4.3 s; beside an import of the same modules in another
 process 4.3-4.5 s for both; on threads of the cold command 5.1-5.6 s. Warm (the command
 server's child, Dagster already imported), with the backlog cut into growing ranges
-(:func:`~.follow.backlog_range_bytes`): 3.3-4.5 s in a process against 3.7-5.1 s on threads,
-faster in 7 of 7 pairs; on threads, more ranges gained nothing (more run events on the lock).
+(:func:`~.follow.backlog_range_bytes`): in a process, median 3.27 s against 3.45 s for the
+code before, faster in 5 of 8 pairs (7 of 7 in a busier hour); on threads, the same ranges gained
+nothing (more run events on the same lock).
 
 How: :class:`ProcessFollower` forks; the child runs an ordinary :class:`~.follow.Follower` and
 sends each range it applies, its progress reports and, at the end, its summary and error (if
