@@ -77,7 +77,8 @@ POLL_S = 0.05
 QUEUE_RANGES = 2
 """Stored ranges waiting for the applier: the receiver is at most this far ahead."""
 FIRST_RANGE_BYTES = 4 * MiB
-"""On a backlog, the first range's WAL (then doubling): about a quarter of a second to receive."""
+"""The first range's WAL on a backlog of one to two ranges (then doubling): about a quarter of a
+second to receive, so the applier starts then instead of after a whole capped range."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
