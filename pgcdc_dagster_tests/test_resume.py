@@ -75,10 +75,19 @@ class Writer:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.committed = 0
-        self.next_doc = 1000 + seed * 100000
+        self.next_doc = 0
+        self.error: BaseException | None = None
 
     def _run(self) -> None:
+        try:
+            self._write()
+        except BaseException as exc:  # raised by __exit__: a writer that died fails the test
+            self.error = exc
+
+    def _write(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
+            # New documents go after every earlier writer's, whichever tests ran before.
+            (self.next_doc,) = conn.execute("SELECT coalesce(max(id), 0) FROM docs").fetchone()
             while not self.stop_event.is_set():
                 with conn.transaction():
                     for _ in range(self.random.randrange(1, 4)):
@@ -114,6 +123,8 @@ class Writer:
     def __exit__(self, *exc: object) -> None:
         self.stop_event.set()
         self.thread.join()
+        if self.error is not None and exc[0] is None:
+            raise AssertionError(f"the writer died: {self.error!r}") from self.error
 
 
 @dataclass
