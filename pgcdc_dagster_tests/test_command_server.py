@@ -17,6 +17,7 @@ import psycopg
 import pytest
 
 from pgcdc_dagster import launcher
+from pgcdc_dagster.engine.processes import stat_fields
 from pgcdc_dagster_tests.procs import descendants, gone, nice
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -94,27 +95,22 @@ def test_exit_status_and_output_are_the_command_s_own(server, args, unset):
     assert here.returncode == (0 if args == ["--help"] else 2)
 
 
-def _command_child(server_pid: int) -> int:
-    """The server's child running the command just started."""
+def _forked_child(parent: int, what: str) -> int:
+    """The child ``parent`` forked (the same program: the server's command child, or that
+    child's follower process), once it exists."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        for pid, command in descendants(server_pid).items():
-            if "command_server" in command and pid != server_pid:
+        for pid, command in descendants(parent).items():
+            fields = stat_fields(pid)
+            if "command_server" in command and fields is not None and int(fields[1]) == parent:
                 return pid
         time.sleep(0.05)
-    raise AssertionError("no command child of the server")
+    raise AssertionError(f"no {what} under process {parent}")
 
 
-def _follower_of(child: int) -> int:
-    """The follower process the command's child forked (the same program, one level down)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = [pid for pid, cmd in descendants(child).items() if "command_server" in cmd]
-        if found:
-            (pid,) = found
-            return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no follower process under the command's child {child}")
+def _command_child(server_pid: int) -> int:
+    """The server's child running the command just started."""
+    return _forked_child(server_pid, "command child of the server")
 
 
 def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env):
@@ -146,7 +142,7 @@ def test_signals_reach_the_command_and_it_dies_with_its_process(server, cli_env)
     follow = subprocess.Popen([PGCDC, "follow"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     child = _command_child(server)
-    follower = _follower_of(child)  # warm too, the follower has a process of its own
+    follower = _forked_child(child, "follower process")  # warm too, a process of its own
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("INSERT INTO items SELECT g, 'n' FROM generate_series(2001, 2050) g")
     time.sleep(2)

@@ -113,7 +113,7 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
         return cap
     grown = FIRST_RANGE_BYTES if previous is None else 2 * previous
     tail = max(FIRST_RANGE_BYTES, (remaining + 1) // 2)
-    return max(1, min(cap, grown, tail))
+    return min(cap, grown, tail)
 
 
 class Followed(NamedTuple):
@@ -296,10 +296,6 @@ class Follower:
         if not self._stop.is_set():
             self._stop_reason = reason
             self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
 
     def start(self) -> Follower:
         """Start working in the background (idempotent): ranges an earlier run stored are

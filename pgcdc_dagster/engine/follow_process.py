@@ -71,7 +71,6 @@ class ProcessFollower:
         self.interrupts = follower.interrupts
         self.summary = FollowSummary()
         self.pid = 0
-        self._stopping = False
         self._stop_fd = -1
         self._done: queue.Queue[Any] = queue.Queue()
         self._errors: list[BaseException] = []
@@ -106,7 +105,6 @@ class ProcessFollower:
 
     def stop(self, reason: str) -> None:
         """Stop at the next range boundary. Safe from a signal handler (one ``write``)."""
-        self._stopping = True
         if self._stop_fd >= 0:
             with contextlib.suppress(OSError):  # the child has ended already
                 os.write(self._stop_fd, reason.replace("\n", " ").encode()[:200] + b"\n")
@@ -114,10 +112,6 @@ class ProcessFollower:
     @property
     def endpos(self) -> Lsn | None:
         return self.follower.endpos
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
 
     def run(self) -> Iterator[Followed]:
         """As :meth:`.follow.Follower.run`: every range as it is applied, until the end."""
