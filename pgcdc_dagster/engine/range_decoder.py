@@ -469,6 +469,29 @@ class RangeDecoder:
             self.counts[entry["values"]] += entry["counts"]
         self.writer.write(rows)
 
+    def successor(self, rng: LsnRange, writer: RowSink) -> RangeDecoder:
+        """A decoder for the next range of the same peek. pgoutput sends a relation's
+        Relation (and a type's Type) message once per peek, so the next range starts with
+        every relation and type seen so far (its manifest lists them; a version no row uses
+        is harmless, as a straddler's relation is today)."""
+        following = RangeDecoder(rng, writer, self.spill_rows)
+        following.relations = dict(self.relations)
+        following.versions = list(self.versions)
+        following.relations_meta = list(self.relations_meta)
+        following.types = dict(self.types)
+        return following
+
+    def cut(self, end: int, straddlers: list[Straddler], seconds: float) -> RangeResult:
+        """Finish the range early, at ``end``: the end_lsn of the COMMIT just fed (so no
+        transaction is open in the output). ``straddlers`` are transactions the peek shows
+        after that COMMIT that began before ``end``; each COMMIT record starts at or after
+        ``end`` (records do not overlap), so the safe point is ``end`` itself."""
+        if self.open is not None or self.last_end != end:
+            raise DecodeError(f"a range can only be cut just after a COMMIT ending at {end}")
+        self.range = LsnRange(self.range.start, end)
+        self.straddlers = straddlers
+        return self.finish(seconds)
+
     def finish(self, seconds: float) -> RangeResult:
         if self.open is not None:
             self._straddler(self.open)

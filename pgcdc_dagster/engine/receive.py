@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 import gc
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from .connect import connect
 from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
-from .range_decoder import RangeDecoder
+from .range_decoder import RangeDecoder, Straddler
 from .slot import advance_slot, current_flush_lsn, read_slot
 from .store import (
     OutputStore,
@@ -141,7 +142,7 @@ def _receive(
     upto = Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
     with store.writer(rng) as writer:
         decoder = RangeDecoder(rng, writer, spill_rows)
-        _stream_peek(conn, slot_name, publication, rng.end, upto, decoder, fetch_rows)
+        _stream_peek(conn, slot_name, publication, rng.end, upto, decoder.feed, fetch_rows)
         conn.commit()
         result = decoder.finish(time.monotonic() - started)
         if not keep_empty and result.transactions == 0:
@@ -159,6 +160,191 @@ def _receive(
     conn.commit()
     result.seconds = round(time.monotonic() - started, 4)
     return result
+
+
+CUT_LOOKAHEAD_ROWS = 10_000
+""":func:`receive_in_cuts` cuts only where this many of the peek's rows follow the cut in the
+batch at hand (or in the peek's last batch): the transactions among them that began before the
+cut are its reported straddlers (about 1 MiB of pgbench's WAL)."""
+
+
+def receive_in_cuts(
+    conn: psycopg.Connection[Any],
+    slot_name: str,
+    publication: str,
+    store: OutputStore,
+    range_start: Lsn,
+    goal: Lsn,
+    *,
+    next_bytes: Callable[[int], int],
+    on_stored: Callable[[RangeResult], None],
+    stop: threading.Event,
+    lookahead_bytes: int = DEFAULT_LOOKAHEAD_BYTES,
+    fetch_rows: int = 20_000,
+    spill_rows: int = 100_000,
+) -> Lsn:
+    """Store ``(range_start, goal]`` as consecutive ranges read by one peek, cut at COMMITs.
+
+    Why one peek: every peek, and every slot advance, decodes the WAL again from the slot's
+    restart point, which PostgreSQL 15 moves only at running-xacts records (about every 15 s of
+    the WAL's writing time), so N peeks over a backlog decode its head N times. Measured on the
+    source alone, 80k pgbench transactions (43.7 MB of WAL): six peeks and six advances
+    1.76-2.02 s and 1.56-1.87 CPU-s of the source's backend, one peek and one advance
+    1.15-1.33 s and 0.99-1.18 CPU-s.
+
+    ``next_bytes(remaining)`` sizes each range as it begins (``remaining``: WAL bytes from its
+    start to ``goal``). A range is cut just after the first COMMIT that ends at or past its
+    start plus that size and is followed by :data:`CUT_LOOKAHEAD_ROWS` rows, at that COMMIT's
+    ``end_lsn``: no record straddles that point, so it is the range's safe point, and the next
+    range starts there (the collision: the next transaction's first LSN). The last range ends
+    at ``goal`` exactly, under :func:`receive`'s rules (lookahead, straddlers, safe point,
+    outcome); the peek reads ``lookahead_bytes`` past ``goal`` for it.
+
+    Each range is stored durably, then handed to ``on_stored`` while the peek goes on. The slot
+    is advanced once, to the last stored range's safe point, when the peek ends or when
+    ``stop`` was set (checked at each cut: the rest is left unread). Until then the slot lags
+    stored ranges, the state a crash between a store and its advance leaves, which every reader
+    finishes first (:func:`_check_position`, ``pipeline.confirm_stored``). Returns where the
+    last stored range ends.
+    """
+    whole = LsnRange(range_start, goal)
+    _check_publication(conn, publication)
+    flush = _check_position(conn, slot_name, store, whole)
+    upto = Lsn(max(int(goal), min(int(flush), int(goal) + lookahead_bytes)))
+    halt = threading.Event()
+    cutter = _Cutter(store, whole, next_bytes, on_stored, stop, halt, fetch_rows, spill_rows)
+    try:
+        _stream_peek(conn, slot_name, publication, goal, upto, cutter.consume, fetch_rows, halt)
+        conn.commit()
+        if not halt.is_set():
+            cutter.store_last()
+    finally:
+        cutter.close()
+    if cutter.safe_point is not None:
+        advance_slot(conn, slot_name, cutter.safe_point)
+        conn.commit()
+    return cutter.end
+
+
+class _Cutter:
+    """Consumes one peek's batches for :func:`receive_in_cuts`: one writer and decoder per
+    range, the next one taking over the relations the peek announced so far."""
+
+    def __init__(
+        self,
+        store: OutputStore,
+        whole: LsnRange,
+        next_bytes: Callable[[int], int],
+        on_stored: Callable[[RangeResult], None],
+        stop: threading.Event,
+        halt: threading.Event,
+        fetch_rows: int,
+        spill_rows: int,
+    ) -> None:
+        self.store = store
+        self.goal = whole.end
+        self.next_bytes = next_bytes
+        self.on_stored = on_stored
+        self.stop = stop
+        self.halt = halt
+        self.fetch_rows = fetch_rows
+        self.end = whole.start
+        """Where the last stored range ends."""
+        self.safe_point: Lsn | None = None
+        self.writer = store.writer(whole)
+        self.decoder = RangeDecoder(whole, self.writer, spill_rows)
+        self.began = time.monotonic()
+        self.target = self._target()
+
+    def _target(self) -> int | None:
+        """The LSN at or past which the current range is cut; ``None``: it runs to the goal."""
+        remaining = self.goal - self.end
+        size = self.next_bytes(remaining)
+        return None if size >= remaining else int(self.end) + size
+
+    def consume(self, rows: list[Any]) -> None:
+        if self.halt.is_set():
+            return  # stopped at a cut: the producer's last fetch is not wanted
+        offset = 0
+        while self.target is not None:
+            at = _cut_index(rows, offset, self.target, self.goal, len(rows) < self.fetch_rows)
+            if at is None:
+                break
+            self.decoder.feed(rows[offset : at + 1])
+            end = Lsn(rows[at][0])
+            straddlers = _straddlers(rows, at + 1, end)
+            self._store(self.decoder.cut(end, straddlers, time.monotonic() - self.began))
+            offset = at + 1
+            if self.stop.is_set():
+                self.halt.set()
+                return
+            rng = LsnRange(end, self.goal)
+            self.writer = self.store.writer(rng)
+            self.decoder = self.decoder.successor(rng, self.writer)
+            self.began = time.monotonic()
+            self.target = self._target()
+        if offset < len(rows):
+            self.decoder.feed(rows[offset:] if offset else rows)
+
+    def store_last(self) -> None:
+        """The peek has ended: the last range, to the goal."""
+        self._store(self.decoder.finish(time.monotonic() - self.began))
+
+    def _store(self, result: RangeResult) -> None:
+        decoder = self.decoder
+        stored = self.writer.commit(
+            RangeManifest(
+                result=result,
+                relations=decoder.relations_meta,
+                types={str(oid): name for oid, name in decoder.types.items()},
+            ),
+            end=Lsn(result.endpos),
+        )
+        failpoint("receive.after_store")
+        self.end = Lsn(result.endpos)
+        self.safe_point = Lsn(result.safe_point)
+        self.on_stored(stored.manifest.result)
+
+    def close(self) -> None:
+        """Remove the writer's folder of a range that was not stored (a stop, an error)."""
+        if self.writer.tmp.exists():
+            self.writer.abort()
+
+
+def _cut_index(rows: list[Any], offset: int, target: int, goal: int, last: bool) -> int | None:
+    """The row of the first COMMIT from ``offset`` on that ends at or past ``target`` (and
+    before ``goal``) with :data:`CUT_LOOKAHEAD_ROWS` rows after it, unless this is the last
+    batch; ``None`` if there is none. A COMMIT row's LSN is its ``end_lsn``; COMMITs come in
+    WAL order, so the batch's last one says whether any reaches ``target``."""
+    for lsn, data in reversed(rows):
+        if data[0] == _COMMIT:
+            if lsn < target:
+                return None
+            break
+    else:
+        return None
+    until = len(rows) if last else len(rows) - CUT_LOOKAHEAD_ROWS
+    for at in range(offset, until):
+        lsn, data = rows[at]
+        if data[0] == _COMMIT and lsn >= target:
+            return at if lsn < goal else None
+    return None
+
+
+def _straddlers(rows: list[Any], after: int, end: Lsn) -> list[Straddler]:
+    """Transactions shown after a cut at ``end`` that began before it (their Begin row's LSN
+    is their first LSN; its ``final_lsn`` is the start of their COMMIT record)."""
+    found = []
+    for lsn, data in rows[after : after + CUT_LOOKAHEAD_ROWS]:
+        if data[0] == _BEGIN and lsn < end:
+            final_lsn, _, xid = _BEGIN_FIELDS.unpack_from(data, 1)
+            found.append(Straddler(xid, lsn, final_lsn))
+    return found
+
+
+_BEGIN, _COMMIT = ord("B"), ord("C")
+_BEGIN_FIELDS = struct.Struct(">QqI")
+"""A Begin message after its kind byte: final_lsn, commit timestamp, xid."""
 
 
 def _check_publication(conn: psycopg.Connection[Any], publication: str) -> None:
@@ -217,8 +403,9 @@ def _stream_peek(
     publication: str,
     endpos: Lsn,
     upto: Lsn,
-    decoder: RangeDecoder,
+    consume: Callable[[list[Any]], None],
     fetch_rows: int,
+    halt: threading.Event | None = None,
 ) -> None:
     params = {
         "slot": slot,
@@ -243,23 +430,28 @@ def _stream_peek(
                     f"{exc.diag.message_primary}: create the publication {publication} "
                     "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
                 ) from None
-            _overlap(lambda: cur.fetchmany(fetch_rows), decoder.feed)
+            _overlap(lambda: cur.fetchmany(fetch_rows), consume, halt)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _overlap(fetch: Callable[[], list[Any]], consume: Callable[[list[Any]], None]) -> None:
+def _overlap(
+    fetch: Callable[[], list[Any]],
+    consume: Callable[[list[Any]], None],
+    halt: threading.Event | None = None,
+) -> None:
     """Fetch the next batch on a thread while this one is decoded.
 
     The fetch mostly waits on the socket (GIL released) and decoding is mostly NumPy/Arrow,
     so the two overlap: measured ~0.55 of the raw read rate serial, see benchmarks/receive.py.
+    Once ``halt`` is set the producer fetches no more (the consumer wants no more rows).
     """
     batches: queue.Queue[list[Any] | BaseException | None] = queue.Queue(maxsize=2)
 
     def producer() -> None:
         try:
-            while rows := fetch():
+            while not (halt is not None and halt.is_set()) and (rows := fetch()):
                 batches.put(rows)
             batches.put(None)
         except BaseException as exc:  # handed to the consumer, re-raised there

@@ -366,7 +366,9 @@ class RangeWriter:
         self.range = rng
         self.row_group_rows = row_group_rows
         store.changes_dir.mkdir(parents=True, exist_ok=True)
-        for stale in store.changes_dir.glob(f".tmp-{rng.key}-*"):
+        # Left by a crash: any range from this start (a receive cut in several ends where it
+        # chose, see receive.receive_in_cuts). One receiver at a time holds the range lock.
+        for stale in store.changes_dir.glob(f".tmp-{rng.start.hex16}-*"):
             shutil.rmtree(stale, ignore_errors=True)
         self.tmp = store.changes_dir / f".tmp-{rng.key}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir()
@@ -395,8 +397,13 @@ class RangeWriter:
         self._spill_seq += 1
         return self.tmp / f".spill-{self._spill_seq:05d}.arrow"
 
-    def commit(self, manifest: RangeManifest) -> StoredRange:
-        """Close the files, write the manifest, fsync everything, rename into place."""
+    def commit(self, manifest: RangeManifest, end: Lsn | None = None) -> StoredRange:
+        """Close the files, write the manifest, fsync everything, rename into place.
+
+        ``end``: the range ends there, not where it was opened to (a receive that cuts one
+        peek into several ranges knows a range's end only once its rows are written)."""
+        if end is not None:
+            self.range = LsnRange(self.range.start, end)
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -12,7 +16,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine import follow, pipeline, verify
+from pgcdc_dagster.engine import failpoints, follow, pipeline, verify
 from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
@@ -153,10 +157,11 @@ def test_a_backlog_of_up_to_two_ranges_is_cut_small_first_doubling_then_halving(
     assert cut(first - 1, 32 * MiB) == [first - 1]
 
 
-def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(settings, monkeypatch):
-    """Real servers, a first size of 64 KiB and a backlog of 1.5 ranges: the ranges are
-    contiguous, grow then shrink, the endpos range ends exactly at the endpos, and every row
-    arrives once (a table without a key keeps the source's count)."""
+def backlog_of_one_and_a_half_ranges(
+    settings: ReplicationSettings, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ReplicationSettings, Lsn]:
+    """2,000 transactions written while nothing follows, a first size of 64 KiB and a cap for
+    which the backlog is 1.5 ranges: a first range, then the rest by one peek in cuts."""
     monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
     start = flush_lsn(settings.source_dsn)
     with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
@@ -165,22 +170,106 @@ def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(set
                 conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
                 conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
     endpos = flush_lsn(settings.source_dsn)
-    # A cap for which the backlog is one to two ranges.
     cap = (endpos - start) * 2 // 3
     assert cap > 256 * 1024
-    settings = settings.model_copy(update={"follow_range_bytes": cap})
+    return settings.model_copy(update={"follow_range_bytes": cap}), endpos
+
+
+def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(settings, monkeypatch):
+    """Real servers: the ranges are contiguous, grow then shrink, every cut of the one peek is
+    a commit boundary, the endpos range ends exactly at the endpos, and every row arrives once
+    (a table without a key keeps the source's count)."""
+    settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
     follower, ranges = follow_to(settings, endpos)
     received = [r.done.received for r in ranges]
     bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
     sizes = [end - start for start, end in bounds]
     assert len(ranges) >= 4, sizes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-    assert sizes[:2] == [64 * 1024, 128 * 1024]
+    # The first range is its own peek; the rest is one peek cut just after the first COMMIT
+    # at or past each size, so every cut is a commit boundary.
+    assert sizes[0] == 64 * 1024
+    assert 128 * 1024 <= sizes[1] < 128 * 1024 + 4096, sizes
+    for r in received[1:-1]:
+        assert r.transform_lsn == r.endpos == r.safe_point
+        assert r.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
     assert sizes[-1] <= 64 * 1024 and bounds[-1][1] == endpos
     assert follower.summary.stopped_by == "endpos"
     assert sum(r.transactions for r in received) == 2000
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
+
+
+def test_a_stop_between_the_cuts_of_one_peek_ends_at_a_cut_and_the_next_follow_resumes(
+    settings, monkeypatch
+):
+    """A stop while the rest of a backlog streams from one peek: the follower ends at the
+    next cut, every stored range is applied, the slot is advanced to it (the peek advances
+    it once, at its end or its stop), and a new follow finishes exactly once."""
+    settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
+    monkeypatch.setenv(failpoints.ENV, "receive.after_store=sleep(0.3)")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    follower = Follower(settings, endpos)
+    seen = []
+    with pipeline.range_lock(settings):
+        for followed in follower.run():
+            seen.append(followed.done.received)
+            if len(seen) == 2:
+                follower.stop("test")
+    monkeypatch.setattr(failpoints, "_armed", {})
+    assert follower.summary.stopped_by == "test"
+    last_end = Lsn.parse(seen[-1].endpos)
+    assert len(seen) < 4 and last_end < endpos
+    assert read_slot_confirmed(settings) == last_end
+    assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
+    follow_to(settings, endpos)
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
+
+
+_KILLED_FOLLOWER = """
+import sys
+from pgcdc_dagster.engine import follow, pipeline
+from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.settings import ReplicationSettings
+
+follow.FIRST_RANGE_BYTES = 64 * 1024
+settings = ReplicationSettings.model_validate_json(sys.argv[1])
+with pipeline.range_lock(settings):
+    for _ in follow.Follower(settings, Lsn.parse(sys.argv[2])).run():
+        pass
+"""
+
+
+def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_once(
+    settings, monkeypatch
+):
+    """SIGKILL of a real follower process just after it stored the second range cut from one
+    peek, before the slot was advanced past the first: stored ranges the slot lags (and that
+    may or may not be applied). A new follow finishes them, exactly once."""
+    settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos)],
+        env={**os.environ, failpoints.ENV: "receive.after_store=kill@3"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    stored = pipeline.store_of(settings).chain_ranges()
+    assert len(stored) == 3 and stored[-1].end < endpos
+    assert read_slot_confirmed(settings) == stored[0].end  # the crash window: slot behind
+    follower, _ = follow_to(settings, endpos)
+    assert follower.summary.stopped_by == "endpos"
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
+
+
+def read_slot_confirmed(settings: ReplicationSettings) -> Lsn:
+    with psycopg.connect(settings.source_dsn) as conn:
+        confirmed = read_slot(conn, settings.slot).confirmed_flush_lsn
+    assert confirmed is not None
+    return confirmed
 
 
 def writer(dsn: str, stop: threading.Event) -> None:
