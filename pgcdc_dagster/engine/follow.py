@@ -13,9 +13,9 @@ COMMIT ends in it, see :mod:`.receive`): while changes flow, the receiver cuts o
 works on range N while the receiver reads range N+1. A backlog of one to two ranges is shaped
 by :func:`backlog_range_bytes`: small first (the applier starts after a fraction of a second,
 not after a whole capped range), doubling, and halving towards the end of the backlog (the last
-range's apply overlaps nothing). Its first range is one peek; the rest is one more, cut into
-ranges at COMMITs as its rows stream (:func:`~.receive.receive_in_cuts`), since every peek
-decodes the WAL again from the slot's restart point.
+range's apply overlaps nothing). Its first two ranges are a peek each; the rest is one more,
+cut into ranges at COMMITs as its rows stream (:func:`~.receive.receive_in_cuts`), since every
+peek decodes the WAL again from the slot's restart point.
 
 Every range goes through the same store, the same slot advance (only once it is durable) and
 the same apply (one target transaction that also moves the replication origin) as a range run
@@ -111,9 +111,8 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     3.3-4.5 s against 3.7-5.1 s, faster in 7 of 7; a calm one, median 3.27 s against 3.45 s,
     faster in 5 of 8 (the slower ones spent more source CPU re-decoding from the restart point).
     On threads (Dagster's run sharing the interpreter lock) the same ranges gained nothing.
-    Reading all but the first by one peek (:meth:`Follower._receive_rest`), alternating with
-    the code before in a busy hour: 4.59, 3.79, 5.25 s against 5.31, 4.82, 4.02 s, the
-    source's CPU 1.13-1.62 s against 1.86-2.26 s."""
+    Reading all but the first two by one peek (:meth:`Follower._receive_rest`): the source's
+    CPU 1.21-1.71 s against 1.86-2.26 s with a peek per range (busy hours, see the README)."""
     if previous is None:
         if remaining <= cap or remaining > 2 * cap:
             return cap
@@ -410,8 +409,15 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
-                if previous is not None and previous < cap and goal > start:
-                    # The rest of a backlog of one to two ranges: one peek, cut as it streams.
+                if (
+                    previous is not None
+                    and 2 * FIRST_RANGE_BYTES <= previous < cap
+                    and goal > start
+                ):
+                    # The rest of a backlog of one to two ranges, after its first two: one
+                    # peek, cut as it streams. (Its decode, before the first row comes, runs
+                    # while the applier applies the second range; after the first alone, the
+                    # applier sat idle: overlap 1.50-1.88 s against 1.83-2.12 s.)
                     start = self._receive_rest(conn, store, start, goal, previous, flush)
                     if start == self.endpos:
                         self._reached_endpos = True

@@ -186,11 +186,13 @@ def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(set
     sizes = [end - start for start, end in bounds]
     assert len(ranges) >= 4, sizes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
-    # The first range is its own peek; the rest is one peek cut just after the first COMMIT
-    # at or past each size, so every cut is a commit boundary.
-    assert sizes[0] == 64 * 1024
-    assert 128 * 1024 <= sizes[1] < 128 * 1024 + 4096, sizes
-    for r in received[1:-1]:
+    # The first two ranges are a peek each; the rest is one peek cut just after the first
+    # COMMIT at or past each size, so every cut is a commit boundary.
+    assert sizes[:2] == [64 * 1024, 128 * 1024]
+    planned = sizes[1]
+    for r, (start, end) in zip(received[2:-1], bounds[2:-1], strict=True):
+        planned = backlog_range_bytes(planned, endpos - start, settings.follow_range_bytes)
+        assert planned <= end - start < planned + 4096, sizes
         assert r.transform_lsn == r.endpos == r.safe_point
         assert r.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
     assert sizes[-1] <= 64 * 1024 and bounds[-1][1] == endpos
@@ -219,7 +221,7 @@ def test_a_stop_between_the_cuts_of_one_peek_ends_at_a_cut_and_the_next_follow_r
     monkeypatch.setattr(failpoints, "_armed", {})
     assert follower.summary.stopped_by == "test"
     last_end = Lsn.parse(seen[-1].endpos)
-    assert len(seen) < 4 and last_end < endpos
+    assert len(seen) == 3 and last_end < endpos  # two peeks of their own, one cut
     assert read_slot_confirmed(settings) == last_end
     assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
     follow_to(settings, endpos)
@@ -245,20 +247,20 @@ def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_onc
     settings, monkeypatch
 ):
     """SIGKILL of a real follower process just after it stored the second range cut from one
-    peek, before the slot was advanced past the first: stored ranges the slot lags (and that
-    may or may not be applied). A new follow finishes them, exactly once."""
+    peek (the fourth range), while the slot is still where the second range left it: stored
+    ranges the slot lags (applied or not). A new follow finishes them, exactly once."""
     settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos)],
-        env={**os.environ, failpoints.ENV: "receive.after_store=kill@3"},
+        env={**os.environ, failpoints.ENV: "receive.after_store=kill@4"},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     stored = pipeline.store_of(settings).chain_ranges()
-    assert len(stored) == 3 and stored[-1].end < endpos
-    assert read_slot_confirmed(settings) == stored[0].end  # the crash window: slot behind
+    assert len(stored) == 4 and stored[-1].end < endpos
+    assert read_slot_confirmed(settings) == stored[1].end  # the crash window: slot behind
     follower, _ = follow_to(settings, endpos)
     assert follower.summary.stopped_by == "endpos"
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
