@@ -84,6 +84,10 @@ QUEUE_RANGES = 2
 FIRST_RANGE_BYTES = 4 * MiB
 """The first range's WAL on a backlog of one to two ranges (then doubling): about a quarter of a
 second to receive, so the applier starts then instead of after a whole capped range."""
+PEEK_WAIT_S = 2.0
+"""How long a peek read in cuts waits, its transaction open, for the applier to take a range;
+then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
+a second at a time."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
@@ -418,11 +422,12 @@ class Follower:
                     # peek, cut as it streams. (Its decode, before the first row comes, runs
                     # while the applier applies the second range; after the first alone, the
                     # applier sat idle: overlap 1.50-1.88 s against 1.83-2.12 s.)
-                    start = self._receive_rest(conn, store, start, goal, previous, flush)
+                    start, sized = self._receive_rest(conn, store, start, goal, previous, flush)
                     if start == self.endpos:
                         self._reached_endpos = True
                         break
-                    previous = None
+                    # Short of the goal: the applier was behind (or a stop); go on from there.
+                    previous = sized if start < goal else None
                     continue
                 size = backlog_range_bytes(previous, goal - start, cap)
                 end = Lsn(min(goal, start + size))
@@ -470,28 +475,41 @@ class Follower:
         goal: Lsn,
         previous: int,
         flush: Lsn,
-    ) -> Lsn:
+    ) -> tuple[Lsn, int]:
         """Receive ``(start, goal]`` by one peek (:func:`~.receive.receive_in_cuts`), in
         ranges sized by :func:`backlog_range_bytes` from ``previous`` on, each handed to the
-        applier as soon as it is stored. Returns where the last stored range ends: ``goal``,
-        or an earlier cut on a stop."""
+        applier as soon as it is stored. Returns where the last stored range ends (``goal``,
+        or an earlier cut) and the size planned for it.
+
+        The peek's transaction stays open while its rows are consumed, so a range the applier
+        has no room for must not be waited for inside it: a source with
+        ``idle_in_transaction_session_timeout`` would end the session, and every retry would
+        end the same way behind a slow applier. After :data:`PEEK_WAIT_S` the peek ends at that
+        cut, the range is queued outside it, and the caller goes on with the next peek."""
         sized = previous
         began = time.monotonic()
+        held: list[tuple[RangeResult, int]] = []
 
         def next_bytes(remaining: int) -> int:
             nonlocal sized
             sized = backlog_range_bytes(sized, remaining, self.settings.follow_range_bytes)
             return sized
 
-        def stored(result: RangeResult) -> None:
+        def stored(result: RangeResult) -> bool:
             nonlocal began
             now = time.monotonic()
             self.summary.receiving.append((began, now))
             began = now
-            self._put_to_apply((result, int(flush - Lsn(result.endpos))))
+            item = (result, int(flush - Lsn(result.endpos)))
+            try:
+                self._to_apply.put(item, timeout=PEEK_WAIT_S)
+            except queue.Full:
+                held.append(item)
+                return False
+            return True
 
         final = self.endpos is not None and goal == self.endpos
-        return receive_in_cuts(
+        end = receive_in_cuts(
             conn,
             self.settings.slot,
             self.settings.publication,
@@ -503,6 +521,9 @@ class Follower:
             stop=self._stop,
             **({} if final else {"lookahead_bytes": CUT_LOOKAHEAD_BYTES}),
         )
+        for item in held:
+            self._put_to_apply(item)
+        return end, sized
 
     def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:
         """Blocks while the applier is ``QUEUE_RANGES`` behind (the bound on how far receive

@@ -177,7 +177,7 @@ def receive_in_cuts(
     goal: Lsn,
     *,
     next_bytes: Callable[[int], int],
-    on_stored: Callable[[RangeResult], None],
+    on_stored: Callable[[RangeResult], bool],
     stop: threading.Event,
     lookahead_bytes: int = DEFAULT_LOOKAHEAD_BYTES,
     fetch_rows: int = 20_000,
@@ -201,8 +201,10 @@ def receive_in_cuts(
     outcome); the peek reads ``lookahead_bytes`` past ``goal`` for it.
 
     Each range is stored durably, then handed to ``on_stored`` while the peek goes on. The slot
-    is advanced once, to the last stored range's safe point, when the peek ends or when
-    ``stop`` was set (checked at each cut: the rest is left unread). Until then the slot lags
+    is advanced once, to the last stored range's safe point, when the peek ends, or at a cut
+    after which ``stop`` is set or ``on_stored`` returned ``False`` (the rest is left unread:
+    a caller that cannot take a range at once should not hold the peek's transaction open
+    waiting, see ``follow.Follower._receive_rest``). Until then the slot lags
     stored ranges, the state a crash between a store and its advance leaves, which every reader
     finishes first (:func:`_check_position`, ``pipeline.confirm_stored``). Returns where the
     last stored range ends.
@@ -235,7 +237,7 @@ class _Cutter:
         store: OutputStore,
         whole: LsnRange,
         next_bytes: Callable[[int], int],
-        on_stored: Callable[[RangeResult], None],
+        on_stored: Callable[[RangeResult], bool],
         stop: threading.Event,
         halt: threading.Event,
         fetch_rows: int,
@@ -273,9 +275,9 @@ class _Cutter:
             self.decoder.feed(rows[offset : at + 1])
             end = Lsn(rows[at][0])
             straddlers = _straddlers(rows, at + 1, end)
-            self._store(self.decoder.cut(end, straddlers, time.monotonic() - self.began))
+            taken = self._store(self.decoder.cut(end, straddlers, time.monotonic() - self.began))
             offset = at + 1
-            if self.stop.is_set():
+            if not taken or self.stop.is_set():
                 self.halt.set()
                 return
             rng = LsnRange(end, self.goal)
@@ -290,7 +292,8 @@ class _Cutter:
         """The peek has ended: the last range, to the goal."""
         self._store(self.decoder.finish(time.monotonic() - self.began))
 
-    def _store(self, result: RangeResult) -> None:
+    def _store(self, result: RangeResult) -> bool:
+        """Store the range durably and hand it on; ``False``: the taker wants the peek ended."""
         decoder = self.decoder
         stored = self.writer.commit(
             RangeManifest(
@@ -303,7 +306,7 @@ class _Cutter:
         failpoint("receive.after_store")
         self.end = Lsn(result.endpos)
         self.safe_point = Lsn(result.safe_point)
-        self.on_stored(stored.manifest.result)
+        return self.on_stored(stored.manifest.result)
 
     def close(self) -> None:
         """Remove the writer's folder of a range that was not stored (a stop, an error)."""

@@ -20,6 +20,7 @@ from pgcdc_dagster.engine import failpoints, follow, pipeline, verify
 from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
+from pgcdc_dagster.engine.receive import receive_in_cuts
 from pgcdc_dagster.engine.settings import MiB, ReplicationSettings
 from pgcdc_dagster.engine.slot import read_slot
 from pgcdc_dagster.engine.store import EndposOutcome
@@ -225,6 +226,38 @@ def test_a_stop_between_the_cuts_of_one_peek_ends_at_a_cut_and_the_next_follow_r
     assert read_slot_confirmed(settings) == last_end
     assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
     follow_to(settings, endpos)
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
+
+
+def test_a_peek_read_in_cuts_ends_where_the_applier_falls_behind_and_the_next_goes_on(
+    settings, monkeypatch
+):
+    """A slow applier: a peek does not hold its transaction open waiting for room in the
+    queue (a source's idle_in_transaction_session_timeout would end it). It ends at that cut
+    and the next peek goes on from there, the sizes going on as planned; every transaction
+    arrives once."""
+    settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
+    monkeypatch.setattr(follow, "PEEK_WAIT_S", 0.01)
+    monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(0.3)")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    peeks = []
+
+    def counted(*args, **kwargs):
+        ended = receive_in_cuts(*args, **kwargs)
+        peeks.append((args[4], ended, args[5]))  # start, where it ended, its goal
+        return ended
+
+    monkeypatch.setattr(follow, "receive_in_cuts", counted)
+    follower, ranges = follow_to(settings, endpos)
+    monkeypatch.setattr(failpoints, "_armed", {})
+    received = [r.done.received for r in ranges]
+    bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
+    start, ended, goal = peeks[0]
+    assert start < ended < goal  # ended at a cut, short of its goal: the applier was behind
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert follower.summary.stopped_by == "endpos" and bounds[-1][1] == endpos
+    assert sum(r.transactions for r in received) == 2000
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
 
