@@ -413,11 +413,7 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
-                if (
-                    previous is not None
-                    and 2 * FIRST_RANGE_BYTES <= previous < cap
-                    and goal > start
-                ):
+                if previous is not None and 2 * FIRST_RANGE_BYTES <= previous < cap:
                     # The rest of a backlog of one to two ranges, after its first two: one
                     # peek, cut as it streams. (Its decode, before the first row comes, runs
                     # while the applier applies the second range; after the first alone, the

@@ -36,7 +36,7 @@ from .pgoutput_batch import (
     decode_changes,
     text_lists,
 )
-from .store import CHANGE_SCHEMA, EndposOutcome, RangeResult, iter_batches
+from .store import CHANGE_SCHEMA, EndposOutcome, RangeManifest, RangeResult, iter_batches
 
 
 class DecodeError(PgcdcError):
@@ -468,6 +468,15 @@ class RangeDecoder:
         for entry in pc.value_counts(rows.column("action")).to_pylist():
             self.counts[entry["values"]] += entry["counts"]
         self.writer.write(rows)
+
+    def manifest(self, result: RangeResult) -> RangeManifest:
+        """What the store keeps beside the rows of ``result``: it and the relations and types
+        the rows refer to."""
+        return RangeManifest(
+            result=result,
+            relations=self.relations_meta,
+            types={str(oid): name for oid, name in self.types.items()},
+        )
 
     def successor(self, rng: LsnRange, writer: RowSink) -> RangeDecoder:
         """A decoder for the next range of the same peek. pgoutput sends a relation's

@@ -45,7 +45,6 @@ import contextlib
 import dataclasses
 import gc
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -57,11 +56,12 @@ from .connect import connect
 from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
+from .pgoutput import Begin, decode
+from .pgoutput_batch import KIND_BEGIN, KIND_COMMIT
 from .range_decoder import RangeDecoder, Straddler
 from .slot import advance_slot, current_flush_lsn, read_slot
 from .store import (
     OutputStore,
-    RangeManifest,
     RangeResult,
 )
 
@@ -137,9 +137,7 @@ def _receive(
         advance_slot(conn, slot_name, stored.safe_point)
         conn.commit()
         return dataclasses.replace(stored.manifest.result, already_stored=True)
-    _check_publication(conn, publication)
-    flush = _check_position(conn, slot_name, store, rng)
-    upto = Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
+    upto = _peek_limit(conn, slot_name, publication, store, rng, lookahead_bytes)
     with store.writer(rng) as writer:
         decoder = RangeDecoder(rng, writer, spill_rows)
         _stream_peek(conn, slot_name, publication, rng.end, upto, decoder.feed, fetch_rows)
@@ -147,13 +145,7 @@ def _receive(
         result = decoder.finish(time.monotonic() - started)
         if not keep_empty and result.transactions == 0:
             return None  # the writer's exit removes its temporary folder
-        stored = writer.commit(
-            RangeManifest(
-                result=result,
-                relations=decoder.relations_meta,
-                types={str(oid): name for oid, name in decoder.types.items()},
-            )
-        )
+        stored = writer.commit(decoder.manifest(result))
     result = stored.manifest.result
     failpoint("receive.after_store")
     advance_slot(conn, slot_name, Lsn(result.safe_point))
@@ -210,9 +202,7 @@ def receive_in_cuts(
     last stored range ends.
     """
     whole = LsnRange(range_start, goal)
-    _check_publication(conn, publication)
-    flush = _check_position(conn, slot_name, store, whole)
-    upto = Lsn(max(int(goal), min(int(flush), int(goal) + lookahead_bytes)))
+    upto = _peek_limit(conn, slot_name, publication, store, whole, lookahead_bytes)
     halt = threading.Event()
     cutter = _Cutter(store, whole, next_bytes, on_stored, stop, halt, fetch_rows, spill_rows)
     try:
@@ -294,15 +284,7 @@ class _Cutter:
 
     def _store(self, result: RangeResult) -> bool:
         """Store the range durably and hand it on; ``False``: the taker wants the peek ended."""
-        decoder = self.decoder
-        stored = self.writer.commit(
-            RangeManifest(
-                result=result,
-                relations=decoder.relations_meta,
-                types={str(oid): name for oid, name in decoder.types.items()},
-            ),
-            end=Lsn(result.endpos),
-        )
+        stored = self.writer.commit(self.decoder.manifest(result))
         failpoint("receive.after_store")
         self.end = Lsn(result.endpos)
         self.safe_point = Lsn(result.safe_point)
@@ -320,7 +302,7 @@ def _cut_index(rows: list[Any], offset: int, target: int, goal: int, last: bool)
     batch; ``None`` if there is none. A COMMIT row's LSN is its ``end_lsn``; COMMITs come in
     WAL order, so the batch's last one says whether any reaches ``target``."""
     for lsn, data in reversed(rows):
-        if data[0] == _COMMIT:
+        if data[0] == KIND_COMMIT:
             if lsn < target:
                 return None
             break
@@ -329,7 +311,7 @@ def _cut_index(rows: list[Any], offset: int, target: int, goal: int, last: bool)
     until = len(rows) if last else len(rows) - CUT_LOOKAHEAD_ROWS
     for at in range(offset, until):
         lsn, data = rows[at]
-        if data[0] == _COMMIT and lsn >= target:
+        if data[0] == KIND_COMMIT and lsn >= target:
             return at if lsn < goal else None
     return None
 
@@ -339,15 +321,27 @@ def _straddlers(rows: list[Any], after: int, end: Lsn) -> list[Straddler]:
     is their first LSN; its ``final_lsn`` is the start of their COMMIT record)."""
     found = []
     for lsn, data in rows[after : after + CUT_LOOKAHEAD_ROWS]:
-        if data[0] == _BEGIN and lsn < end:
-            final_lsn, _, xid = _BEGIN_FIELDS.unpack_from(data, 1)
-            found.append(Straddler(xid, lsn, final_lsn))
+        if data[0] == KIND_BEGIN and lsn < end:
+            begin = decode(data)
+            assert isinstance(begin, Begin)
+            found.append(Straddler(begin.xid, lsn, begin.final_lsn))
     return found
 
 
-_BEGIN, _COMMIT = ord("B"), ord("C")
-_BEGIN_FIELDS = struct.Struct(">QqI")
-"""A Begin message after its kind byte: final_lsn, commit timestamp, xid."""
+def _peek_limit(
+    conn: psycopg.Connection[Any],
+    slot: str,
+    publication: str,
+    store: OutputStore,
+    rng: LsnRange,
+    lookahead_bytes: int,
+) -> Lsn:
+    """Check that ``rng`` may be received now (:func:`_check_publication`,
+    :func:`_check_position`); returns how far its peek decodes: ``lookahead_bytes`` past its
+    end, but not past the source's flushed WAL."""
+    _check_publication(conn, publication)
+    flush = _check_position(conn, slot, store, rng)
+    return Lsn(max(int(rng.end), min(int(flush), int(rng.end) + lookahead_bytes)))
 
 
 def _check_publication(conn: psycopg.Connection[Any], publication: str) -> None:

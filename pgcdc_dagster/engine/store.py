@@ -397,13 +397,18 @@ class RangeWriter:
         self._spill_seq += 1
         return self.tmp / f".spill-{self._spill_seq:05d}.arrow"
 
-    def commit(self, manifest: RangeManifest, end: Lsn | None = None) -> StoredRange:
+    def commit(self, manifest: RangeManifest) -> StoredRange:
         """Close the files, write the manifest, fsync everything, rename into place.
 
-        ``end``: the range ends there, not where it was opened to (a receive that cuts one
-        peek into several ranges knows a range's end only once its rows are written)."""
-        if end is not None:
-            self.range = LsnRange(self.range.start, end)
+        The range stored is the manifest's: it may end before the one the writer was opened
+        for (a receive that cuts one peek into several ranges knows a range's end only once its
+        rows are written), never start elsewhere."""
+        stored_range = LsnRange.from_key(manifest.result.range_key)
+        if stored_range.start != self.range.start or stored_range.end > self.range.end:
+            raise StoreError(
+                f"range {stored_range.key} cannot be stored by a writer for {self.range.key}"
+            )
+        self.range = stored_range
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -276,28 +276,42 @@ with pipeline.range_lock(settings):
 """
 
 
+@pytest.mark.parametrize(
+    ("point", "stored_before"),
+    [
+        # Just after the second range cut from the peek (the fourth range) is stored.
+        ("receive.after_store=kill@4", 4),
+        # While the third range from the peek is decoded: its writer's folder is half made.
+        ("receive.fetching=kill@4", 3),
+    ],
+)
 def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_once(
-    settings, monkeypatch
+    settings, monkeypatch, point, stored_before
 ):
-    """SIGKILL of a real follower process just after it stored the second range cut from one
-    peek (the fourth range), while the slot is still where the second range left it: stored
-    ranges the slot lags (applied or not). A new follow finishes them, exactly once."""
+    """SIGKILL of a real follower process while one peek is cut into ranges, with the slot
+    still where the second range (a peek of its own) left it: stored ranges the slot lags
+    (applied or not), perhaps a range's unfinished folder. A new follow finishes them, exactly
+    once, and leaves no unfinished folder behind."""
     settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos)],
-        env={**os.environ, failpoints.ENV: "receive.after_store=kill@4"},
+        env={**os.environ, failpoints.ENV: point},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    stored = pipeline.store_of(settings).chain_ranges()
-    assert len(stored) == 4 and stored[-1].end < endpos
+    store = pipeline.store_of(settings)
+    stored = store.chain_ranges()
+    assert len(stored) == stored_before and stored[-1].end < endpos
     assert read_slot_confirmed(settings) == stored[1].end  # the crash window: slot behind
+    unfinished = list(store.changes_dir.glob(".tmp-*"))
+    assert bool(unfinished) == point.startswith("receive.fetching")
     follower, _ = follow_to(settings, endpos)
     assert follower.summary.stopped_by == "endpos"
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
+    assert list(store.changes_dir.glob(".tmp-*")) == []
 
 
 def read_slot_confirmed(settings: ReplicationSettings) -> Lsn:
