@@ -54,13 +54,14 @@ def follow_events(
         f"follow ended ({summary.stopped_by}): {summary.ranges} range(s), "
         f"{summary.transactions} transaction(s), {summary.changes} change(s) in "
         f"{summary.seconds} s; receive busy {summary.receive_busy_s} s, apply busy "
-        f"{summary.apply_busy_s} s, both at once {summary.overlap_s} s"
+        f"{summary.apply_busy_s} s, both at once {summary.overlap_s} s; CPU receiving "
+        f"{summary.receive_cpu_s} s, applying {summary.apply_cpu_s} s"
     )
 
 
 def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
-    """How the run ended and where its time went: receive and apply busy seconds, and how
-    long both ran at once (the pipelining)."""
+    """How the run ended and where its time went: receive and apply busy seconds, how long
+    both ran at once (the pipelining), and the CPU each side spent in the follower itself."""
     return {
         "stopped_by": summary.stopped_by,
         "ranges": summary.ranges,
@@ -70,6 +71,8 @@ def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
         "receive_busy_s": summary.receive_busy_s,
         "apply_busy_s": summary.apply_busy_s,
         "overlap_s": summary.overlap_s,
+        "receive_cpu_s": summary.receive_cpu_s,
+        "apply_cpu_s": summary.apply_cpu_s,
     }
 
 

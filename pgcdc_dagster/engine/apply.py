@@ -181,6 +181,7 @@ def apply_range(
     store: OutputStore | None = None,
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
     origin_wait_seconds: float = 30.0,
+    conn: psycopg.Connection[Any] | None = None,
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
 
@@ -188,12 +189,14 @@ def apply_range(
     to tell an applied-up-to-here chain from a gap. ``spark`` runs the compaction on Spark when
     the range has at least ``spark_min_changes`` changes. ``origin_wait_seconds`` is how long
     to wait for the origin to be released by an earlier, killed apply whose server backend has
-    not exited yet.
+    not exited yet. ``conn``: an autocommit connection to the target to apply on, for a caller
+    that applies range after range (a follower); by default a connection of its own. It is
+    left as it was found: no transaction open, the session's origin reset.
     """
     started = time.perf_counter()
     transform = stored.transform_lsn
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
-    with connect(target_dsn, role="target", autocommit=True) as conn:
+    with _target_session(target_dsn, conn) as conn:
         progress = require_progress(conn, origin_name)
         result.previous_lsn = result.replay_lsn = str(progress)
         # Before any outcome, the empty one included: a range is never reported applied or
@@ -284,6 +287,18 @@ def apply_range(
         result.replay_lsn = str(require_progress(conn, origin_name))
     result.seconds = round(time.perf_counter() - started, 4)
     return result
+
+
+@contextlib.contextmanager
+def _target_session(
+    target_dsn: str, conn: psycopg.Connection[Any] | None
+) -> Iterator[psycopg.Connection[Any]]:
+    """``conn`` as it is (the caller's to close), or a connection of its own for one apply."""
+    if conn is not None:
+        yield conn
+        return
+    with connect(target_dsn, role="target", autocommit=True) as own:
+        yield own
 
 
 # -- progress ------------------------------------------------------------------------------------

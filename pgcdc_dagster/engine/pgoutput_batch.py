@@ -244,6 +244,17 @@ def text_lists(
     return pa.ListArray.from_arrays(pa.array(list_offsets, pa.int32()), values, mask=mask)
 
 
+def one_byte_strings(codes: np.ndarray) -> pa.Array:
+    """A string array of one-character values from their bytes (the change kinds ``I``/``U``/
+    ``D``), built on those bytes directly: through NumPy's unicode arrays it took 0.05 s per
+    120k rows."""
+    offsets = np.arange(len(codes) + 1, dtype=np.int32)
+    data = np.ascontiguousarray(codes, dtype=np.uint8)
+    return pa.Array.from_buffers(
+        pa.string(), len(codes), [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    )
+
+
 def gather_values(
     buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray
 ) -> tuple[np.ndarray, pa.Buffer]:

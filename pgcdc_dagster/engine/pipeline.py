@@ -30,6 +30,7 @@ from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
 from .store import OutputStore, RangeResult, StoredRange
 
 if TYPE_CHECKING:
+    import psycopg
     from pyspark.sql import SparkSession
 
     from .apply import ApplyResult
@@ -189,10 +190,14 @@ def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
 
 
 def apply_stored_range(
-    settings: ReplicationSettings, rng: LsnRange, spark: SparkProvider = None
+    settings: ReplicationSettings,
+    rng: LsnRange,
+    spark: SparkProvider = None,
+    conn: psycopg.Connection[Any] | None = None,
 ) -> ApplyResult:
     """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
-    returns one) only for ranges large enough to be worth a Spark job."""
+    returns one) only for ranges large enough to be worth a Spark job. ``conn``: a target
+    connection kept across ranges (see :func:`~.apply.apply_range`)."""
     from .apply import apply_range
 
     stored = stored_range(settings, rng)
@@ -207,6 +212,7 @@ def apply_stored_range(
             spark=session,
             store=store_of(settings),
             spark_min_changes=settings.spark_min_changes,
+            conn=conn,
         )
 
 

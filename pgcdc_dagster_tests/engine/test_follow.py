@@ -357,6 +357,44 @@ def test_a_stop_mid_stream_ends_at_a_boundary_and_the_next_follow_resumes_exactl
     assert equal(settings)
 
 
+def terminate_pgcdc_sessions(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return len(
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'pgcdc_dagster' AND datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            ).fetchall()
+        )
+
+
+def test_the_target_connection_kept_across_ranges_is_replaced_when_lost(settings):
+    """The applier keeps one target connection; when it dies (here its backend is terminated,
+    between ranges or in the middle of an apply), the range is applied on a new one and the
+    follow goes on, every transaction once."""
+    stop_writing = threading.Event()
+    writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
+    writing.start()
+    try:
+        follower = Follower(settings)
+        seen = []
+        with pipeline.range_lock(settings):
+            for followed in follower.run():
+                seen.append(followed)
+                if len(seen) == 2:
+                    assert terminate_pgcdc_sessions(settings.target_dsn) == 1  # the kept one
+                if len(seen) == 6:
+                    follower.stop("test")
+        assert follower.summary.stopped_by == "test"
+        assert follower.summary.target_reconnects == 1
+    finally:
+        stop_writing.set()
+        writing.join()
+    follow_to(settings, flush_lsn(settings.source_dsn))
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+
+
 def test_an_idle_source_with_wal_moving_elsewhere_keeps_the_slot_moving(settings):
     follower = Follower(settings)
     thread = threading.Thread(target=lambda: list(follower.run()))

@@ -4,6 +4,7 @@ import random
 import struct
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from pgcdc_dagster.engine.pgoutput import (
@@ -20,6 +21,7 @@ from pgcdc_dagster.engine.pgoutput_batch import (
     decode_begin_commit,
     decode_changes,
     gather_values,
+    one_byte_strings,
     text_lists,
 )
 
@@ -166,3 +168,12 @@ def test_gathered_values_are_the_slices_in_order_whatever_their_layout(shuffled:
         expected = b"".join(bytes(buf[s : s + n]) for s, n in zip(starts, lengths, strict=True))
         assert data.to_pybytes()[: int(offsets[-1])] == expected
         assert np.diff(offsets).tolist() == lengths.tolist()
+
+
+def test_one_byte_strings_are_the_kinds_as_text_empty_included():
+    codes = np.frombuffer(b"IUDUI", np.uint8)
+    assert one_byte_strings(codes).to_pylist() == ["I", "U", "D", "U", "I"]
+    assert one_byte_strings(codes[1:4]).to_pylist() == ["U", "D", "U"]  # a view, not a copy
+    empty = one_byte_strings(np.zeros(0, np.uint8))
+    assert empty.type == pa.string() and len(empty) == 0
+    empty.validate(full=True)
