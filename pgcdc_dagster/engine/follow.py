@@ -15,7 +15,8 @@ by :func:`backlog_range_bytes`: small first (the applier starts after a fraction
 not after a whole capped range), doubling, and halving towards the end of the backlog (the last
 range's apply overlaps nothing). Its first two ranges are a peek each; the rest is one more,
 cut into ranges at COMMITs as its rows stream (:func:`~.receive.receive_in_cuts`), since every
-peek decodes the WAL again from the slot's restart point.
+peek decodes the WAL again from the slot's restart point; that peek's first range does not
+grow (the applier waits for it while the source decodes the whole peek).
 
 Every range goes through the same store, the same slot advance (only once it is durable) and
 the same apply (one target transaction that also moves the replication origin) as a range run
@@ -494,8 +495,14 @@ class Follower:
         has no room for must not be waited for inside it: a source with
         ``idle_in_transaction_session_timeout`` would end the session, and every retry would
         end the same way behind a slow applier. After :data:`PEEK_WAIT_S` the peek ends at that
-        cut, the range is queued outside it, and the caller goes on with the next peek."""
-        sized = previous
+        cut, the range is queued outside it, and the caller goes on with the next peek.
+
+        The peek's first range is ``previous`` again, not double: the source decodes the whole
+        peek before its first row comes back, and the applier, done with the range before,
+        waits for that first range; the doubling goes on from the next. (Engine only, 80k
+        pgbench transactions, 12 pairs alternating with a doubled first range: median 2.81 s
+        against 3.48 s, faster in 11; the applier's wait for it 0.24 s against 0.38 s.)"""
+        sized = previous // 2  # planned up to previous by its first cut
         began = time.monotonic()
         held: list[tuple[RangeResult, int]] = []
 

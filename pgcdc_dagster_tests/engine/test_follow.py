@@ -188,9 +188,11 @@ def test_a_backlog_is_received_in_growing_then_shrinking_ranges_exactly_once(set
     assert len(ranges) >= 4, sizes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     # The first two ranges are a peek each; the rest is one peek cut just after the first
-    # COMMIT at or past each size, so every cut is a commit boundary.
+    # COMMIT at or past each size, so every cut is a commit boundary. That peek's first range
+    # is the size of the one before (the applier waits for it), then they double and halve.
     assert sizes[:2] == [64 * 1024, 128 * 1024]
-    planned = sizes[1]
+    assert 128 * 1024 <= sizes[2] < 128 * 1024 + 4096, sizes
+    planned = sizes[1] // 2
     for r, (start, end) in zip(received[2:-1], bounds[2:-1], strict=True):
         planned = backlog_range_bytes(planned, endpos - start, settings.follow_range_bytes)
         assert planned <= end - start < planned + 4096, sizes
