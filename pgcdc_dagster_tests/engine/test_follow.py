@@ -11,6 +11,7 @@ import threading
 import time
 import tracemalloc
 import uuid
+from collections.abc import Callable
 
 import psycopg
 import pyarrow as pa
@@ -334,27 +335,47 @@ def writer(dsn: str, stop: threading.Event) -> None:
             time.sleep(0.002)
 
 
-def test_a_stop_mid_stream_ends_at_a_boundary_and_the_next_follow_resumes_exactly_once(settings):
+def follow_while_writing(
+    settings: ReplicationSettings,
+    on_range: Callable[[int, Follower], None],
+    then: Callable[[Follower], None] = lambda follower: None,
+) -> Follower:
+    """Follow (no endpos) while :func:`writer` commits, calling ``on_range(n, follower)`` after
+    the n-th range is done and ``then(follower)`` once the follower has ended, the writer
+    still writing; the writes stop on the way out."""
     stop_writing = threading.Event()
     writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
     writing.start()
     try:
         follower = Follower(settings)
-        seen = []
         with pipeline.range_lock(settings):
-            for followed in follower.run():
-                seen.append(followed)
-                if len(seen) == 5:
-                    follower.stop("test")
-        assert follower.summary.stopped_by == "test"
-        assert len(seen) >= 5
-        # Nothing half done: the origin is exactly at the last stored commit.
-        assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
-        time.sleep(1)
+            for n, _ in enumerate(follower.run(), 1):
+                on_range(n, follower)
+        then(follower)
     finally:
         stop_writing.set()
         writing.join()
-    follower, _ = follow_to(settings, flush_lsn(settings.source_dsn))
+    return follower
+
+
+def stop_after(ranges: int) -> Callable[[int, Follower], None]:
+    def on_range(n: int, follower: Follower) -> None:
+        if n == ranges:
+            follower.stop("test")
+
+    return on_range
+
+
+def test_a_stop_mid_stream_ends_at_a_boundary_and_the_next_follow_resumes_exactly_once(settings):
+    def nothing_half_done(follower: Follower) -> None:
+        assert follower.summary.stopped_by == "test"
+        assert follower.summary.ranges >= 5
+        # Nothing half done: the origin is exactly at the last stored commit.
+        assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
+        time.sleep(1)  # more writes for the next follow
+
+    follow_while_writing(settings, stop_after(5), then=nothing_half_done)
+    follow_to(settings, flush_lsn(settings.source_dsn))
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
 
@@ -374,24 +395,16 @@ def test_the_target_connection_kept_across_ranges_is_replaced_when_lost(settings
     """The applier keeps one target connection; when it dies (here its backend is terminated,
     between ranges or in the middle of an apply), the range is applied on a new one and the
     follow goes on, every transaction once."""
-    stop_writing = threading.Event()
-    writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
-    writing.start()
-    try:
-        follower = Follower(settings)
-        seen = []
-        with pipeline.range_lock(settings):
-            for followed in follower.run():
-                seen.append(followed)
-                if len(seen) == 2:
-                    assert terminate_pgcdc_sessions(settings.target_dsn) == 1  # the kept one
-                if len(seen) == 6:
-                    follower.stop("test")
-        assert follower.summary.stopped_by == "test"
-        assert follower.summary.target_reconnects == 1
-    finally:
-        stop_writing.set()
-        writing.join()
+    stop = stop_after(6)
+
+    def on_range(n: int, follower: Follower) -> None:
+        if n == 2:
+            assert terminate_pgcdc_sessions(settings.target_dsn) == 1  # the kept one
+        stop(n, follower)
+
+    follower = follow_while_writing(settings, on_range)
+    assert follower.summary.stopped_by == "test"
+    assert follower.summary.target_reconnects == 1
     follow_to(settings, flush_lsn(settings.source_dsn))
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
