@@ -695,6 +695,8 @@ def _run(
     try:
         return conn.execute(statement)
     except psycopg.Error as exc:
+        if conn.broken:
+            raise  # the server went away, not the statement: the caller's server_errors says so
         detail = exc.diag.message_detail
         raise ApplyError(
             f"applying {what} failed: {exc.diag.message_primary}"

@@ -112,6 +112,8 @@ def copy_rows(
                 pacsv.write_csv(batch, sink, options)
                 copy.write(sink.getvalue())
     except psycopg.Error as exc:
+        if conn.broken:
+            raise  # the server went away, not the values: the caller's server_errors says so
         raise ApplyError(
             f"staging the changes of table {table} failed: {exc.diag.message_primary} "
             f"({exc.diag.context or 'COPY'}); the range's values do not fit the target's "

@@ -380,29 +380,54 @@ def test_a_stop_mid_stream_ends_at_a_boundary_and_the_next_follow_resumes_exactl
     assert equal(settings)
 
 
-def terminate_pgcdc_sessions(dsn: str) -> int:
+def terminate_pgcdc_session(dsn: str, state: str, waiting_for: str | None = None) -> int:
+    """Terminate this database's pgcdc sessions once one is in ``state`` (and waits for
+    ``waiting_for``, a wait event type, when given); waits up to 5 s for that."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return len(
-            conn.execute(
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            killed = conn.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                 "WHERE application_name = 'pgcdc_dagster' AND datname = current_database() "
-                "AND pid <> pg_backend_pid()"
+                "AND pid <> pg_backend_pid() AND state = %s "
+                "AND (%s::text IS NULL OR wait_event_type = %s)",
+                (state, waiting_for, waiting_for),
             ).fetchall()
-        )
+            if killed:
+                return len(killed)
+            time.sleep(0.02)
+    return 0
 
 
-def test_the_target_connection_kept_across_ranges_is_replaced_when_lost(settings):
-    """The applier keeps one target connection; when it dies (here its backend is terminated,
-    between ranges or in the middle of an apply), the range is applied on a new one and the
-    follow goes on, every transaction once."""
+@pytest.mark.parametrize("where", ["between ranges", "in a statement", "at its commit"])
+def test_the_target_connection_kept_across_ranges_is_replaced_when_lost(
+    settings, monkeypatch, where
+):
+    """The applier keeps one target connection. After the second range its backend is
+    terminated: while the applier pauses before the next range, while a statement of that
+    range's apply waits for a lock, or while its transaction is open before COMMIT. The range
+    is applied again on a new connection and the follow goes on, every transaction once."""
+    pause = {
+        "between ranges": "catchup.before_apply=sleep(1.5)@3",
+        "at its commit": "apply.in_transaction=sleep(1.5)@3",
+    }.get(where)
+    if pause:
+        monkeypatch.setenv(failpoints.ENV, pause)
+        monkeypatch.setattr(failpoints, "_armed", None)
     stop = stop_after(6)
 
     def on_range(n: int, follower: Follower) -> None:
-        if n == 2:
-            assert terminate_pgcdc_sessions(settings.target_dsn) == 1  # the kept one
+        if n == 2 and where == "in a statement":
+            with psycopg.connect(settings.target_dsn) as blocker:  # its transaction: the lock
+                blocker.execute("LOCK TABLE items IN SHARE MODE")  # staging passes, writes wait
+                assert terminate_pgcdc_session(settings.target_dsn, "active", "Lock") == 1
+        elif n == 2:
+            state = "idle" if where == "between ranges" else "idle in transaction"
+            assert terminate_pgcdc_session(settings.target_dsn, state) == 1  # the kept one
         stop(n, follower)
 
     follower = follow_while_writing(settings, on_range)
+    monkeypatch.setattr(failpoints, "_armed", {})
     assert follower.summary.stopped_by == "test"
     assert follower.summary.target_reconnects == 1
     follow_to(settings, flush_lsn(settings.source_dsn))
