@@ -96,21 +96,30 @@ def drop_shared(conn: psycopg.Connection[Any], origin_name: str) -> int:
     return len(tables)
 
 
-def copy_rows(
-    conn: psycopg.Connection[Any], name: sql.Identifier, rows: pa.Table, table: TableName
-) -> None:
-    """Bulk COPY in CSV: Arrow quotes every string, so an empty string is ``""`` and NULL is an
-    empty unquoted field, exactly the distinction COPY's CSV format makes."""
+def copy_into(conn: psycopg.Connection[Any], name: sql.Composable, rows: pa.Table) -> int:
+    """Bulk COPY of ``rows`` (columns named as the table's) in CSV; the rows written. Arrow
+    quotes every string, so an empty string is ``""`` and NULL is an empty unquoted field,
+    exactly the distinction COPY's CSV format makes. Errors are the server's, unchanged."""
     statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
         name, sql.SQL(", ").join(sql.Identifier(c) for c in rows.column_names)
     )
     options = pacsv.WriteOptions(include_header=False)
+    cursor = conn.cursor()
+    with cursor.copy(statement) as copy:
+        for batch in rows.to_batches(max_chunksize=_COPY_BATCH_ROWS):
+            sink = pa.BufferOutputStream()
+            pacsv.write_csv(batch, sink, options)
+            copy.write(sink.getvalue())
+    return cursor.rowcount
+
+
+def copy_rows(
+    conn: psycopg.Connection[Any], name: sql.Identifier, rows: pa.Table, table: TableName
+) -> None:
+    """:func:`copy_into` a staging table of ``table``: a failure there can only be a value
+    the target's column type does not take, and is named so."""
     try:
-        with conn.cursor().copy(statement) as copy:
-            for batch in rows.to_batches(max_chunksize=_COPY_BATCH_ROWS):
-                sink = pa.BufferOutputStream()
-                pacsv.write_csv(batch, sink, options)
-                copy.write(sink.getvalue())
+        copy_into(conn, name, rows)
     except psycopg.Error as exc:
         if conn.broken:
             raise  # the server went away, not the values: the caller's server_errors says so

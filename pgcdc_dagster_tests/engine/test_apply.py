@@ -246,6 +246,50 @@ def test_replica_identity_full_duplicates_change_exactly_one_row(make_replica):
     assert replica.target_rows("dup").count('(1,x,"{""k"": 1}")') == 1
 
 
+def test_insert_only_table_without_identity_is_copied_into_the_target_after_its_truncate(
+    make_replica,
+):
+    """Such a table's rows go into the target by one COPY, with no staging table: identity
+    values as the source assigned them, generated columns left to the target, empty strings
+    apart from NULLs, rows the range's TRUNCATE came before kept."""
+    replica = make_replica(
+        "CREATE TABLE log (seq int GENERATED ALWAYS AS IDENTITY, note text, "
+        "doubled int GENERATED ALWAYS AS (seq * 2) STORED, at timestamptz)",
+        ["log"],
+    )
+    replica.source("INSERT INTO log (note) VALUES ('before')")
+    replica.sync()
+    replica.source(
+        "TRUNCATE log",
+        "INSERT INTO log (note, at) SELECT 'n' || g, now() FROM generate_series(1, 3) g",
+        "INSERT INTO log (note) VALUES (''), (NULL), ('same'), ('same')",
+    )
+    counts = replica.sync().tables["public.log"]
+    assert counts.truncated and (counts.net_rows, counts.inserted) == (7, 7)
+    replica.assert_in_sync()
+    rows = replica.target_rows("log")
+    assert '(5,"",10,)' in rows and "(6,,12,)" in rows  # an empty string, then a NULL
+
+
+def test_a_row_the_target_refuses_stops_the_apply_naming_the_table_and_reason(make_replica):
+    """The COPY straight into the target fails as any apply statement does: the table and the
+    server's reason named, nothing of the range applied, the origin where it was."""
+    replica = make_replica("CREATE TABLE log (note text)", ["log"])
+    replica.target("ALTER TABLE log ADD CONSTRAINT short CHECK (length(note) <= 3)")
+    replica.source("INSERT INTO log VALUES ('ok')")
+    replica.sync()
+    progress = replica.progress()
+    replica.source("INSERT INTO log VALUES ('abc'), ('too long')")
+    with pytest.raises(
+        ApplyError,
+        match=r"applying the changes of table public.log failed: "
+        r'new row for relation "log" violates check constraint "short"',
+    ):
+        replica.sync()
+    assert replica.progress() == progress
+    assert replica.target_rows("log") == ["(ok)"]
+
+
 def test_replica_identity_using_index_works_like_a_primary_key(make_replica):
     replica = make_replica(
         """
