@@ -13,8 +13,9 @@ One process, one pgbench backlog, both paths catching up the same changes from t
    files and the same planner statistics. Replication origins are cluster-wide, so the clone
    carries none of ours;
 2. the backlog: pgbench TPC-B, ``--transactions`` per client, 4 clients (4 row changes per
-   transaction: 3 updates, 1 insert). Its end is the source's ``pg_current_wal_flush_lsn()``
-   after a CHECKPOINT;
+   transaction: 3 updates, 1 insert), or with ``--workload insert-log`` (``catchup_cli.py``)
+   4 rows inserted into ``pgbench_history`` per transaction. Its end is the source's
+   ``pg_current_wal_flush_lsn()`` after a CHECKPOINT;
 3. ours, the production path with Spark already running:
    :func:`pgcdc_dagster.engine.pipeline.catch_up` plans ranges capped at ``--range-mb`` from the
    chain's start (the slot's confirmed position) to the end, and each range runs through
@@ -243,6 +244,20 @@ class Setup:
     snapshot_s: float
 
 
+INSERT_LOG_SCRIPT = """\\set aid random(1, 100000 * :scale)
+\\set bid random(1, :scale)
+\\set tid random(1, 10 * :scale)
+\\set delta random(-5000, 5000)
+INSERT INTO pgbench_history (tid, bid, aid, delta, mtime)
+  SELECT :tid, :bid, :aid + g, :delta, now() FROM generate_series(0, 3) g;
+"""
+"""``--workload insert-log``: each transaction inserts 4 rows into ``pgbench_history`` (no
+key, identity FULL) and changes nothing else: a log or audit table's stream, with as many row
+changes per transaction as TPC-B's."""
+
+WORKLOADS = ("tpcb", "insert-log")
+
+
 def prepare(
     source: LocalCluster,
     target: LocalCluster,
@@ -279,7 +294,14 @@ def prepare(
         raise RuntimeError(f"native slot at {native_lsn}, before {snapshot.consistent_point}")
 
     t1 = time.perf_counter()
-    workload = pgbench(source, "-n", "-c", str(CLIENTS), "-j", "2", "-t", str(args.transactions))
+    script: list[str] = []
+    if getattr(args, "workload", "tpcb") == "insert-log":
+        path = store.parent / "insert_log.sql"
+        path.write_text(INSERT_LOG_SCRIPT)
+        script = ["-f", str(path)]
+    workload = pgbench(
+        source, "-n", *script, "-c", str(CLIENTS), "-j", "2", "-t", str(args.transactions)
+    )
     assert workload is not None
     _, stderr = workload.communicate()
     if workload.returncode != 0:

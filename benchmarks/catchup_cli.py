@@ -19,8 +19,8 @@ own. ``--server warm``: an earlier command left the command server up
 definitions already imported; the child's CPU is counted as ``command_server``.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
-[--transactions 20000] [--scale 10] [--repeat 1] [--server off|warm]`` (80k transactions =
-4 x 20000).
+[--transactions 20000] [--scale 10] [--repeat 1] [--server off|warm]
+[--workload tpcb|insert-log]`` (80k transactions = 4 x 20000).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 from apply import (
+    WORKLOADS,
     CpuMeter,
     Setup,
     alternating,
@@ -143,6 +144,13 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=10)
     parser.add_argument("--transactions", type=int, default=20_000, help="per client (4)")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="tpcb",
+        help="tpcb: pgbench's TPC-B-like transactions (3 updates, 1 insert); insert-log: 4 rows "
+        "inserted into pgbench_history per transaction (no key)",
+    )
     parser.add_argument("--native-timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
@@ -160,6 +168,7 @@ def main() -> None:
         "command": "pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
         "command_server": args.server,
         "transactions": 4 * args.transactions,
+        "workload": args.workload,
         "median_ratio": statistics.median(r["ratio"] for r in runs),
         "runs": runs,
     }
