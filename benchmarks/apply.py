@@ -13,7 +13,7 @@ One process, one pgbench backlog, both paths catching up the same changes from t
    files and the same planner statistics. Replication origins are cluster-wide, so the clone
    carries none of ours;
 2. the backlog: pgbench TPC-B, ``--transactions`` per client, 4 clients (4 row changes per
-   transaction: 3 updates, 1 insert), or with ``--workload insert-log`` (``catchup_cli.py``)
+   transaction: 3 updates, 1 insert), or with ``--workload insert-log``
    4 rows inserted into ``pgbench_history`` per transaction. Its end is the source's
    ``pg_current_wal_flush_lsn()`` after a CHECKPOINT;
 3. ours, the production path with Spark already running:
@@ -44,7 +44,7 @@ Ratio: ours throughput / native throughput, > 1 means we are faster. ``--repeat`
 whole thing on fresh clusters and data and reports medians (and every run).
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/apply.py [--scale 10]
-[--transactions 62500] [--range-mb 256] [--repeat 1]``
+[--transactions 62500] [--range-mb 256] [--repeat 1] [--workload tpcb|insert-log]``
 """
 
 from __future__ import annotations
@@ -609,6 +609,12 @@ def main() -> None:
         "--transactions", type=int, default=62_500, help=f"per client ({CLIENTS} clients)"
     )
     parser.add_argument("--range-mb", type=int, default=256, help="range cap, MiB of WAL")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="tpcb",
+        help="tpcb: pgbench's TPC-B-like transactions; insert-log: 4 rows into pgbench_history",
+    )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--native-timeout", type=float, default=600.0)
     args = parser.parse_args()
