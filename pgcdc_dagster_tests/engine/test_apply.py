@@ -28,6 +28,7 @@ from pgcdc_dagster.engine.apply import (
     apply_range,
 )
 from pgcdc_dagster.engine.compaction import (
+    TableRelation,
     compact_arrow,
     compact_table,
     compact_with_spark,
@@ -584,19 +585,27 @@ def _changes(rows: list[tuple]) -> pa.Table:
     return pa.table(columns, schema=CHANGE_SCHEMA)
 
 
-def test_kernel_follows_moves_back_to_the_key_holding_unsent_values():
+def _relation_t(replica_identity: str = "d") -> TableRelation:
+    """``public.t`` as :func:`_changes` writes it: id (the key unless identity FULL), v, big."""
+    full = replica_identity == "f"
     (relation,) = relations_of(
         [
             {
-                "relid": 1, "schema": "public", "table": "t", "replica_identity": "d",
+                "relid": 1, "schema": "public", "table": "t",
+                "replica_identity": replica_identity,
                 "columns": [
                     {"name": "id", "type_oid": 23, "typmod": -1, "key": True},
-                    {"name": "v", "type_oid": 25, "typmod": -1, "key": False},
-                    {"name": "big", "type_oid": 25, "typmod": -1, "key": False},
+                    {"name": "v", "type_oid": 25, "typmod": -1, "key": full},
+                    {"name": "big", "type_oid": 25, "typmod": -1, "key": full},
                 ],
             }
         ]
     ).values()  # fmt: skip
+    return relation
+
+
+def test_kernel_follows_moves_back_to_the_key_holding_unsent_values():
+    relation = _relation_t()
     rows = [
         ("I", ["9"], ["9", "gone", "x"], None),
         ("T", None, None, None),  # everything above is discarded
@@ -617,3 +626,37 @@ def test_kernel_follows_moves_back_to_the_key_holding_unsent_values():
         ("U", "6", "d", "B5", False, None),
         ("U", "7", "e", None, True, None),
     ]
+
+
+def test_kernel_gives_the_same_net_rows_whatever_order_the_changes_come_in():
+    """A range is stored in commit order and the kernel then skips its sort; rows in any other
+    order (Spark's partitions) must still be sorted first, for both kinds of table."""
+    rows = [
+        ("I", ["1", "a", "x"], ["1", "a", "x"], None),  # an insert's key: its own values
+        ("I", ["2", "b", "y"], ["2", "b", "y"], None),
+        ("U", ["1", "a", None], ["1", "c", None], ["big"]),  # old rows in full: under FULL
+        ("D", ["2", "b", "y"], None, None),  # all are sent, by default the key leads
+        ("I", ["2", "d", "z"], ["2", "d", "z"], None),
+        ("U", ["2", "d", "z"], ["3", "e", "w"], None),
+    ]
+    changes = _changes(rows)
+    shuffled = changes.take(pa.array([4, 0, 5, 2, 1, 3]))
+    for relation in (_relation_t("d"), _relation_t("f")):
+        in_order = compact_table(changes, relation)
+        assert compact_table(shuffled, relation).sorted_rows() == in_order.sorted_rows()
+        assert compact_table(changes.slice(0, 1), relation).net.num_rows == 1
+    full = compact_table(shuffled, _relation_t("f"))
+    assert [r["op"] for r in full.sorted_rows()] == ["I", "I", "U", "D", "I", "U"]
+
+
+def test_a_range_applied_in_part_is_compacted_from_the_origin_on():
+    """Transactions whose COMMIT ends at or before the origin are left out; when none does,
+    every change is kept (without the filter's copy)."""
+    changes = _changes([("I", None, [str(i), "v", None], None) for i in range(6)])
+    relation = _relation_t("f")
+    table = TableName("public", "t")
+    whole = compact_arrow(changes, {table: relation}, after_lsn=99)[table]
+    assert [r["c0"] for r in whole.sorted_rows()] == ["0", "1", "2", "3", "4", "5"]
+    rest = compact_arrow(changes, {table: relation}, after_lsn=102)[table]  # ends 100..105
+    assert [r["c0"] for r in rest.sorted_rows()] == ["3", "4", "5"]
+    assert compact_arrow(changes, {table: relation}, after_lsn=105) == {}

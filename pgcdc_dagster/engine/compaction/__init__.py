@@ -56,7 +56,7 @@ def compact_range(
     :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and staged by Spark's workers instead:
     :mod:`..spark_staging`.)"""
     started = time.perf_counter()
-    tables = compact_arrow(stored.read_table(), relations, after_lsn=after_lsn)
+    tables = compact_arrow(stored.read_table(KERNEL_COLUMNS), relations, after_lsn=after_lsn)
     return CompactionResult(
         tables, "arrow", stored.changes, round(time.perf_counter() - started, 4)
     )
@@ -70,8 +70,12 @@ def compact_arrow(
 ) -> dict[TableName, NetChanges]:
     """:func:`compact_table` for every table of a range's changes, in this process."""
     changes = changes.select(list(KERNEL_COLUMNS))
-    if after_lsn is not None:
-        changes = changes.filter(pc.greater(changes.column("commit_end_lsn"), after_lsn))
+    if after_lsn is not None and changes.num_rows:
+        # Only a range applied in part before (its transactions up to the origin) has rows
+        # to drop; a filter copies every column, lists included, even when it keeps them all.
+        lsns = changes.column("commit_end_lsn")
+        if pc.min(lsns).as_py() <= after_lsn:
+            changes = changes.filter(pc.greater(lsns, after_lsn))
     out: dict[TableName, NetChanges] = {}
     for table, rows in _split_by_table(changes, relations):
         out[table] = compact_table(rows, relations[table])
@@ -101,10 +105,15 @@ def _split_by_table(
             f"changes carry relation version(s) {unknown} missing from the relation "
             "descriptions: the range manifest and its Parquet files disagree"
         )
-    order = np.argsort(table_of, kind="stable")
-    sorted_ids = table_of[order]
+    if (table_of[1:] >= table_of[:-1]).all():
+        # Already grouped (a range of one table, such as a log table's stream): a take
+        # would copy every column, lists included, into the same order.
+        sorted_ids, taken = table_of, changes
+    else:
+        order = np.argsort(table_of, kind="stable")
+        sorted_ids = table_of[order]
+        taken = changes.take(pa.array(order, pa.int64()))
     bounds = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1], True])
-    taken = changes.take(pa.array(order, pa.int64()))
     for a, b in itertools.pairwise(bounds.tolist()):
         yield tables[int(sorted_ids[a])], taken.slice(a, b - a)
 

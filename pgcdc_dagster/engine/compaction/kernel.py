@@ -234,7 +234,7 @@ def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
         [c for c in KERNEL_COLUMNS if c in changes.column_names]
     ).combine_chunks()
     count = changes.num_rows
-    if count:
+    if count and not _in_order(changes):
         order = pc.sort_indices(changes, [("commit_end_lsn", "ascending"), ("seq", "ascending")])
         changes = changes.take(order)
     truncate, flags = False, 0
@@ -249,6 +249,15 @@ def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
     else:
         net = _in_commit_order(changes, relation)
     return NetChanges(relation, count, truncates, truncate, flags, net, not relation.collapsible)
+
+
+def _in_order(changes: pa.Table) -> bool:
+    """Whether the rows are already sorted by (``commit_end_lsn``, ``seq``), as a range is
+    stored: then sorting them would only copy every column, lists included."""
+    lsn = changes.column("commit_end_lsn").to_numpy()
+    seq = changes.column("seq").to_numpy()
+    same = lsn[1:] == lsn[:-1]
+    return bool(((lsn[1:] > lsn[:-1]) | (same & (seq[1:] > seq[:-1]))).all())
 
 
 def _is(changes: pa.Table, action: str) -> np.ndarray:
