@@ -9,7 +9,10 @@ storage, changes nothing the engine does: the next ranges register again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dagster import (
@@ -30,18 +33,48 @@ from .partitions import LSN_RANGES
 NO_GAP = "no_gap"
 
 
+STALE_SCAN_S = 60.0
+"""How often a run that registers range after range (a follow) still looks for registered
+ranges that were never stored."""
+
+
+@dataclass
+class _Registered:
+    end: Lsn
+    scanned_at: float
+
+
+_REGISTERED: dict[Path, _Registered] = {}
+"""Per store, the last range this process registered and when it last looked for stale ones."""
+
+
 def register_range(
     instance: DagsterInstance, settings: pipeline.ReplicationSettings, rng: LsnRange
 ) -> None:
-    """Make ``rng`` a partition, and drop registered ranges of the current chain that were
-    never stored and that ``rng`` replaces (they start where it starts)."""
-    if not instance.has_dynamic_partition(LSN_RANGES, rng.key):
-        store = pipeline.store_of(settings)
+    """Make ``rng`` a partition (``rng`` starts at the chain's end or is stored), and drop the
+    registered ranges that were never stored and start at or before it: the chain has passed
+    their start with other boundaries (a run requested for them died first), so none of them
+    will ever be stored.
+
+    That look lists every partition and every stored range, which a follow (a range every few
+    hundred milliseconds, for as long as it runs) cannot afford per range: measured with
+    100,000 ranges, 0.21-0.29 s for the partitions alone. Nothing stale can appear at the start
+    of a range that begins where this process's last registered range ended, except by another
+    process, so a follow's ranges look once a minute; any other registration (a sensor tick, a
+    run's first range) looks every time."""
+    if instance.has_dynamic_partition(LSN_RANGES, rng.key):
+        return
+    now = time.monotonic()
+    last = _REGISTERED.get(settings.store_path)
+    if last is None or last.end != rng.start or now - last.scanned_at >= STALE_SCAN_S:
+        stored = {r.key for r in pipeline.store_of(settings).ranges()}
         for key in instance.get_dynamic_partitions(LSN_RANGES):
             other = LsnRange.from_key(key)
-            if other.start == rng.start and other != rng and store.get(other) is None:
+            if other.start <= rng.start and other != rng and key not in stored:
                 instance.delete_dynamic_partition(LSN_RANGES, key)
-        instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+        last = _Registered(rng.end, now)
+    instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+    _REGISTERED[settings.store_path] = _Registered(rng.end, last.scanned_at)
 
 
 def no_gap_evaluation(

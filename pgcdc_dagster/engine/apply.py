@@ -311,10 +311,9 @@ def check_no_gap(
 ) -> None:
     """Refuse to apply ``stored`` when a transaction between ``progress`` and its start was
     never applied (see the module docstring for why this rule is exact)."""
-    by_end = {r.end: r for r in store.ranges()}
     cursor = stored.range.start
     while cursor > progress:
-        previous = by_end.get(cursor)
+        previous = store.range_ending_at(cursor)
         if previous is None:
             raise ApplyGapError(
                 f"range {stored.range.key} cannot be applied: the target's origin "
@@ -322,17 +321,17 @@ def check_no_gap(
                 f"changes in ({progress}, {cursor}] are missing from the store; receive and "
                 "apply them first, or re-take the base snapshot if they are lost"
             )
-        previous_stored = store.get(previous)
-        last = None if previous_stored is None else previous_stored.transform_lsn
+        last = previous.transform_lsn
         if last is not None and last > progress:
+            key = previous.range.key
             raise ApplyGapError(
                 f"range {stored.range.key} cannot be applied: the target's origin "
-                f"{origin_name} is at {progress}, but range {previous.key} (transactions up "
+                f"{origin_name} is at {progress}, but range {key} (transactions up "
                 f"to {last}) was not applied, so the changes in ({progress}, "
-                f"{stored.range.start}] are missing on the target; apply range {previous.key} "
+                f"{stored.range.start}] are missing on the target; apply range {key} "
                 "first (ranges apply in LSN order)"
             )
-        cursor = previous.start
+        cursor = previous.range.start
 
 
 def _commit_time(us: int | None) -> dt.datetime:

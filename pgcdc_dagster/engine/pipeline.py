@@ -238,6 +238,21 @@ def expected_origin_progress(
     chain = store.chain()
     if chain is None or not chain.complete:
         return None
+    if through is not None and chain.consistent_point is not None:
+        # A follow asks this for every range it applies: walk back from ``through`` by ends
+        # (see OutputStore.range_ending_at) to the last range that holds a transaction,
+        # rather than list the whole store each time.
+        rng: LsnRange | None = through
+        while rng is not None and rng.start >= chain.consistent_point:
+            stored = store.get(rng)
+            if stored is None:
+                break  # not stored: the listing below decides, as it always did
+            if stored.transform_lsn is not None:
+                return stored.transform_lsn
+            if rng.start == chain.consistent_point:
+                return rng.start
+            previous = store.range_ending_at(rng.start)
+            rng = None if previous is None else previous.range
     for rng in reversed(store.chain_ranges()):
         if through is not None and rng.end > through.end:
             continue

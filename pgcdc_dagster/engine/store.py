@@ -234,6 +234,29 @@ class StoredRange:
         return pa.concat_tables(tables)
 
 
+@dataclass
+class _Seen:
+    """What this process knows of one store's ranges, shared by every :class:`OutputStore` on
+    it. A follow stores a range every few hundred milliseconds for as long as it runs, so a
+    store may hold hundreds of thousands of ranges: the per-range paths (the gap check before
+    an apply, the expected origin of a range) must not list and parse them all each time
+    (measured, 100,000 ranges: a listing 0.35-0.4 s, 0.26-0.31 s of it parsing the keys)."""
+
+    keys: dict[str, LsnRange] = field(default_factory=dict)
+    """Parsed folder names: a listing parses only the names it has not seen."""
+    by_end: dict[Lsn, LsnRange] = field(default_factory=dict)
+    """Ranges seen stored (listed, or written by this process), by end; for equal ends the one
+    that starts last, as a listing in LSN order would give it."""
+
+    def stored(self, rng: LsnRange) -> None:
+        known = self.by_end.get(rng.end)
+        if known is None or known.start <= rng.start:
+            self.by_end[rng.end] = rng
+
+
+_SEEN: dict[Path, _Seen] = {}
+
+
 class OutputStore:
     """A local-filesystem output store rooted at ``root``."""
 
@@ -242,6 +265,7 @@ class OutputStore:
         self.changes_dir = self.root / "changes"
         self._listing: tuple[int, list[LsnRange]] | None = None
         self._manifests: dict[LsnRange, StoredRange] = {}
+        self._seen = _SEEN.setdefault(self.changes_dir.absolute(), _Seen())
 
     def range_path(self, rng: LsnRange) -> Path:
         return self.changes_dir / rng.key
@@ -279,11 +303,20 @@ class OutputStore:
             return list(self._listing[1])
         with os.scandir(self.changes_dir) as entries:
             keys = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
-        ranges = [LsnRange.from_key(k) for k in keys]
+        parsed = self._seen.keys
+        ranges = [parsed.get(k) or parsed.setdefault(k, LsnRange.from_key(k)) for k in keys]
         self._listing = (stat.st_mtime_ns, ranges)
+        for rng in ranges:
+            self._seen.stored(rng)
         return list(ranges)
 
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
+        """The stored range that ends at ``end`` (the one that starts last, if several do).
+        A range this process has seen stored is checked by its folder alone; only an end it
+        has not seen lists the store."""
+        seen = self._seen.by_end.get(end)
+        if seen is not None and self.range_path(seen).is_dir():
+            return self.get(seen)
         for rng in reversed(self.ranges()):
             if rng.end == end:
                 return self.get(rng)
@@ -445,6 +478,7 @@ class RangeWriter:
         stored = StoredRange(self.range, final, manifest)
         self.store._manifests[self.range] = stored
         self.store._listing = None
+        self.store._seen.stored(self.range)
         return stored
 
     def abort(self) -> None:

@@ -1,10 +1,19 @@
 """Range planning and ordering, on a real output store on disk (no database needed)."""
 
+import shutil
+
 import pytest
 
+from pgcdc_dagster.engine import store as store_module
+from pgcdc_dagster.engine.apply import ApplyGapError, check_no_gap
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.next_step import plan_next_range
-from pgcdc_dagster.engine.pipeline import RangeOrderError, check_range_order
+from pgcdc_dagster.engine.pipeline import (
+    RangeOrderError,
+    check_range_order,
+    expected_origin_progress,
+)
+from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
 
@@ -58,3 +67,64 @@ def test_a_crashed_write_leaves_no_range_behind(tmp_path):
     assert not crashed.tmp.exists()
     retry.commit(range_manifest("0/1000", "0/2000", None))
     assert store.ranges() == [rng]
+
+
+class _Listings:
+    """Counts full listings of any output store (the per-range paths must not need one)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = OutputStore.ranges
+
+        def counted(store: OutputStore) -> list[LsnRange]:
+            self.count += 1
+            return original(store)
+
+        monkeypatch.setattr(OutputStore, "ranges", counted)
+
+
+def test_the_range_before_a_range_is_found_by_its_end_without_listing_the_store(
+    tmp_path, monkeypatch
+):
+    """A follow stores a range every few hundred milliseconds: the gap check before each apply
+    and the origin each range must leave walk back by ends, not through a listing of every
+    range stored so far. Ranges another process stored are found by one listing."""
+    chain = [("0/1000", "0/2000", "0/1800"), ("0/2000", "0/3000", None), ("0/3000", "0/4000", None)]
+    store_ranges(OutputStore(tmp_path / "store"), chain, "0/1000")
+    settings = ReplicationSettings(store=str(tmp_path / "store"))
+    last = LsnRange("0/3000", "0/4000")
+    listings = _Listings(monkeypatch)
+
+    store = OutputStore(tmp_path / "store")  # another instance, as the applier's is
+    previous = store.range_ending_at(Lsn("0/3000"))
+    assert previous is not None and previous.range == LsnRange("0/2000", "0/3000")
+    check_no_gap(store, store.get(last), Lsn("0/1800"))  # two empty ranges back: no gap
+    assert expected_origin_progress(settings, through=last) == Lsn("0/1800")
+    assert expected_origin_progress(settings, through=LsnRange("0/1000", "0/2000")) == Lsn("0/1800")
+    with pytest.raises(ApplyGapError, match="range 0000000000001000-0000000000002000"):
+        check_no_gap(store, store.get(last), Lsn("0/1000"))  # its first range not applied
+    assert listings.count == 0
+
+    shutil.rmtree(store.range_path(LsnRange("0/2000", "0/3000")))  # lost by hand
+    with pytest.raises(ApplyGapError, match="no stored range ends at 0/3000"):
+        check_no_gap(OutputStore(tmp_path / "store"), store.get(last), Lsn("0/1800"))
+    assert listings.count == 1
+
+    with store.writer(LsnRange("0/2000", "0/3000")) as writer:  # back, then forgotten:
+        writer.commit(range_manifest("0/2000", "0/3000", None))
+    store_module._SEEN.clear()  # what a process that did not store them knows
+    check_no_gap(OutputStore(tmp_path / "store"), store.get(last), Lsn("0/1800"))
+    assert listings.count == 2
+
+
+def test_of_two_ranges_ending_alike_the_one_that_starts_last_is_the_range_before(tmp_path):
+    """Only ranges of two chains could end alike; a listing in LSN order gave the later one."""
+    store = store_ranges(
+        OutputStore(tmp_path / "store"),
+        [("0/1800", "0/3000", None), ("0/1000", "0/3000", "0/2000")],
+        "0/1000",
+    )
+    assert store.range_ending_at(Lsn("0/3000")).range == LsnRange("0/1800", "0/3000")
+    store_module._SEEN.clear()
+    fresh = OutputStore(tmp_path / "store")
+    assert fresh.range_ending_at(Lsn("0/3000")).range == LsnRange("0/1800", "0/3000")

@@ -1,0 +1,65 @@
+"""Registering ranges as partitions: the UI's partitions stay the store's chain, and a follow
+does not list every partition for every range it registers."""
+
+from __future__ import annotations
+
+import pytest
+from dagster import DagsterInstance, instance_for_test
+
+from pgcdc_dagster.defs import range_events
+from pgcdc_dagster.defs.partitions import LSN_RANGES
+from pgcdc_dagster.defs.range_events import register_range
+from pgcdc_dagster.engine.lsn import LsnRange
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster_tests.stores import range_manifest, store_ranges
+
+
+class _PartitionListings:
+    def __init__(self, instance: DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        original = instance.get_dynamic_partitions
+
+        def counted(name: str) -> list[str]:
+            self.count += 1
+            return original(name)
+
+        monkeypatch.setattr(instance, "get_dynamic_partitions", counted)
+
+
+def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute(
+    tmp_path, monkeypatch
+):
+    store = store_ranges(OutputStore(tmp_path / "store"), [], "0/1000")
+    settings = ReplicationSettings(store=str(tmp_path / "store"))
+    range_events._REGISTERED.clear()
+
+    def stored(start: str, end: str) -> LsnRange:
+        with store.writer(LsnRange(start, end)) as writer:
+            writer.commit(range_manifest(start, end, None))
+        return LsnRange(start, end)
+
+    with instance_for_test() as instance:
+        # A sensor registered the next range and its run died before storing it.
+        instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/1000", "0/1800").key])
+        listings = _PartitionListings(instance, monkeypatch)
+
+        # A follow resumes there with other boundaries: its first range drops the dead one.
+        first = stored("0/1000", "0/2000")
+        register_range(instance, settings, first)
+        assert instance.get_dynamic_partitions(LSN_RANGES) == [first.key]
+        listings.count = 0
+
+        # Its next ranges start where the last one ended: nothing stale can be there.
+        chain = [first]
+        for start, end in [("0/2000", "0/3000"), ("0/3000", "0/4000")]:
+            chain.append(stored(start, end))
+            register_range(instance, settings, chain[-1])
+        assert listings.count == 0
+        # ...until a minute has passed; another process's dead run is dropped then.
+        instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/4000", "0/4800").key])
+        monkeypatch.setattr(range_events, "STALE_SCAN_S", 0.0)
+        chain.append(stored("0/4000", "0/5000"))
+        register_range(instance, settings, chain[-1])
+        assert listings.count == 1
+        assert sorted(instance.get_dynamic_partitions(LSN_RANGES)) == [r.key for r in chain]
