@@ -3,8 +3,7 @@ does not list every partition for every range it registers."""
 
 from __future__ import annotations
 
-import pytest
-from dagster import DagsterInstance, instance_for_test
+from dagster import instance_for_test
 
 from pgcdc_dagster.defs import range_events
 from pgcdc_dagster.defs.partitions import LSN_RANGES
@@ -12,19 +11,8 @@ from pgcdc_dagster.defs.range_events import register_range
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
-
-
-class _PartitionListings:
-    def __init__(self, instance: DagsterInstance, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        original = instance.get_dynamic_partitions
-
-        def counted(name: str) -> list[str]:
-            self.count += 1
-            return original(name)
-
-        monkeypatch.setattr(instance, "get_dynamic_partitions", counted)
 
 
 def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute(
@@ -42,7 +30,7 @@ def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute
     with instance_for_test() as instance:
         # A sensor registered the next range and its run died before storing it.
         instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/1000", "0/1800").key])
-        listings = _PartitionListings(instance, monkeypatch)
+        listings = CallCount(monkeypatch, instance, "get_dynamic_partitions")
 
         # A follow resumes there with other boundaries: its first range drops the dead one.
         first = stored("0/1000", "0/2000")

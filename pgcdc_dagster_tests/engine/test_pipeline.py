@@ -15,6 +15,7 @@ from pgcdc_dagster.engine.pipeline import (
 )
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
 
 
@@ -69,20 +70,6 @@ def test_a_crashed_write_leaves_no_range_behind(tmp_path):
     assert store.ranges() == [rng]
 
 
-class _Listings:
-    """Counts full listings of any output store (the per-range paths must not need one)."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.count = 0
-        original = OutputStore.ranges
-
-        def counted(store: OutputStore) -> list[LsnRange]:
-            self.count += 1
-            return original(store)
-
-        monkeypatch.setattr(OutputStore, "ranges", counted)
-
-
 def test_the_range_before_a_range_is_found_by_its_end_without_listing_the_store(
     tmp_path, monkeypatch
 ):
@@ -93,7 +80,7 @@ def test_the_range_before_a_range_is_found_by_its_end_without_listing_the_store(
     store_ranges(OutputStore(tmp_path / "store"), chain, "0/1000")
     settings = ReplicationSettings(store=str(tmp_path / "store"))
     last = LsnRange("0/3000", "0/4000")
-    listings = _Listings(monkeypatch)
+    listings = CallCount(monkeypatch, OutputStore, "ranges")  # a full listing of a store
 
     store = OutputStore(tmp_path / "store")  # another instance, as the applier's is
     previous = store.range_ending_at(Lsn("0/3000"))
