@@ -312,15 +312,9 @@ def check_no_gap(
     """Refuse to apply ``stored`` when a transaction between ``progress`` and its start was
     never applied (see the module docstring for why this rule is exact)."""
     cursor = stored.range.start
-    while cursor > progress:
-        previous = store.range_ending_at(cursor)
-        if previous is None:
-            raise ApplyGapError(
-                f"range {stored.range.key} cannot be applied: the target's origin "
-                f"{origin_name} is at {progress}, and no stored range ends at {cursor}, so the "
-                f"changes in ({progress}, {cursor}] are missing from the store; receive and "
-                "apply them first, or re-take the base snapshot if they are lost"
-            )
+    if cursor <= progress:
+        return
+    for previous in store.ranges_before(cursor):
         last = previous.transform_lsn
         if last is not None and last > progress:
             key = previous.range.key
@@ -332,6 +326,14 @@ def check_no_gap(
                 "first (ranges apply in LSN order)"
             )
         cursor = previous.range.start
+        if cursor <= progress:
+            return
+    raise ApplyGapError(
+        f"range {stored.range.key} cannot be applied: the target's origin "
+        f"{origin_name} is at {progress}, and no stored range ends at {cursor}, so the "
+        f"changes in ({progress}, {cursor}] are missing from the store; receive and "
+        "apply them first, or re-take the base snapshot if they are lost"
+    )
 
 
 def _commit_time(us: int | None) -> dt.datetime:

@@ -238,21 +238,23 @@ def expected_origin_progress(
     chain = store.chain()
     if chain is None or not chain.complete:
         return None
-    if through is not None and chain.consistent_point is not None:
+    point = chain.consistent_point
+    latest = None if through is None or point is None else store.get(through)
+    if latest is not None and point is not None and latest.range.start >= point:
         # A follow asks this for every range it applies: walk back from ``through`` by ends
-        # (see OutputStore.range_ending_at) to the last range that holds a transaction,
-        # rather than list the whole store each time.
-        rng: LsnRange | None = through
-        while rng is not None and rng.start >= chain.consistent_point:
-            stored = store.get(rng)
-            if stored is None:
-                break  # not stored: the listing below decides, as it always did
-            if stored.transform_lsn is not None:
-                return stored.transform_lsn
-            if rng.start == chain.consistent_point:
-                return rng.start
-            previous = store.range_ending_at(rng.start)
-            rng = None if previous is None else previous.range
+        # (OutputStore.ranges_before) to the last range that holds a transaction, rather
+        # than list the whole store each time.
+        if latest.transform_lsn is not None:
+            return latest.transform_lsn
+        if latest.range.start == point:
+            return point
+        for previous in store.ranges_before(latest.range.start):
+            if previous.range.start < point:
+                break
+            if previous.transform_lsn is not None:
+                return previous.transform_lsn
+            if previous.range.start == point:
+                return point
     for rng in reversed(store.chain_ranges()):
         if through is not None and rng.end > through.end:
             continue

@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -234,24 +235,34 @@ class StoredRange:
         return pa.concat_tables(tables)
 
 
+MANIFESTS_KEPT = 256
+"""Stored ranges an :class:`OutputStore` keeps read (the most recently used): a follow's
+receiver writes through one store for as long as it runs, and keeping every range it stored
+grew it by 1.6 KB per range of one table (measured over 12,000 ranges; more per table), about
+30 MB an hour at 5 ranges a second, without end. Bounded, 12,000 ranges grew it 3.1 MB in all."""
+ENDS_SEEN = 4096
+"""Range ends a process remembers per store (the latest seen)."""
+
+
 @dataclass
 class _Seen:
-    """What this process knows of one store's ranges, shared by every :class:`OutputStore` on
-    it. A follow stores a range every few hundred milliseconds for as long as it runs, so a
-    store may hold hundreds of thousands of ranges: the per-range paths (the gap check before
-    an apply, the expected origin of a range) must not list and parse them all each time
-    (measured, 100,000 ranges: a listing 0.35-0.4 s, 0.26-0.31 s of it parsing the keys)."""
+    """What this process saw stored of one store's ranges, by end, shared by every
+    :class:`OutputStore` on it. A follow stores a range every few hundred milliseconds for as
+    long as it runs, so a store may hold hundreds of thousands of ranges: the per-range paths
+    (the gap check before an apply, the origin a range must leave) look a range up by its end
+    and must not list them all each time (measured, 100,000 ranges: a listing 0.35-0.4 s).
+    Bounded (:data:`ENDS_SEEN`, the oldest forgotten first): those paths ask for recent ends;
+    an end forgotten, or never seen, is found by a listing."""
 
-    keys: dict[str, LsnRange] = field(default_factory=dict)
-    """Parsed folder names: a listing parses only the names it has not seen."""
     by_end: dict[Lsn, LsnRange] = field(default_factory=dict)
-    """Ranges seen stored (listed, or written by this process), by end; for equal ends the one
-    that starts last, as a listing in LSN order would give it."""
+    """For equal ends (ranges of two chains) the one that starts last, as a listing in LSN
+    order gives it."""
 
     def stored(self, rng: LsnRange) -> None:
-        known = self.by_end.get(rng.end)
-        if known is None or known.start <= rng.start:
-            self.by_end[rng.end] = rng
+        known = self.by_end.pop(rng.end, None)
+        self.by_end[rng.end] = rng if known is None or known.start <= rng.start else known
+        while len(self.by_end) > ENDS_SEEN:
+            del self.by_end[next(iter(self.by_end))]
 
 
 _SEEN: dict[Path, _Seen] = {}
@@ -264,7 +275,7 @@ class OutputStore:
         self.root = Path(root)
         self.changes_dir = self.root / "changes"
         self._listing: tuple[int, list[LsnRange]] | None = None
-        self._manifests: dict[LsnRange, StoredRange] = {}
+        self._manifests: OrderedDict[LsnRange, StoredRange] = OrderedDict()
         self._seen = _SEEN.setdefault(self.changes_dir.absolute(), _Seen())
 
     def range_path(self, rng: LsnRange) -> Path:
@@ -274,14 +285,20 @@ class OutputStore:
         """The stored range, or ``None``. A stored range never changes, so it is read once."""
         cached = self._manifests.get(rng)
         if cached is not None:
+            self._manifests.move_to_end(rng)
             return cached
         path = self.range_path(rng)
         try:
             manifest = RangeManifest.from_json((path / MANIFEST).read_text())
         except FileNotFoundError:
             return None
-        stored = StoredRange(rng, path, manifest)
-        self._manifests[rng] = stored
+        return self._keep(StoredRange(rng, path, manifest))
+
+    def _keep(self, stored: StoredRange) -> StoredRange:
+        self._manifests[stored.range] = stored
+        self._manifests.move_to_end(stored.range)
+        while len(self._manifests) > MANIFESTS_KEPT:
+            self._manifests.popitem(last=False)
         return stored
 
     def ranges(self) -> list[LsnRange]:
@@ -303,26 +320,36 @@ class OutputStore:
             return list(self._listing[1])
         with os.scandir(self.changes_dir) as entries:
             keys = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
-        parsed = self._seen.keys
-        ranges = [parsed.get(k) or parsed.setdefault(k, LsnRange.from_key(k)) for k in keys]
+        ranges = [LsnRange.from_key(k) for k in keys]
         self._listing = (stat.st_mtime_ns, ranges)
-        for rng in ranges:
+        for rng in ranges[-ENDS_SEEN:]:
             self._seen.stored(rng)
         return list(ranges)
 
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
-        """The stored range that ends at ``end`` (the one that starts last, if several do).
-        A range this process has seen stored is checked by its folder alone; only an end it
-        has not seen lists the store."""
-        seen = self._seen.by_end.get(end)
-        if seen is not None and self.range_path(seen).is_dir():
-            return self.get(seen)
-        for rng in reversed(self.ranges()):
-            if rng.end == end:
-                return self.get(rng)
-            if rng.end < end:
-                break
-        return None
+        """The stored range that ends at ``end`` (the one that starts last, if several do)."""
+        return next(self.ranges_before(end), None)
+
+    def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:
+        """The stored range that ends at ``end``, then the one that ends where it starts, and
+        so on back, until no stored range ends there. Each step is a range this process saw
+        stored, checked by its folder alone, while it knows them; from the first it does not,
+        the rest come from one listing."""
+        listed: dict[Lsn, LsnRange] | None = None
+        cursor = end
+        while True:
+            rng = None if listed is not None else self._seen.by_end.get(cursor)
+            if rng is None or not self.range_path(rng).is_dir():
+                if listed is None:
+                    listed = {r.end: r for r in self.ranges()}  # in LSN order: last start wins
+                rng = listed.get(cursor)
+            if rng is None or rng.start >= cursor:
+                return
+            stored = self.get(rng)
+            if stored is None:
+                return
+            yield stored
+            cursor = rng.start
 
     def writer(self, rng: LsnRange) -> RangeWriter:
         return RangeWriter(self, rng)
@@ -475,8 +502,7 @@ class RangeWriter:
             raise StoreError(f"range {self.range.key} is already stored at {final}")
         os.rename(self.tmp, final)
         _fsync_path(self.store.changes_dir)
-        stored = StoredRange(self.range, final, manifest)
-        self.store._manifests[self.range] = stored
+        stored = self.store._keep(StoredRange(self.range, final, manifest))
         self.store._listing = None
         self.store._seen.stored(self.range)
         return stored

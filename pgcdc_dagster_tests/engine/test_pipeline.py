@@ -1,5 +1,6 @@
 """Range planning and ordering, on a real output store on disk (no database needed)."""
 
+import itertools
 import shutil
 
 import pytest
@@ -115,3 +116,46 @@ def test_of_two_ranges_ending_alike_the_one_that_starts_last_is_the_range_before
     store_module._SEEN.clear()
     fresh = OutputStore(tmp_path / "store")
     assert fresh.range_ending_at(Lsn("0/3000")).range == LsnRange("0/1800", "0/3000")
+
+
+def test_a_long_lived_store_keeps_a_bounded_number_of_ranges_in_memory(tmp_path, monkeypatch):
+    """A follow's receiver writes through one store for as long as it runs: what it remembers
+    of the ranges it stored stays bounded, and what it forgot is read again from the disk."""
+    monkeypatch.setattr(store_module, "MANIFESTS_KEPT", 3)
+    monkeypatch.setattr(store_module, "ENDS_SEEN", 3)
+    ends = [f"0/{0x1000 * i:X}" for i in range(1, 10)]
+    store = store_ranges(
+        OutputStore(tmp_path / "store"),
+        [(a, b, f"0/{int(b[2:], 16) - 8:X}") for a, b in itertools.pairwise(ends)],
+        ends[0],
+    )
+    assert len(store._manifests) == 3 and len(store._seen.by_end) == 3
+    listings = CallCount(monkeypatch, OutputStore, "ranges")
+    assert store.range_ending_at(Lsn(ends[-1])).range == LsnRange(ends[-2], ends[-1])
+    assert listings.count == 0
+    oldest = store.range_ending_at(Lsn(ends[1]))  # forgotten: one listing finds it
+    assert oldest.range == LsnRange(ends[0], ends[1])
+    assert oldest.transform_lsn == Lsn(int(ends[1][2:], 16) - 8)
+    assert listings.count == 1
+    assert len(store._manifests) == 3 and len(store._seen.by_end) == 3
+
+
+def test_a_walk_back_past_what_the_process_remembers_lists_the_store_once(tmp_path, monkeypatch):
+    """An idle source leaves empty range after empty range behind its last commit; the gap
+    check and the expected origin walk back over all of them, past the ends this process
+    remembers, with one listing."""
+    monkeypatch.setattr(store_module, "ENDS_SEEN", 3)
+    ends = [f"0/{0x1000 * i:X}" for i in range(1, 13)]
+    ranges = [(a, b, None) for a, b in itertools.pairwise(ends)]
+    ranges[0] = (ends[0], ends[1], "0/1F00")  # the last commit, then ten empty ranges
+    store_ranges(OutputStore(tmp_path / "store"), ranges, ends[0])
+    settings = ReplicationSettings(store=str(tmp_path / "store"))
+    last = LsnRange(ends[-2], ends[-1])
+    listings = CallCount(monkeypatch, OutputStore, "ranges")
+    store = OutputStore(tmp_path / "store")
+    check_no_gap(store, store.get(last), Lsn("0/1F00"))
+    assert listings.count == 1
+    assert expected_origin_progress(settings, through=last) == Lsn("0/1F00")
+    assert listings.count == 2
+    with pytest.raises(ApplyGapError, match="transactions up to 0/1F00"):
+        check_no_gap(store, store.get(last), Lsn("0/1E00"))
