@@ -315,6 +315,9 @@ def check_no_gap(
     if cursor <= progress:
         return
     for previous in store.ranges_before(cursor):
+        known = previous.chain_last_commit
+        if known is not None and known <= progress:
+            return  # every COMMIT stored up to here is at or before the origin
         last = previous.transform_lsn
         if last is not None and last > progress:
             key = previous.range.key

@@ -244,6 +244,8 @@ def expected_origin_progress(
         # A follow asks this for every range it applies: walk back from ``through`` by ends
         # (OutputStore.ranges_before) to the last range that holds a transaction, rather
         # than list the whole store each time.
+        if latest.chain_last_commit is not None:
+            return latest.chain_last_commit
         if latest.transform_lsn is not None:
             return latest.transform_lsn
         if latest.range.start == point:

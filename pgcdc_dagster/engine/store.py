@@ -132,6 +132,12 @@ class RangeManifest:
     """Names of the non-built-in type oids the relations use."""
     bytes: int = 0
     format_version: int = FORMAT_VERSION
+    chain_last_commit: str | None = None
+    """End of the last COMMIT stored in the chain up to this range's end (the consistent point
+    when none is): where the target's origin stands once the range is applied. Set when the
+    range is stored, from its own last COMMIT or else from the range before it, so walking
+    back over empty ranges (an idle source stores one every ``follow_idle_s``) takes one step.
+    ``None`` when unknown: a range before it stored without it, or not in the current chain."""
 
     def to_json(self) -> str:
         result = {k: v for k, v in dataclasses.asdict(self.result).items() if k != "already_stored"}
@@ -142,6 +148,7 @@ class RangeManifest:
                 "types": self.types,
                 "bytes": self.bytes,
                 "format_version": self.format_version,
+                "chain_last_commit": self.chain_last_commit,
             },
             indent=1,
             sort_keys=True,
@@ -160,6 +167,7 @@ class RangeManifest:
             types=dict(raw.get("types", {})),
             bytes=int(raw.get("bytes", 0)),
             format_version=int(raw.get("format_version", FORMAT_VERSION)),
+            chain_last_commit=raw.get("chain_last_commit"),
         )
 
 
@@ -197,6 +205,12 @@ class StoredRange:
     def transform_lsn(self) -> Lsn | None:
         """End of the range's last COMMIT; ``None`` when it holds no transaction."""
         value = self.manifest.result.transform_lsn
+        return None if value is None else Lsn.parse(value)
+
+    @property
+    def chain_last_commit(self) -> Lsn | None:
+        """See :attr:`RangeManifest.chain_last_commit`."""
+        value = self.manifest.chain_last_commit
         return None if value is None else Lsn.parse(value)
 
     @property
@@ -329,6 +343,19 @@ class OutputStore:
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
         """The stored range that ends at ``end`` (the one that starts last, if several do)."""
         return next(self.ranges_before(end), None)
+
+    def chain_last_commit(self, rng: LsnRange, transform_lsn: str | None) -> str | None:
+        """:attr:`RangeManifest.chain_last_commit` for ``rng``, about to be stored."""
+        if transform_lsn is not None:
+            return transform_lsn
+        chain = self.chain()
+        point = None if chain is None or not chain.complete else chain.consistent_point
+        if point is None or rng.start < point:
+            return None
+        if rng.start == point:
+            return str(point)
+        previous = self.range_ending_at(rng.start)
+        return None if previous is None else previous.manifest.chain_last_commit
 
     def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:
         """The stored range that ends at ``end``, then the one that ends where it starts, and
@@ -492,7 +519,12 @@ class RangeWriter:
             spill.unlink()
         parquet_bytes = sum(f.stat().st_size for f in self.tmp.glob("part-*.parquet"))
         result = dataclasses.replace(manifest.result, bytes=parquet_bytes)
-        manifest = dataclasses.replace(manifest, result=result, bytes=parquet_bytes)
+        manifest = dataclasses.replace(
+            manifest,
+            result=result,
+            bytes=parquet_bytes,
+            chain_last_commit=self.store.chain_last_commit(self.range, result.transform_lsn),
+        )
         (self.tmp / MANIFEST).write_text(manifest.to_json())
         for f in self.tmp.iterdir():
             _fsync_path(f)

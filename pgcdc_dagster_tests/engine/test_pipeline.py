@@ -140,22 +140,37 @@ def test_a_long_lived_store_keeps_a_bounded_number_of_ranges_in_memory(tmp_path,
     assert len(store._manifests) == 3 and len(store._seen.by_end) == 3
 
 
-def test_a_walk_back_past_what_the_process_remembers_lists_the_store_once(tmp_path, monkeypatch):
-    """An idle source leaves empty range after empty range behind its last commit; the gap
-    check and the expected origin walk back over all of them, past the ends this process
-    remembers, with one listing."""
+def test_an_idle_sources_empty_ranges_are_walked_back_in_one_step(tmp_path, monkeypatch):
+    """An idle source leaves empty range after empty range behind its last commit. Each range
+    stored records the chain's last commit so far, so the gap check and the expected origin
+    read one range, not all of them; ranges stored before that record existed are walked, past
+    the ends this process remembers, with one listing each."""
     monkeypatch.setattr(store_module, "ENDS_SEEN", 3)
     ends = [f"0/{0x1000 * i:X}" for i in range(1, 13)]
     ranges = [(a, b, None) for a, b in itertools.pairwise(ends)]
-    ranges[0] = (ends[0], ends[1], "0/1F00")  # the last commit, then ten empty ranges
-    store_ranges(OutputStore(tmp_path / "store"), ranges, ends[0])
-    settings = ReplicationSettings(store=str(tmp_path / "store"))
+    ranges[1] = (ends[1], ends[2], "0/2F00")  # the last commit, then nine empty ranges
     last = LsnRange(ends[-2], ends[-1])
-    listings = CallCount(monkeypatch, OutputStore, "ranges")
-    store = OutputStore(tmp_path / "store")
-    check_no_gap(store, store.get(last), Lsn("0/1F00"))
-    assert listings.count == 1
-    assert expected_origin_progress(settings, through=last) == Lsn("0/1F00")
-    assert listings.count == 2
-    with pytest.raises(ApplyGapError, match="transactions up to 0/1F00"):
-        check_no_gap(store, store.get(last), Lsn("0/1E00"))
+
+    def check(root, *, listed: int) -> None:
+        settings = ReplicationSettings(store=str(root))
+        listings = CallCount(monkeypatch, OutputStore, "ranges")
+        reads = CallCount(monkeypatch, OutputStore, "get")
+        store = OutputStore(root)
+        check_no_gap(store, store.get(last), Lsn("0/2F00"))
+        assert expected_origin_progress(settings, through=last) == Lsn("0/2F00")
+        assert (listings.count, reads.count <= 4) == (listed, listed == 0)
+        with pytest.raises(ApplyGapError, match="transactions up to 0/2F00"):
+            check_no_gap(store, store.get(last), Lsn("0/2E00"))
+        monkeypatch.undo()
+        monkeypatch.setattr(store_module, "ENDS_SEEN", 3)
+
+    store = store_ranges(OutputStore(tmp_path / "new"), ranges, ends[0])
+    marks = [store.get(LsnRange(a, b)).chain_last_commit for a, b, _ in ranges]
+    assert marks == [Lsn(ends[0])] + [Lsn("0/2F00")] * 10  # the first: the consistent point
+    check(tmp_path / "new", listed=0)
+
+    with monkeypatch.context() as older:  # as stored before the record: own last commit only
+        older.setattr(OutputStore, "chain_last_commit", lambda self, rng, transform: transform)
+        store_ranges(OutputStore(tmp_path / "old"), ranges, ends[0])
+    store_module._SEEN.clear()
+    check(tmp_path / "old", listed=2)  # once per walk: the gap check, the expected origin
