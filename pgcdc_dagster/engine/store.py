@@ -354,8 +354,16 @@ class OutputStore:
             return None
         if rng.start == point:
             return str(point)
-        previous = self.range_ending_at(rng.start)
-        return None if previous is None else previous.manifest.chain_last_commit
+        # The range before it's record; ranges stored without one (by an older version) are
+        # walked back once, here, so the records start again from this range on.
+        for previous in self.ranges_before(rng.start):
+            if previous.manifest.chain_last_commit is not None:
+                return previous.manifest.chain_last_commit
+            if previous.manifest.result.transform_lsn is not None:
+                return previous.manifest.result.transform_lsn
+            if previous.range.start <= point:
+                return str(point) if previous.range.start == point else None
+        return None  # no range ends where it starts: unknown
 
     def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:
         """The stored range that ends at ``end``, then the one that ends where it starts, and

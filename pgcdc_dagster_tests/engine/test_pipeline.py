@@ -174,3 +174,9 @@ def test_an_idle_sources_empty_ranges_are_walked_back_in_one_step(tmp_path, monk
         store_ranges(OutputStore(tmp_path / "old"), ranges, ends[0])
     store_module._SEEN.clear()
     check(tmp_path / "old", listed=2)  # once per walk: the gap check, the expected origin
+
+    # The first range stored after that walks back once and records, and the next ones follow.
+    old = OutputStore(tmp_path / "old")
+    more = [(ends[-1], "0/D000", None), ("0/D000", "0/E000", None)]
+    store_ranges(old, more, ends[0])
+    assert [old.get(LsnRange(a, b)).chain_last_commit for a, b, _ in more] == [Lsn("0/2F00")] * 2
