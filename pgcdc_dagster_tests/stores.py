@@ -33,3 +33,16 @@ def store_ranges(
         with store.writer(LsnRange(start, end)) as writer:
             writer.commit(range_manifest(start, end, transform))
     return store
+
+
+def assert_chain_records(store: OutputStore, origin: Lsn | None) -> None:
+    """Every range of the chain records the chain's last commit up to its end, as a walk
+    forward from the consistent point finds it, and a converged target's origin stands at the
+    last one: what a crash anywhere must leave once the next command has finished."""
+    last = store.consistent_point()
+    for rng in store.chain_ranges():
+        stored = store.get(rng)
+        assert stored is not None, rng.key
+        last = stored.transform_lsn or last
+        assert stored.chain_last_commit == last, rng.key
+    assert origin == last

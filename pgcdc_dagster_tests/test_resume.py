@@ -43,6 +43,7 @@ from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.procs import descendants, gone
+from pgcdc_dagster_tests.stores import assert_chain_records
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -238,6 +239,9 @@ class Site:
         ]
         history = {str(c.table): c for c in comparisons}["public.history"]
         assert history.target_rows == history.source_rows > 0
+        assert_chain_records(
+            pipeline.store_of(self.settings), pipeline.origin_progress(self.settings)
+        )
         with self.instance() as instance:
             unfinished = instance.get_runs(RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
             assert unfinished == [], [(r.job_name, r.status) for r in unfinished]

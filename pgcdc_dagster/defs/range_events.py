@@ -66,15 +66,16 @@ def register_range(
         return
     now = time.monotonic()
     last = _REGISTERED.get(settings.store_path)
-    if last is None or last.end != rng.start or now - last.scanned_at >= STALE_SCAN_S:
+    scanned_at = last.scanned_at if last is not None and last.end == rng.start else None
+    if scanned_at is None or now - scanned_at >= STALE_SCAN_S:
         stored = {r.key for r in pipeline.store_of(settings).ranges()}
         for key in instance.get_dynamic_partitions(LSN_RANGES):
             other = LsnRange.from_key(key)
             if other.start <= rng.start and other != rng and key not in stored:
                 instance.delete_dynamic_partition(LSN_RANGES, key)
-        last = _Registered(rng.end, now)
+        scanned_at = now
     instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
-    _REGISTERED[settings.store_path] = _Registered(rng.end, last.scanned_at)
+    _REGISTERED[settings.store_path] = _Registered(rng.end, scanned_at)
 
 
 def no_gap_evaluation(

@@ -241,22 +241,11 @@ def expected_origin_progress(
     point = chain.consistent_point
     latest = None if through is None or point is None else store.get(through)
     if latest is not None and point is not None and latest.range.start >= point:
-        # A follow asks this for every range it applies: walk back from ``through`` by ends
-        # (OutputStore.ranges_before) to the last range that holds a transaction, rather
-        # than list the whole store each time.
-        if latest.chain_last_commit is not None:
-            return latest.chain_last_commit
-        if latest.transform_lsn is not None:
-            return latest.transform_lsn
-        if latest.range.start == point:
-            return point
-        for previous in store.ranges_before(latest.range.start):
-            if previous.range.start < point:
-                break
-            if previous.transform_lsn is not None:
-                return previous.transform_lsn
-            if previous.range.start == point:
-                return point
+        # A follow asks this for every range it applies: one step back, not a listing.
+        last = latest.chain_last_commit or latest.transform_lsn
+        last = last or store.last_commit_before(latest.range.start)
+        if last is not None:
+            return last
     for rng in reversed(store.chain_ranges()):
         if through is not None and rng.end > through.end:
             continue

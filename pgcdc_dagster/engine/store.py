@@ -344,26 +344,29 @@ class OutputStore:
         """The stored range that ends at ``end`` (the one that starts last, if several do)."""
         return next(self.ranges_before(end), None)
 
-    def chain_last_commit(self, rng: LsnRange, transform_lsn: str | None) -> str | None:
-        """:attr:`RangeManifest.chain_last_commit` for ``rng``, about to be stored."""
-        if transform_lsn is not None:
-            return transform_lsn
+    def last_commit_before(self, start: Lsn) -> Lsn | None:
+        """The end of the last COMMIT the current chain stores before ``start`` (the
+        consistent point when it stores none): where the target's origin stands once every
+        range before ``start`` is applied. ``None`` when unknown: no complete chain, ``start``
+        before it, or no stored range ends where the walk back needs one.
+
+        One step back in the common case (the range before records it, see
+        :attr:`RangeManifest.chain_last_commit`); ranges stored without that record are
+        walked back to the last one holding a transaction."""
         chain = self.chain()
         point = None if chain is None or not chain.complete else chain.consistent_point
-        if point is None or rng.start < point:
+        if point is None or start < point:
             return None
-        if rng.start == point:
-            return str(point)
-        # The range before it's record; ranges stored without one (by an older version) are
-        # walked back once, here, so the records start again from this range on.
-        for previous in self.ranges_before(rng.start):
-            if previous.manifest.chain_last_commit is not None:
-                return previous.manifest.chain_last_commit
-            if previous.manifest.result.transform_lsn is not None:
-                return previous.manifest.result.transform_lsn
+        if start == point:
+            return point
+        for previous in self.ranges_before(start):
+            if previous.chain_last_commit is not None:
+                return previous.chain_last_commit
+            if previous.transform_lsn is not None:
+                return previous.transform_lsn
             if previous.range.start <= point:
-                return str(point) if previous.range.start == point else None
-        return None  # no range ends where it starts: unknown
+                return point if previous.range.start == point else None
+        return None
 
     def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:
         """The stored range that ends at ``end``, then the one that ends where it starts, and
@@ -527,11 +530,12 @@ class RangeWriter:
             spill.unlink()
         parquet_bytes = sum(f.stat().st_size for f in self.tmp.glob("part-*.parquet"))
         result = dataclasses.replace(manifest.result, bytes=parquet_bytes)
+        mark = result.transform_lsn
+        if mark is None:
+            before = self.store.last_commit_before(self.range.start)
+            mark = None if before is None else str(before)
         manifest = dataclasses.replace(
-            manifest,
-            result=result,
-            bytes=parquet_bytes,
-            chain_last_commit=self.store.chain_last_commit(self.range, result.transform_lsn),
+            manifest, result=result, bytes=parquet_bytes, chain_last_commit=mark
         )
         (self.tmp / MANIFEST).write_text(manifest.to_json())
         for f in self.tmp.iterdir():

@@ -26,6 +26,7 @@ from pgcdc_dagster.engine.settings import MiB, ReplicationSettings
 from pgcdc_dagster.engine.slot import read_slot
 from pgcdc_dagster.engine.store import EndposOutcome
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+from pgcdc_dagster_tests.stores import assert_chain_records
 
 SCHEMA = """
 CREATE TABLE items (id int PRIMARY KEY, name text);
@@ -315,6 +316,7 @@ def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_onc
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
     assert list(store.changes_dir.glob(".tmp-*")) == []
+    assert_chain_records(store, pipeline.origin_progress(settings))
 
 
 def read_slot_confirmed(settings: ReplicationSettings) -> Lsn:

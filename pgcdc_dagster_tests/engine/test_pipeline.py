@@ -170,7 +170,7 @@ def test_an_idle_sources_empty_ranges_are_walked_back_in_one_step(tmp_path, monk
     check(tmp_path / "new", listed=0)
 
     with monkeypatch.context() as older:  # as stored before the record: own last commit only
-        older.setattr(OutputStore, "chain_last_commit", lambda self, rng, transform: transform)
+        older.setattr(OutputStore, "last_commit_before", lambda self, start: None)
         store_ranges(OutputStore(tmp_path / "old"), ranges, ends[0])
     store_module._SEEN.clear()
     check(tmp_path / "old", listed=2)  # once per walk: the gap check, the expected origin
