@@ -85,6 +85,15 @@ QUEUE_RANGES = 2
 FIRST_RANGE_BYTES = 4 * MiB
 """The first range's WAL on a backlog of one to two ranges (then doubling): about a quarter of a
 second to receive, so the applier starts then instead of after a whole capped range."""
+PEEK_MAX_RANGES = 4
+"""The rest of a backlog, after its first range (its first two when they are cut small), is
+read by peeks of at most this many capped ranges' WAL, cut into ranges as they stream. A peek
+per range decodes the WAL again from the slot's restart point every time (PostgreSQL 15 moves
+it only at running-xacts records, about every 15 s of the WAL's writing time), so a peek of
+several ranges decodes that head once. Not one peek for all of a big backlog: the source
+decodes a whole peek before its first row comes back (the receiver waits that long, the
+applier works through the queue meanwhile), and the slot is advanced only at a peek's end, so
+the source keeps that much more WAL."""
 PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
@@ -106,10 +115,13 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     (:data:`FIRST_RANGE_BYTES`), each next one doubles (per-range costs, a target transaction
     and the run's events, shrink as ranges grow), and none takes more than half of what remains
     (the last one is small again). A bigger backlog is cut at ``cap``, as it always was: those
-    two idle ends are a small part of it, and every range more costs the source a decode from
-    the slot's restart point (measured, 250k pgbench transactions, 134.7 MB of WAL, warm: 10
-    such ranges 7.9-9.3 s against 7.7-9.1 s for 5 of 32 MiB, the source's CPU 4.4-5.5 s against
-    3.9-4.8 s). Never above ``cap``, so a small cap keeps its meaning.
+    two idle ends are a small part of it, and every range more costs its target transaction
+    and the run's events (measured when every range was a peek of its own, 250k pgbench
+    transactions, 134.7 MB of WAL, warm: 10 such ranges 7.9-9.3 s against 7.7-9.1 s for 5 of
+    32 MiB, the source's CPU 4.4-5.5 s against 3.9-4.8 s). Never above ``cap``, so a small cap
+    keeps its meaning. After a backlog's first range (its first two when they are cut small),
+    the rest is read by peeks of at most :data:`PEEK_MAX_RANGES` ranges
+    (:meth:`Follower._receive_rest`).
 
     Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command, pairs alternating
     with the code before (a 32 MiB range and the rest, on threads): a busy hour, these 6 ranges
@@ -427,11 +439,12 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
-                if previous is not None and 2 * FIRST_RANGE_BYTES <= previous < cap:
-                    # The rest of a backlog of one to two ranges, after its first two: one
-                    # peek, cut as it streams. (Its decode, before the first row comes, runs
-                    # while the applier applies the second range; after the first alone, the
-                    # applier sat idle: overlap 1.50-1.88 s against 1.83-2.12 s.)
+                if previous is not None and (previous == cap or previous >= 2 * FIRST_RANGE_BYTES):
+                    # The rest of a backlog, after its first range (its first two when cut
+                    # small): peeks of a few ranges, cut as they stream. (A peek's decode,
+                    # before its first row comes, runs while the applier applies the range
+                    # before; after the first small range alone, the applier sat idle:
+                    # overlap 1.50-1.88 s against 1.83-2.12 s.)
                     start, sized = self._receive_rest(conn, store, start, goal, previous, flush)
                     if start == self.endpos:
                         self._reached_endpos = True
@@ -486,10 +499,12 @@ class Follower:
         previous: int,
         flush: Lsn,
     ) -> tuple[Lsn, int]:
-        """Receive ``(start, goal]`` by one peek (:func:`~.receive.receive_in_cuts`), in
-        ranges sized by :func:`backlog_range_bytes` from ``previous`` on, each handed to the
-        applier as soon as it is stored. Returns where the last stored range ends (``goal``,
-        or an earlier cut) and the size planned for it.
+        """Receive ``(start, goal]``, or its first :data:`PEEK_MAX_RANGES` capped ranges, by
+        one peek (:func:`~.receive.receive_in_cuts`), in ranges sized by
+        :func:`backlog_range_bytes` from ``previous`` on (towards ``goal``, not the peek's
+        end), each handed to the applier as soon as it is stored. Returns where the last
+        stored range ends (``goal``, the peek's end, or an earlier cut) and the size planned
+        for it.
 
         The peek's transaction stays open while its rows are consumed, so a range the applier
         has no room for must not be waited for inside it: a source with
@@ -503,13 +518,15 @@ class Follower:
         pgbench transactions, 12 pairs alternating with a doubled first range: median 2.81 s
         against 3.48 s, faster in 11; in a calm pair the applier waited 0.24 s for it against
         0.38 s.)"""
+        cap = self.settings.follow_range_bytes
+        peek_end = Lsn(min(goal, start + PEEK_MAX_RANGES * cap))
         sized = previous // 2  # planned up to previous by its first cut
         began = time.monotonic()
         held: list[tuple[RangeResult, int]] = []
 
         def next_bytes(remaining: int) -> int:
             nonlocal sized
-            sized = backlog_range_bytes(sized, remaining, self.settings.follow_range_bytes)
+            sized = backlog_range_bytes(sized, remaining + (goal - peek_end), cap)
             return sized
 
         def stored(result: RangeResult) -> bool:
@@ -525,14 +542,14 @@ class Follower:
                 return False
             return True
 
-        final = self.endpos is not None and goal == self.endpos
+        final = self.endpos is not None and peek_end == self.endpos
         end = receive_in_cuts(
             conn,
             self.settings.slot,
             self.settings.publication,
             store,
             start,
-            goal,
+            peek_end,
             next_bytes=next_bytes,
             on_stored=stored,
             stop=self._stop,

@@ -266,6 +266,52 @@ def test_a_peek_read_in_cuts_ends_where_the_applier_falls_behind_and_the_next_go
     assert equal(settings)
 
 
+def test_a_backlog_of_many_ranges_is_read_by_bounded_peeks_exactly_once(settings, monkeypatch):
+    """Real servers: after its first range, a backlog of many capped ranges is read by
+    several peeks of at most PEEK_MAX_RANGES caps each, neither a peek per range nor one for
+    it all. The ranges are contiguous, a cut inside a peek is a commit boundary, the last
+    range ends at the endpos, and every row arrives once."""
+    monkeypatch.setattr(follow, "PEEK_MAX_RANGES", 2)
+    cap = 64 * 1024
+    settings = settings.model_copy(update={"follow_range_bytes": cap})
+    start = flush_lsn(settings.source_dsn)
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        for n in range(1, 2001):
+            with conn.transaction():
+                conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
+                conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
+    endpos = flush_lsn(settings.source_dsn)
+    assert endpos - start > 8 * cap
+    peeks: list[tuple[Lsn, Lsn]] = []
+
+    def spied(conn, slot, publication, store, range_start, goal, **kwargs):
+        peeks.append((range_start, goal))
+        return receive_in_cuts(conn, slot, publication, store, range_start, goal, **kwargs)
+
+    monkeypatch.setattr(follow, "receive_in_cuts", spied)
+    follower, ranges = follow_to(settings, endpos)
+    received = [r.done.received for r in ranges]
+    bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert bounds[-1][1] == endpos and follower.summary.stopped_by == "endpos"
+    # The first range by a peek of its own, the rest by peeks of at most two caps, which
+    # follow each other to the endpos.
+    assert bounds[0][1] - bounds[0][0] == cap
+    assert len(peeks) >= 3 and peeks[0][0] == bounds[1][0] and peeks[-1][1] == endpos, peeks
+    assert all(goal - begin <= 2 * cap for begin, goal in peeks), peeks
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(peeks))
+    assert len(ranges) < 2 * len(peeks) + 2, (len(ranges), len(peeks))
+    ends = {goal for _, goal in peeks}
+    for r, (_, end) in zip(received[1:-1], bounds[1:-1], strict=True):
+        if end not in ends:  # a cut inside a peek: just after a COMMIT
+            assert r.transform_lsn == r.endpos == r.safe_point
+            assert r.endpos_outcome == EndposOutcome.AT_COMMIT_BOUNDARY
+    assert sum(r.transactions for r in received) == 2000
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
+    assert_chain_records(pipeline.store_of(settings), pipeline.origin_progress(settings))
+
+
 _KILLED_FOLLOWER = """
 import sys
 from pgcdc_dagster.engine import follow, pipeline
