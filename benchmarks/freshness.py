@@ -12,11 +12,18 @@ every 20 ms for it: the probe's freshness is the time from its commit returning 
 that first sees it. The first probes are sent once the follow run holds the range lock (its
 start-up is reported separately, not counted as freshness).
 
-Reported: freshness median, p95 and max; the pgbench rate achieved; the follow run's totals
-(ranges, receive and apply busy time); the target verified equal to the source after a final
-``pgcdc catchup``.
+The peer, in the same run (unless ``--no-native``): once ours is stopped and verified, a
+``CREATE SUBSCRIPTION`` of PostgreSQL's native logical replication to the same publication,
+into a second database on the target cluster (schema from ``pg_dump --schema-only``, initial
+sync waited out), under the same load and probes, polled there.
 
-Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40]``
+Reported for each: freshness median, p95 and max; the pgbench rate achieved; the CPU seconds
+spent during the load window by the source cluster, the target cluster, the follow process
+(with its follower) and Dagster's storage cluster (ours only), and this process (the prober and
+pgbench, the same load for both); for ours the follow run's totals (ranges, receive and apply
+busy time); each target verified equal to the source (ours after a final ``pgcdc catchup``).
+
+Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40] [--no-native]``
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from apply import CpuMeter, postmaster_pid
+from psycopg import sql
+
 from pgcdc_dagster.demo.local_cluster import find_bindir
 from pgcdc_dagster.demo.run import (
     Measurements,
@@ -50,6 +61,114 @@ from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
+NATIVE_DB = "native"
+NATIVE_SUBSCRIPTION = "fresh_native"
+
+
+def load_window(
+    args: argparse.Namespace, source_dsn: str, target_dsn: str, meter: CpuMeter
+) -> dict[str, Any]:
+    """The load, with a probe every ``--probe-interval`` polled on ``target_dsn``, inside
+    ``meter``; its freshness figures, pgbench's rate and the CPU seconds."""
+    measured = Measurements()
+    writing, never = threading.Event(), threading.Event()
+    writing.set()
+    prober = threading.Thread(
+        target=probe_freshness,
+        args=(source_dsn, target_dsn, writing, never, measured),
+        kwargs={"interval_s": args.probe_interval, "poll_s": 0.02},
+    )
+    tool_env, extra = libpq_tool_environment(source_dsn)
+    command = [
+        str(find_bindir() / "pgbench"),
+        *("-n", "-b", "simple-update", "-c", "4", "-j", "2"),
+        *("-R", str(args.tps), "-T", str(args.seconds)),
+        *extra,
+    ]
+    with meter:
+        prober.start()
+        bench = subprocess.run(
+            command, env={**os.environ, **tool_env}, capture_output=True, text=True, check=True
+        )
+        writing.clear()
+        prober.join(timeout=60)
+    cpu = dict(meter.seconds)
+    if "follow" in cpu:  # started by this process: its tree is inside the driver's too
+        cpu["driver"] = round(cpu["driver"] - cpu["follow"], 2)
+        cpu["others"] = round(cpu["others"] + cpu["follow"], 2)
+    found = re.findall(r"tps = ([0-9.]+)", bench.stdout)
+    fresh = sorted(measured.freshness_s)
+    return {
+        "pgbench_tps": float(found[-1]) if found else None,
+        "probes": len(fresh),
+        "freshness_median_s": round(statistics.median(fresh), 3),
+        "freshness_p95_s": round(fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))], 3),
+        "freshness_max_s": round(fresh[-1], 3),
+        "cpu_s": cpu,
+    }
+
+
+def run_native(
+    args: argparse.Namespace, clusters: Any, settings: ReplicationSettings
+) -> dict[str, Any]:
+    """The same load and probes with native logical replication (see the module docstring)."""
+    target_dsn = clusters.target.dsn(NATIVE_DB)
+    with psycopg.connect(clusters.target.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(NATIVE_DB)))
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM demo_probe")  # the probes count from 1 again
+    tool_env, extra = libpq_tool_environment(settings.source_dsn)
+    schema = subprocess.run(
+        [str(find_bindir() / "pg_dump"), "--schema-only", "--no-publications", *extra],
+        env={**os.environ, **tool_env},
+        capture_output=True,
+        check=True,
+    ).stdout
+    target_env, target_extra = libpq_tool_environment(target_dsn)
+    subprocess.run(
+        [str(find_bindir() / "psql"), "-q", "-v", "ON_ERROR_STOP=1", *target_extra],
+        input=schema,
+        env={**os.environ, **target_env},
+        capture_output=True,
+        check=True,
+    )
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}").format(
+                sql.Identifier(NATIVE_SUBSCRIPTION),
+                sql.Literal(settings.source_dsn),
+                sql.Identifier(settings.publication),
+            )
+        )
+        deadline = time.monotonic() + 300
+        while conn.execute(
+            "SELECT count(*) FROM pg_subscription_rel r JOIN pg_subscription s "
+            "ON s.oid = r.srsubid WHERE s.subname = %s AND r.srsubstate <> 'r'",
+            (NATIVE_SUBSCRIPTION,),
+        ).fetchone() != (0,):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the native subscription's initial sync did not finish")
+            time.sleep(0.2)
+    meter = CpuMeter(clusters.source, clusters.target)
+    report = load_window(args, settings.source_dsn, target_dsn, meter)
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        (end,) = conn.execute("SELECT pg_current_wal_flush_lsn()").fetchone()  # type: ignore[misc]
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 120
+        while True:
+            (caught_up,) = conn.execute(  # type: ignore[misc]
+                "SELECT coalesce(bool_and(latest_end_lsn >= %s::pg_lsn), false) "
+                "FROM pg_stat_subscription WHERE subname = %s",
+                (str(end), NATIVE_SUBSCRIPTION),
+            ).fetchone()
+            if caught_up or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(NATIVE_SUBSCRIPTION)))
+    native = settings.model_copy(update={"target_dsn": target_dsn})
+    comparisons = verify.compare_tables(native, pipeline.replicated_tables(settings))
+    report["equal"] = all(c.equal for c in comparisons)
+    return report
 
 
 def main() -> None:
@@ -58,6 +177,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=40)
     parser.add_argument("--probe-interval", type=float, default=0.5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--no-native", action="store_true", help="skip the native logical replication run"
+    )
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="pgcdc-fresh-"))
@@ -90,41 +212,10 @@ def main() -> None:
             time.sleep(0.05)
         startup_s = time.monotonic() - launched
 
-        measured = Measurements()
-        writing, never = threading.Event(), threading.Event()
-        writing.set()
-        prober = threading.Thread(
-            target=probe_freshness,
-            args=(settings.source_dsn, settings.target_dsn, writing, never, measured),
-            kwargs={"interval_s": args.probe_interval, "poll_s": 0.02},
-        )
-        prober.start()
-        tool_env, extra = libpq_tool_environment(clusters.source.dsn())
-        bench = subprocess.run(
-            [
-                str(find_bindir() / "pgbench"),
-                "-n",
-                "-b",
-                "simple-update",
-                "-c",
-                "4",
-                "-j",
-                "2",
-                "-R",
-                str(args.tps),
-                "-T",
-                str(args.seconds),
-                *extra,
-            ],
-            env={**os.environ, **tool_env},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        writing.clear()
-        prober.join(timeout=60)
-        found = re.findall(r"tps = ([0-9.]+)", bench.stdout)
-        tps = float(found[-1]) if found else None
+        meter = CpuMeter(clusters.source, clusters.target)
+        meter.roots["follow"] = follow.pid
+        meter.roots["dagster_storage"] = postmaster_pid(clusters.storage)
+        ours = load_window(args, settings.source_dsn, settings.target_dsn, meter)
 
         follow.send_signal(signal.SIGTERM)
         out, ferr = follow.communicate(timeout=120)
@@ -136,18 +227,15 @@ def main() -> None:
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-2000:])
         comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
-        fresh = sorted(measured.freshness_s)
+        ours["equal"] = all(c.equal for c in comparisons)
+        ours["follow_startup_s"] = round(startup_s, 2)
+        ours["follow"] = totals
         report: dict[str, Any] = {
             "load": f"pgbench simple-update, {args.tps} tps target, {args.seconds} s",
-            "pgbench_tps": tps,
-            "follow_startup_s": round(startup_s, 2),
-            "probes": len(fresh),
-            "freshness_median_s": round(statistics.median(fresh), 3),
-            "freshness_p95_s": round(fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))], 3),
-            "freshness_max_s": round(fresh[-1], 3),
-            "follow": totals,
-            "equal": all(c.equal for c in comparisons),
+            "ours": ours,
         }
+        if not args.no_native:
+            report["native"] = run_native(args, clusters, settings)
         print(json.dumps(report, indent=2))
         if args.json:
             args.json.write_text(json.dumps(report, indent=2))
