@@ -160,19 +160,25 @@ def test_a_backlog_of_up_to_two_ranges_is_cut_small_first_doubling_then_halving(
     assert cut(first - 1, 32 * MiB) == [first - 1]
 
 
-def backlog_of_one_and_a_half_ranges(
-    settings: ReplicationSettings, monkeypatch: pytest.MonkeyPatch
-) -> tuple[ReplicationSettings, Lsn]:
-    """2,000 transactions written while nothing follows, a first size of 64 KiB and a cap for
-    which the backlog is 1.5 ranges: a first range, then the rest by one peek in cuts."""
-    monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
+def write_backlog(settings: ReplicationSettings) -> tuple[Lsn, Lsn]:
+    """2,000 transactions of an insert into ``log`` and an update of ``items``, written while
+    nothing follows; the flushed WAL position before and after them."""
     start = flush_lsn(settings.source_dsn)
     with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
         for n in range(1, 2001):
             with conn.transaction():
                 conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
                 conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
-    endpos = flush_lsn(settings.source_dsn)
+    return start, flush_lsn(settings.source_dsn)
+
+
+def backlog_of_one_and_a_half_ranges(
+    settings: ReplicationSettings, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ReplicationSettings, Lsn]:
+    """2,000 transactions written while nothing follows, a first size of 64 KiB and a cap for
+    which the backlog is 1.5 ranges: a first range, then the rest by one peek in cuts."""
+    monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
+    start, endpos = write_backlog(settings)
     cap = (endpos - start) * 2 // 3
     assert cap > 256 * 1024
     return settings.model_copy(update={"follow_range_bytes": cap}), endpos
@@ -274,13 +280,7 @@ def test_a_backlog_of_many_ranges_is_read_by_bounded_peeks_exactly_once(settings
     monkeypatch.setattr(follow, "PEEK_MAX_RANGES", 2)
     cap = 64 * 1024
     settings = settings.model_copy(update={"follow_range_bytes": cap})
-    start = flush_lsn(settings.source_dsn)
-    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
-        for n in range(1, 2001):
-            with conn.transaction():
-                conn.execute("INSERT INTO log VALUES (%s, 'backlog')", (n,))
-                conn.execute("UPDATE items SET name = %s WHERE id = %s", (f"b{n}", n % 1000 + 1))
-    endpos = flush_lsn(settings.source_dsn)
+    start, endpos = write_backlog(settings)
     assert endpos - start > 8 * cap
     peeks: list[tuple[Lsn, Lsn]] = []
 
