@@ -316,6 +316,7 @@ class Follower:
         self._done: queue.Queue[Any] = queue.Queue()
         self._errors: list[BaseException] = []
         self._reached_endpos = False
+        self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
         self._started = time.monotonic()
         self._lead: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
@@ -519,7 +520,8 @@ class Follower:
         against 3.48 s, faster in 11; in a calm pair the applier waited 0.24 s for it against
         0.38 s.)"""
         cap = self.settings.follow_range_bytes
-        peek_end = Lsn(min(goal, start + PEEK_MAX_RANGES * cap))
+        span = self._peek_ranges or PEEK_MAX_RANGES
+        peek_end = Lsn(min(goal, start + span * cap))
         sized = previous // 2  # planned up to previous by its first cut
         began = time.monotonic()
         held: list[tuple[RangeResult, int]] = []
@@ -557,6 +559,12 @@ class Follower:
         )
         for item in held:
             self._put_to_apply(item)
+        # A peek that ended because the applier was behind had decoded WAL it did not hand
+        # over, which the next peek decodes again: behind a slow applier (a range applied in
+        # more than PEEK_WAIT_S) every peek would decode 4 ranges to hand over 1. So the next
+        # spans one range, as a peek per range did, and the span doubles back while the
+        # applier keeps up.
+        self._peek_ranges = 1 if held else min(PEEK_MAX_RANGES, 2 * span)
         return end, sized
 
     def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:

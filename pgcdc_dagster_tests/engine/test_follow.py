@@ -245,8 +245,8 @@ def test_a_peek_read_in_cuts_ends_where_the_applier_falls_behind_and_the_next_go
 ):
     """A slow applier: a peek does not hold its transaction open waiting for room in the
     queue (a source's idle_in_transaction_session_timeout would end it). It ends at that cut
-    and the next peek goes on from there, the sizes going on as planned; every transaction
-    arrives once."""
+    and the next peek goes on from there, the sizes going on as planned, spanning one range
+    (not decoding again what the applier could not take); every transaction arrives once."""
     settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
     monkeypatch.setattr(follow, "PEEK_WAIT_S", 0.01)
     monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(0.3)")
@@ -265,6 +265,8 @@ def test_a_peek_read_in_cuts_ends_where_the_applier_falls_behind_and_the_next_go
     bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
     start, ended, goal = peeks[0]
     assert start < ended < goal  # ended at a cut, short of its goal: the applier was behind
+    cap = settings.follow_range_bytes
+    assert len(peeks) >= 2 and all(g - s <= cap for s, _, g in peeks[1:]), (cap, peeks)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     assert follower.summary.stopped_by == "endpos" and bounds[-1][1] == endpos
     assert sum(r.transactions for r in received) == 2000
