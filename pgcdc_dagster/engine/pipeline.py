@@ -242,8 +242,7 @@ def expected_origin_progress(
     latest = None if through is None or point is None else store.get(through)
     if latest is not None and point is not None and latest.range.start >= point:
         # A follow asks this for every range it applies: one step back, not a listing.
-        last = latest.chain_last_commit or latest.transform_lsn
-        last = last or store.last_commit_before(latest.range.start)
+        last = store.last_commit_through(latest)
         if last is not None:
             return last
     for rng in reversed(store.chain_ranges()):

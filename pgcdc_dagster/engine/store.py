@@ -360,13 +360,18 @@ class OutputStore:
         if start == point:
             return point
         for previous in self.ranges_before(start):
-            if previous.chain_last_commit is not None:
-                return previous.chain_last_commit
-            if previous.transform_lsn is not None:
-                return previous.transform_lsn
+            known = previous.chain_last_commit or previous.transform_lsn
+            if known is not None:
+                return known
             if previous.range.start <= point:
                 return point if previous.range.start == point else None
         return None
+
+    def last_commit_through(self, stored: StoredRange) -> Lsn | None:
+        """The end of the last COMMIT the current chain stores up to ``stored``'s end: its
+        record, else its own last COMMIT, else :meth:`last_commit_before` its start."""
+        known = stored.chain_last_commit or stored.transform_lsn
+        return known if known is not None else self.last_commit_before(stored.range.start)
 
     def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:
         """The stored range that ends at ``end``, then the one that ends where it starts, and
