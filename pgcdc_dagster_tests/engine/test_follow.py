@@ -172,6 +172,20 @@ def write_backlog(settings: ReplicationSettings) -> tuple[Lsn, Lsn]:
     return start, flush_lsn(settings.source_dsn)
 
 
+def record_peeks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Lsn, Lsn, Lsn]]:
+    """Every peek the follower reads in cuts, as it happens: (its start, where it ended, its
+    goal); the real :func:`receive_in_cuts` still does the work."""
+    peeks: list[tuple[Lsn, Lsn, Lsn]] = []
+
+    def recorded(conn, slot, publication, store, range_start, goal, **kwargs):
+        ended = receive_in_cuts(conn, slot, publication, store, range_start, goal, **kwargs)
+        peeks.append((range_start, ended, goal))
+        return ended
+
+    monkeypatch.setattr(follow, "receive_in_cuts", recorded)
+    return peeks
+
+
 def backlog_of_one_and_a_half_ranges(
     settings: ReplicationSettings, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[ReplicationSettings, Lsn]:
@@ -251,14 +265,7 @@ def test_a_peek_read_in_cuts_ends_where_the_applier_falls_behind_and_the_next_go
     monkeypatch.setattr(follow, "PEEK_WAIT_S", 0.01)
     monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(0.3)")
     monkeypatch.setattr(failpoints, "_armed", None)
-    peeks = []
-
-    def counted(*args, **kwargs):
-        ended = receive_in_cuts(*args, **kwargs)
-        peeks.append((args[4], ended, args[5]))  # start, where it ended, its goal
-        return ended
-
-    monkeypatch.setattr(follow, "receive_in_cuts", counted)
+    peeks = record_peeks(monkeypatch)
     follower, ranges = follow_to(settings, endpos)
     monkeypatch.setattr(failpoints, "_armed", {})
     received = [r.done.received for r in ranges]
@@ -284,14 +291,9 @@ def test_a_backlog_of_many_ranges_is_read_by_bounded_peeks_exactly_once(settings
     settings = settings.model_copy(update={"follow_range_bytes": cap})
     start, endpos = write_backlog(settings)
     assert endpos - start > 8 * cap
-    peeks: list[tuple[Lsn, Lsn]] = []
-
-    def spied(conn, slot, publication, store, range_start, goal, **kwargs):
-        peeks.append((range_start, goal))
-        return receive_in_cuts(conn, slot, publication, store, range_start, goal, **kwargs)
-
-    monkeypatch.setattr(follow, "receive_in_cuts", spied)
+    recorded = record_peeks(monkeypatch)
     follower, ranges = follow_to(settings, endpos)
+    peeks = [(begin, goal) for begin, _, goal in recorded]
     received = [r.done.received for r in ranges]
     bounds = [(Lsn.parse(r.start_lsn), Lsn.parse(r.endpos)) for r in received]
     assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
@@ -321,6 +323,7 @@ from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 follow.FIRST_RANGE_BYTES = 64 * 1024
+follow.PEEK_MAX_RANGES = int(sys.argv[3])
 settings = ReplicationSettings.model_validate_json(sys.argv[1])
 with pipeline.range_lock(settings):
     for _ in follow.Follower(settings, Lsn.parse(sys.argv[2])).run():
@@ -345,14 +348,7 @@ def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_onc
     (applied or not), perhaps a range's unfinished folder. A new follow finishes them, exactly
     once, and leaves no unfinished folder behind."""
     settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
-    killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos)],
-        env={**os.environ, failpoints.ENV: point},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    kill_follower(settings, endpos, point)
     store = pipeline.store_of(settings)
     stored = store.chain_ranges()
     assert len(stored) == stored_before and stored[-1].end < endpos
@@ -364,6 +360,47 @@ def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_onc
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
     assert list(store.changes_dir.glob(".tmp-*")) == []
+    assert_chain_records(store, pipeline.origin_progress(settings))
+
+
+def kill_follower(
+    settings: ReplicationSettings, endpos: Lsn, point: str, peek_max_ranges: int = 4
+) -> None:
+    """Follow to ``endpos`` in a real process that the failpoint ``point`` SIGKILLs."""
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos),
+         str(peek_max_ranges)],
+        env={**os.environ, failpoints.ENV: point},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def test_a_kill_in_the_second_of_a_backlogs_bounded_peeks_then_a_follow_converges_exactly_once(
+    settings,
+):
+    """SIGKILL of a real follower process once the second bounded peek of a backlog of many
+    ranges has stored its first range: the slot stands where the first bounded peek ended
+    (advanced once, at its end), behind the range stored since. A new follow finishes,
+    exactly once, and every range records the chain's last commit."""
+    cap = 64 * 1024
+    settings = settings.model_copy(update={"follow_range_bytes": cap})
+    start, endpos = write_backlog(settings)
+    assert endpos - start > 8 * cap
+    # Ranges: the first (a peek of its own), two from the first bounded peek, then the kill
+    # just after the first of the second is stored.
+    kill_follower(settings, endpos, "receive.after_store=kill@4", peek_max_ranges=2)
+    store = pipeline.store_of(settings)
+    stored = store.chain_ranges()
+    assert len(stored) == 4 and stored[-1].end < endpos
+    assert stored[2].end - stored[1].start <= 2 * cap  # the first bounded peek: two ranges
+    assert read_slot_confirmed(settings) == stored[2].end  # the crash window: slot behind
+    follower, _ = follow_to(settings, endpos)
+    assert follower.summary.stopped_by == "endpos"
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
     assert_chain_records(store, pipeline.origin_progress(settings))
 
 
