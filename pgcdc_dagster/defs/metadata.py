@@ -141,10 +141,11 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
                 "rows": t.rows,
                 "bytes": t.bytes,
                 "seconds": round(float(t.seconds), 3),
+                "frozen": t.frozen,
             }
             for t in result.tables
         ],
-        {"table": "string", "rows": "int", "bytes": "int", "seconds": "float"},
+        {"table": "string", "rows": "int", "bytes": "int", "seconds": "float", "frozen": "bool"},
     )
     return {
         "slot": text(result.slot_name),

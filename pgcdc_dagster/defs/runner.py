@@ -188,7 +188,10 @@ def _error_line(error: Any) -> str | None:
         return None
     text = chosen.message.strip()
     if ours is None:
-        return text.splitlines()[-1].strip() if text else None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if len(lines) > 1 and lines[-1].startswith(("HINT:", "DETAIL:")):
+            return f"{lines[0]} ({lines[-1]})"  # a server error: its message, then its hint
+        return lines[-1] if lines else None
     head, sep, rest = text.partition(": ")
     return rest if sep and head.rsplit(".", 1)[-1] == chosen.cls_name else text
 

@@ -73,6 +73,27 @@ def progress_of(target_dsn: str, name: str) -> Lsn | None:
         return read_progress(conn, name)
 
 
+def check_room_for(conn: psycopg.Connection[Any], name: str) -> None:
+    """Refuse, before a base snapshot changes anything, a target that could not record the
+    progress of origin ``name``: every origin with progress holds one of the target's
+    ``max_replication_slots`` state slots, and :func:`set_origin` runs only after the whole
+    copy, which would then be lost to a setting."""
+    row = conn.execute(
+        "SELECT count(*), coalesce(bool_or(external_id = %s), false), "
+        "current_setting('max_replication_slots')::int FROM pg_replication_origin_status",
+        (name,),
+    ).fetchone()
+    assert row is not None
+    used, ours, limit = int(row[0]), bool(row[1]), int(row[2])
+    if not ours and used >= limit:
+        raise OriginError(
+            f"the target has no room for replication origin {name}: the {used} origins with "
+            f"progress there take all of its max_replication_slots ({limit}); drop the ones no "
+            "longer used (SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
+            "WHERE ...) or raise max_replication_slots on the target, then run it again"
+        )
+
+
 def set_origin(target_dsn: str, name: str, consistent_point: Lsn) -> None:
     """Create the origin if needed and put it at ``consistent_point``: the apply resumes
     strictly after it. (``pg_replication_origin_advance`` may move backwards, which a

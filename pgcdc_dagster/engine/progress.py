@@ -154,7 +154,13 @@ def throttled(emit: Callable[[str], None], every_s: float) -> Listener:
 # -- the snapshot copy, watched from the target ---------------------------------------------
 
 _TARGET_ROWS = """
-SELECT c.oid, n.nspname, c.relname, pg_table_size(c.oid),
+SELECT c.oid, n.nspname, c.relname,
+       CASE WHEN NOT EXISTS (SELECT FROM pg_locks l
+                             WHERE l.locktype = 'relation' AND l.relation = c.oid
+                               AND l.database = (SELECT oid FROM pg_database
+                                                 WHERE datname = current_database())
+                               AND l.mode = 'AccessExclusiveLock')
+            THEN pg_table_size(c.oid) END,
        coalesce(s.n_tup_ins, 0),
        coalesce((SELECT sum(p.tuples_processed) FROM pg_stat_progress_copy p
                  WHERE p.relid = c.oid AND p.command = 'COPY FROM'), 0)
@@ -218,13 +224,21 @@ class CopyWatcher:
                 publish(self._measure("copy"))
 
     def _measure(self, phase: str) -> SnapshotProgress:
+        """One reading of the target. A table loaded frozen is truncated first, in the copy's
+        transaction: its size cannot be read until that commits (``pg_table_size`` would wait
+        for the truncate's lock, and sees the old, empty file anyway), so its bytes are then
+        reckoned from its rows; ``lock_timeout`` keeps a reading that races the truncate from
+        waiting out the whole copy."""
         tables = []
         with connect(self.target_dsn, role="target", autocommit=True) as tgt:
+            tgt.execute("SET lock_timeout = 200")
             rows = tgt.execute(_TARGET_ROWS, self.names)
             for _, schema, name, size, inserted, in_flight in rows:
                 key = str(TableName(schema, name))
                 est_rows, est_bytes = self.estimates.get(key, (0, 0))
                 done = int(inserted) + int(in_flight) - self.baseline.get(key, 0)
+                if size is None:
+                    size = est_bytes * min(1.0, done / est_rows) if est_rows > 0 else 0
                 tables.append(TableProgress(key, done, est_rows, int(size), est_bytes))
         now = time.monotonic()
         copied = sum(t.bytes for t in tables)

@@ -61,6 +61,19 @@ def origin_progress(dsn: str, name: str) -> Lsn | None:
     return None if row is None or row[0] is None else Lsn(row[0])
 
 
+def frozen_pages(dsn: str, table: TableName) -> tuple[int, int]:
+    """(pages marked all-frozen in the visibility map, pages of the table's heap)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_visibility")
+        row = conn.execute(
+            "SELECT (pg_visibility_map_summary(%s::regclass)).all_frozen, "
+            "pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+            (str(table), str(table)),
+        ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
 def make_odd_tables(dsn: str) -> None:
     run(
         dsn,
@@ -138,6 +151,11 @@ def test_odd_identifiers_types_and_toast_arrive_exactly(
     assert slot_lsn is not None and Lsn(slot_lsn[0]) == result.consistent_point
     assert origin_progress(target_dsn, "pgcdc_snap_odd") == result.consistent_point
     assert result.sequences['"Odd Schema"."Mixed Case_id_seq"'] == 500
+    # Both tables were created by this snapshot and copied whole: loaded frozen, so the target's
+    # first VACUUM and the key builds find every page all-visible, all-frozen.
+    assert all(t.frozen for t in result.tables)
+    frozen, pages = frozen_pages(target_dsn, ODD)
+    assert pages > 0 and frozen == pages
 
 
 def make_big_with_holes(
@@ -192,18 +210,25 @@ def test_driver_copies_in_as_many_ranges_as_it_has_workers(
 ) -> None:
     """The plan cuts ``big`` into many ranges; the driver joins neighbours back into one range
     per worker (a range costs a psql pair and a snapshot import), and still copies every row
-    exactly once, holes and moved row versions included."""
+    exactly once, holes and moved row versions included.
+
+    ``big`` is new on the target: copied as one range it is loaded frozen (truncated and
+    ``COPY ... FREEZE`` in one transaction); copied as two, never (a truncate would take the
+    other range's rows)."""
     planned = make_big_with_holes(source_dsn, target_dsn, 30000, rows_per_task=3000)
     assert len(planned) >= 8
 
     results = copy_tables(
         None, source_dsn, target_dsn, None, [BIG], parallelism=parallelism,
-        target_rows_per_task=3000,
+        target_rows_per_task=3000, new_tables=[BIG],
     )  # fmt: skip
 
     assert results[0].copied_by == "driver" and results[0].tasks == tasks
     assert results[0].rows == 27000
     assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
+    frozen, pages = frozen_pages(target_dsn, BIG)
+    assert results[0].frozen == (tasks == 1)
+    assert frozen == (pages if tasks == 1 else 0) and pages > 0
 
 
 def test_merged_ranges_tile_each_relation() -> None:
@@ -368,7 +393,40 @@ def test_populated_target_is_refused_and_resnapshot_starts_over(
     assert second.consistent_point > first.consistent_point
     assert origin_progress(target_dsn, "pgcdc_snap_guard") == second.consistent_point
     assert second.pre_data.created == ()  # the truncated table was kept, not re-created
+    # A table the snapshot did not create is never truncated by the copy, so never loaded frozen.
+    assert not first.tables[0].frozen and not second.tables[0].frozen
     assert second.post_data.created == ()
+
+
+def test_a_target_without_room_for_the_origin_is_refused_before_anything_changes(
+    source_dsn: str, target_dsn: str, spark: Any
+) -> None:
+    """The origin is set only after the whole copy: a target whose ``max_replication_slots``
+    are all held by other origins must be refused up front, not after hours of copying."""
+    from pgcdc_dagster.engine.errors import OriginError
+
+    run(source_dsn, "CREATE TABLE big (id int PRIMARY KEY)", "INSERT INTO big VALUES (1)")
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*), current_setting('max_replication_slots')::int "
+            "FROM pg_replication_origin_status"
+        ).fetchone()
+        assert row is not None
+        fillers = [f"filler_{i}" for i in range(row[1] - row[0])]
+        for name in fillers:
+            conn.execute("SELECT pg_replication_origin_create(%s)", (name,))
+            conn.execute("SELECT pg_replication_origin_advance(%s, '0/1')", (name,))
+    try:
+        with pytest.raises(OriginError, match=r"no room for replication origin.*max_replication"):
+            take_base_snapshot(source_dsn, target_dsn, "snap_room", "pub_room", [BIG], spark=spark)
+        with psycopg.connect(source_dsn) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
+        with psycopg.connect(target_dsn) as conn:
+            assert conn.execute("SELECT to_regclass('public.big')").fetchone() == (None,)
+    finally:
+        with psycopg.connect(target_dsn, autocommit=True) as conn:
+            for name in fillers:
+                conn.execute("SELECT pg_replication_origin_drop(%s)", (name,))
 
 
 def test_failed_copy_drops_the_new_slot(source_dsn: str, target_dsn: str, spark: Any) -> None:
@@ -444,6 +502,7 @@ def test_partitioned_table_is_copied_leaf_by_leaf_through_its_root(
     )
 
     assert result.tables[0].rows == 3000 and result.tables[0].tasks == 2
+    assert not result.tables[0].frozen  # written through the root: COPY FREEZE refuses that
     assert rows_of(target_dsn, events, "t.id") == rows_of(source_dsn, events, "t.id")
     assert rows_of(target_dsn, TableName("public", "events_b"), "t.id") == rows_of(
         source_dsn, TableName("public", "events_b"), "t.id"
@@ -564,6 +623,44 @@ def _piped_task(source_dsn: str, target_dsn: str, rows: int) -> Any:
     return CopyTask(
         TableRange(table, table, ("id", "note"), None, None, rows), source_dsn, target_dsn, None
     )
+
+
+def test_the_in_process_copy_loads_a_new_table_frozen_too(source_dsn: str, target_dsn: str):
+    """The libpq path (no ``psql``, or a binary mismatch) truncates and loads frozen in its
+    own transaction, as the piped path does."""
+    from dataclasses import replace
+
+    from pgcdc_dagster.engine.snapshot.copy import _copy_once
+
+    task = replace(_piped_task(source_dsn, target_dsn, 2000), freeze=True)
+
+    rows, _, _ = _copy_once(task, "binary")
+
+    assert rows == 2000
+    assert rows_of(target_dsn, task.range.table) == rows_of(source_dsn, task.range.table)
+    frozen, pages = frozen_pages(target_dsn, task.range.table)
+    assert pages > 0 and frozen == pages
+
+
+def test_progress_readings_do_not_wait_for_a_frozen_load(source_dsn: str, target_dsn: str):
+    """A frozen load holds its truncate's lock until it commits: the progress reading must not
+    queue behind it (``pg_table_size`` would), or the progress display would freeze for the
+    whole copy of the table."""
+    from pgcdc_dagster.engine.progress import CopyWatcher, listening
+
+    run(source_dsn, "CREATE TABLE big (id int)", "INSERT INTO big SELECT generate_series(1, 100)")
+    run(source_dsn, "ANALYZE big")
+    run(target_dsn, "CREATE TABLE big (id int)")
+    with listening(lambda progress: None), psycopg.connect(target_dsn) as loading:
+        watcher = CopyWatcher(source_dsn, target_dsn, [BIG], time.monotonic())
+        loading.execute("TRUNCATE ONLY big")  # held, as a frozen load holds it
+        started = time.monotonic()
+
+        reading = watcher._measure("copy")
+
+        assert time.monotonic() - started < 2
+        (table,) = reading.tables
+        assert table.estimated_rows == 100 and table.rows == 0 and table.bytes == 0
 
 
 def _wait_for_copy_rows(target_dsn: str) -> None:

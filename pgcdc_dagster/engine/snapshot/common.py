@@ -80,6 +80,16 @@ class CopyTask:
     """When set, the rows are also written as Parquet into this folder (CSV is then the wire
     format, teed into the Parquet writer)."""
     column_types: tuple[str, ...] = ()
+    freeze: bool = False
+    """Load the range frozen: ``TRUNCATE ONLY`` the target table, then ``COPY ... (FREEZE)``,
+    in one transaction. Only for a range that is its whole table, written into a plain table
+    this snapshot created (empty, no foreign keys or triggers yet, nobody else writing it): the
+    truncate would otherwise take others' rows or fail. Why: the rows arrive frozen with their
+    hint bits set and their pages all-visible, so the key builds after the copy read them
+    without a commit-log lookup or a write-back of every page, and the target's first VACUUM
+    has nothing to do (measured on pgbench scale 50: the primary key 0.97 s against 1.10-1.21 s,
+    the VACUUM after it 0.01 s against 0.49 s). Rows loaded frozen are visible to snapshots
+    older than their load, which no one holds on a table the snapshot is creating."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,8 @@ class TableCopyResult:
     copy_formats: tuple[str, ...] = ()
     copied_by: str = "spark"
     """``driver`` (a small table, copied by this process while Spark starts) or ``spark``."""
+    frozen: bool = False
+    """Loaded frozen (see :attr:`CopyTask.freeze`): its rows need no hint bits or freezing."""
 
 
 @dataclass(frozen=True)

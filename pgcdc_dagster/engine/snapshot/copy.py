@@ -172,11 +172,20 @@ def _select_statement(task: CopyTask, copy_format: str) -> sql.Composed:
 
 def _insert_statement(task: CopyTask, copy_format: str) -> sql.Composed:
     rng = task.range
-    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+    return sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {}{})").format(
         rng.table.sql,
         sql.SQL(", ").join(sql.Identifier(c) for c in rng.columns),
         sql.SQL(copy_format),
+        sql.SQL(", FREEZE" if task.freeze else ""),
     )
+
+
+def _target_preamble(task: CopyTask) -> list[sql.Composed]:
+    """What the target's transaction runs before its COPY: for a frozen load, the truncate
+    that lets ``COPY ... (FREEZE)`` mark the rows frozen (see :attr:`CopyTask.freeze`)."""
+    if not task.freeze:
+        return []
+    return [sql.SQL("TRUNCATE ONLY {}").format(task.range.table.sql)]
 
 
 COPY_BATCH_BYTES = 128 * 1024
@@ -241,6 +250,8 @@ def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearr
         connect(task.target_dsn, role="target", client_encoding="UTF8") as tgt,
     ):
         tgt.execute("SET synchronous_commit = off")
+        for statement in _target_preamble(task):
+            tgt.execute(statement)
         with (
             snapshot_transaction(src, task.snapshot_name),
             tgt.cursor().copy(_insert_statement(task, copy_format)) as inp,
@@ -340,6 +351,7 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     try:
         target = subprocess.Popen(
             [*base, *target_args, "-c", "SET synchronous_commit = off", "-c", "BEGIN",
+             *(arg for step in _target_preamble(task) for arg in ("-c", step.as_string(None))),
              "-c", _insert_statement(task, copy_format).as_string(None),
              "-f", f"/dev/fd/{commands}"],
             env={**os.environ, **target_env, **utf8},

@@ -11,7 +11,7 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -168,6 +168,7 @@ def copy_tables(
     consistent_point: Lsn | None = None,
     scheduler: Literal["auto", "rdd", "dataframe"] = "auto",
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
+    new_tables: Collection[TableName] = (),
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
 
@@ -191,6 +192,11 @@ def copy_tables(
     same bytes feed the target and the Parquet writer; the folder must be reachable by every
     Spark worker. It is off by default because it is not cheap: measured on 1M rows it added
     46 % (pgbench_accounts) and 93 % (mixed types) to the copy time, against a 30 % budget.
+
+    ``new_tables``: the tables this snapshot created on the target (empty, with no keys,
+    foreign keys or triggers yet). A range that is the whole of such a plain table is loaded
+    frozen (:attr:`~.common.CopyTask.freeze`): on a machine where the driver copies with one
+    worker, that is every table but a partitioned one.
 
     ``scheduler``: ``rdd`` (classic sessions), ``dataframe`` (a plain Python UDF over
     ``spark.range``, one row per group of tasks: the only way on Spark Connect, which has no
@@ -218,6 +224,8 @@ def copy_tables(
         driver_ranges, max(target_rows_per_task, math.ceil(driver_rows / workers))
     )
 
+    new = set(new_tables)
+
     def make_task(rng: TableRange) -> CopyTask:
         return CopyTask(
             range=rng,
@@ -231,10 +239,12 @@ def copy_tables(
                 else str(staging / snapshot_export_path(export_store, rng.table).name)
             ),
             column_types=tuple(column_types[rng.table][c] for c in rng.columns),
+            freeze=_whole_new_table(rng, new),
         )
 
     driver_tasks = [make_task(r) for r in driver_ranges]
     spark_tasks = [make_task(r) for r in ranges if r.table in for_spark]
+    frozen = {t.range.table for t in (*driver_tasks, *spark_tasks) if t.freeze}
     try:
         with _driver_pool(driver_tasks, workers) as pool:
             futures = [pool.submit(copy_range, task) for task in driver_tasks]
@@ -263,6 +273,7 @@ def copy_tables(
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
             copied_by="spark" if table in for_spark else "driver",
+            frozen=table in frozen,
         )
         for table, parts in by_table.items()
     ]
@@ -278,6 +289,19 @@ def copy_tables(
             consistent_point,
         )
     return summary
+
+
+def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:
+    """Whether ``rng`` may be loaded frozen: all of a table this snapshot created, read from
+    that same relation (a leaf of a partitioned table is written through its root, which
+    ``COPY ... (FREEZE)`` refuses), so its truncate can only ever meet an empty table that
+    no other task writes."""
+    return (
+        rng.table in new
+        and rng.source == rng.table
+        and rng.start_block is None
+        and rng.end_block is None
+    )
 
 
 DRIVER_PROCESSES_MIN_ROWS = 2_000_000
