@@ -25,7 +25,8 @@ class TableProgress:
     rows: int = 0
     estimated_rows: int = 0
     bytes: int = 0
-    """Bytes of the table on the target so far (its heap, as the copy writes it)."""
+    """Bytes of the table on the target so far (its heap, as the copy writes it; reckoned from
+    its rows while a frozen load's truncate hides the heap, see :meth:`CopyWatcher._measure`)."""
     estimated_bytes: int = 0
     """The source table's size: what the copy is heading for (an estimate)."""
 

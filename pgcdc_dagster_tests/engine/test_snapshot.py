@@ -714,19 +714,23 @@ def test_the_piped_copy_commits_nothing_when_its_source_side_is_killed_mid_strea
     assert rows_of(target_dsn, TableName("public", "piped")) == []
 
 
-@pytest.mark.parametrize("setpriv", [True, False])
+@pytest.mark.parametrize(("setpriv", "freeze"), [(True, False), (False, False), (True, True)])
 def test_a_piped_copy_whose_process_is_killed_lands_nothing(
-    source_dsn: str, target_dsn: str, setpriv: bool
+    source_dsn: str, target_dsn: str, setpriv: bool, freeze: bool
 ) -> None:
     """SIGKILL of the process that runs the pair mid-COPY: its command pipe ends without
     COMMIT. With ``setpriv`` the pair dies with it at once; without, the pair runs to the end
-    of its range and the target side rolls back."""
+    of its range and the target side rolls back. A frozen load's truncate rolls back with it:
+    the table keeps the very file it had."""
     import os
     import signal
     import subprocess
     import sys
 
     task = _piped_task(source_dsn, target_dsn, 600_000)
+    filenode = "SELECT pg_relation_filenode('piped')"
+    with psycopg.connect(target_dsn) as conn:
+        before = conn.execute(filenode).fetchone()
     script = (
         "import sys\n"
         "from pgcdc_dagster.engine.snapshot import copy\n"
@@ -735,13 +739,20 @@ def test_a_piped_copy_whose_process_is_killed_lands_nothing(
         f"{'' if setpriv else 'copy._ending_with_this_process = lambda: []'}\n"
         "t = TableName('public', 'piped')\n"
         "rng = TableRange(t, t, ('id', 'note'), None, None, 0)\n"
-        "copy._copy_piped(CopyTask(rng, sys.argv[1], sys.argv[2], None), 'binary')\n"
+        "copy._copy_piped(CopyTask(rng, sys.argv[1], sys.argv[2], None, "
+        f"freeze={freeze}), 'binary')\n"
     )
     child = subprocess.Popen([sys.executable, "-c", script, task.source_dsn, task.target_dsn])
     try:
         _wait_for_copy_rows(target_dsn)
         pair = list(descendants(child.pid))
         assert len(pair) == 2
+        with psycopg.connect(target_dsn) as conn:  # a frozen load is killed holding its truncate
+            truncating = conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE relation = 'piped'::regclass "
+                "AND mode = 'AccessExclusiveLock' AND granted"
+            ).fetchone()
+        assert truncating == (int(freeze),)
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(10) == -signal.SIGKILL
         if setpriv:
@@ -752,6 +763,8 @@ def test_a_piped_copy_whose_process_is_killed_lands_nothing(
         _copies_end(target_dsn, 30)
         time.sleep(0.5)  # the target side's disconnect, after its COPY ended
         assert rows_of(target_dsn, TableName("public", "piped")) == []
+        with psycopg.connect(target_dsn) as conn:
+            assert conn.execute(filenode).fetchone() == before
     finally:
         child.kill()
         child.wait()

@@ -213,7 +213,7 @@ def take_base_snapshot(
                     export_store=export_store,
                     consistent_point=slot.consistent_point,
                     driver_max_rows=driver_max_rows,
-                    new_tables=[t for t in resolved if t not in existing],
+                    new_tables=set(resolved).difference(existing),
                 )
             copy_seconds = time.perf_counter() - copy_started
             watch_stop.set()
