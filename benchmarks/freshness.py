@@ -230,6 +230,12 @@ def main() -> None:
         ours["equal"] = all(c.equal for c in comparisons)
         ours["follow_startup_s"] = round(startup_s, 2)
         ours["follow"] = totals
+        store = pipeline.store_of(settings)
+        chain = store.chain()
+        ours["store"] = {  # what the retention (PGCDC_STORE_RETENTION) left
+            "ranges": len(store.ranges()),
+            "pruned_through": str(chain.pruned_through) if chain and chain.pruned_through else None,
+        }
         report: dict[str, Any] = {
             "load": f"pgbench simple-update, {args.tps} tps target, {args.seconds} s",
             "ours": ours,

@@ -251,6 +251,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     store = pipeline.store_of(settings)
     chain_record = store.chain()
     chain = store.chain_ranges() if chain_record and chain_record.complete else []
+    pruned = chain_record.pruned_through if chain_record else None
     replay = pipeline.origin_progress(settings)
     try:
         next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
@@ -268,6 +269,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "consistent_point": str(chain_record.consistent_point) if chain_record else None,
         "snapshot_state": chain_record.state if chain_record else None,
         "ranges_stored": len(chain),
+        "pruned_through": str(pruned) if pruned else None,
         "last_range": chain[-1].key if chain else None,
         "replay_lsn": str(replay) if replay else None,
         "next_step": next_step,
@@ -331,6 +333,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise CliError(f"tables differ between source and target: {', '.join(differing)}")
     if not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    """Runs the prune job (the store's retention, now) and reports its observation."""
+    from .defs.jobs import PRUNE_JOB
+    from .engine.settings import parse_duration
+
+    ReplicationSettings.from_env()  # a wrong setting is one line before Dagster loads
+    try:
+        parse_duration(args.retention or "forever")
+    except ValueError as exc:
+        raise CliError(f"--retention: {exc}") from None
+    config = {"retention": args.retention or "", "dry_run": bool(args.dry_run)}
+    result = run_job(PRUNE_JOB, run_config={"ops": {"prune_store": {"config": config}}})
+    report: dict[str, Any] = {}
+    for event in result.all_events:
+        if event.is_asset_observation:
+            observation = event.asset_observation_data.asset_observation
+            report = {k: v.value for k, v in observation.metadata.items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        print(
+            f"{verb} {report['ranges_removed']} applied range(s) and "
+            f"{report['history_ranges_removed']} of earlier snapshots "
+            f"({int(report['bytes_removed']) / 1e6:.1f} MB); the chain's stored ranges begin at "
+            f"{report['pruned_through'] or 'its consistent point'}, oldest kept "
+            f"{report['oldest_kept'] or 'none'}"
+        )
     return 0
 
 
@@ -422,6 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compare every table on source and target")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser("prune", help="remove applied ranges older than the store's retention")
+    p.add_argument("--retention", help="instead of PGCDC_STORE_RETENTION: 7d, 12h, 30m, 0")
+    p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_prune)
     p = sub.add_parser("spark", help="a warm local Spark Connect server every run then uses")
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--master", default="local[*]", help="the server's master (local[*])")

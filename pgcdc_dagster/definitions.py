@@ -39,7 +39,7 @@ from .defs.assets import (
     target_key,
 )
 from .defs.checks import build_consistency_check, build_slot_health
-from .defs.jobs import build_follow_job
+from .defs.jobs import build_follow_job, build_prune_job
 from .defs.resources import default_resources
 from .defs.runs import RANGE_LOCK_TAG
 from .defs.sensors import CATCHUP_JOB, build_slot_sensor
@@ -134,6 +134,7 @@ def build_definitions(
             description="Take the base snapshot (initial copy) of the source.",
         ),
         build_follow_job(tables),
+        build_prune_job(),
         define_asset_job(
             "slot_health",
             selection=AssetSelection.checks(slot_health),

@@ -37,9 +37,12 @@ def store_ranges(
 
 def assert_chain_records(store: OutputStore, origin: Lsn | None) -> None:
     """Every range of the chain records the chain's last commit up to its end, as a walk
-    forward from the consistent point finds it, and a converged target's origin stands at the
-    last one: what a crash anywhere must leave once the next command has finished."""
-    last = store.consistent_point()
+    forward from the consistent point (or the pruned start's record) finds it, and a converged
+    target's origin stands at the last one: what a crash anywhere must leave once the next
+    command has finished."""
+    chain = store.chain()
+    assert chain is not None
+    last = chain.pruned_last_commit if chain.pruned_through else store.consistent_point()
     for rng in store.chain_ranges():
         stored = store.get(rng)
         assert stored is not None, rng.key

@@ -193,3 +193,43 @@ def test_progress_is_drawn_live_on_a_terminal(cli_env):
     assert "\x1b[" in text  # drawn, not printed line by line
     assert "public.items" in text and "snapshot: done" in text
     assert "pgcdc: snapshot copy:" not in text
+
+
+def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(cli_env, capsys):
+    from pgcdc_dagster.defs.partitions import LSN_RANGES
+    from pgcdc_dagster.defs.runner import dagster_instance
+
+    assert run_cli(capsys, "snapshot")[0] == 0
+    for n in range(3):
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+            conn.execute("INSERT INTO items VALUES (%s, 'new')", (200 + n,))
+        assert run_cli(capsys, "catchup")[0] == 0
+    stored = json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"]
+    assert stored >= 3
+    registered = set(dagster_instance().get_dynamic_partitions(LSN_RANGES))
+
+    code, out, err = run_cli(capsys, "prune", "--retention", "0", "--dry-run", "--json")
+    assert code == 0, err
+    dry = json.loads(out)
+    assert dry["ranges_removed"] == stored - 1 and dry["partitions_dropped"] == 0
+    assert json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"] == stored
+
+    code, out, err = run_cli(capsys, "prune", "--retention", "0", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["ranges_removed"] == stored - 1 and report["bytes_removed"] > 0
+    status = json.loads(run_cli(capsys, "status", "--json")[1])
+    assert status["ranges_stored"] == 1 and status["pruned_through"] == report["pruned_through"]
+    assert status["last_range"] == report["oldest_kept"]
+    left = set(dagster_instance().get_dynamic_partitions(LSN_RANGES))
+    assert left == {status["last_range"]} and len(registered) == stored
+    assert report["partitions_dropped"] == stored - 1
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("UPDATE items SET name = 'after prune' WHERE id = 200")
+    assert run_cli(capsys, "catchup")[0] == 0
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True
+
+    code, _, err = run_cli(capsys, "prune", "--retention", "soon")
+    assert code == 2 and "not a duration" in err and "\n" not in err.strip()

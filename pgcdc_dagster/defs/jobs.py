@@ -1,4 +1,5 @@
-"""The ``follow`` job: one long-lived run that receives and applies continuously.
+"""The ops jobs: ``follow`` (one long-lived run that receives and applies continuously) and
+``prune`` (the store's retention, on demand).
 
 ``pgcdc follow`` runs it until stopped, ``pgcdc catchup --endpos L`` runs it up to ``L``, and the
 slot sensor in ``follow`` mode keeps one alive. The run holds the range lock for its whole life
@@ -7,21 +8,42 @@ registered as an ``lsn_ranges`` partition and materialised from inside the run a
 (:mod:`.following`), so the UI's partitions and lineage look the same whichever way a range was
 taken. Terminating the run from the UI (or SIGINT/SIGTERM to ``pgcdc``) stops it at a range
 boundary.
+
+Every apply already prunes what ``PGCDC_STORE_RETENTION`` lets go, every few minutes at most
+(:mod:`pgcdc_dagster.engine.retention`); ``prune`` (``pgcdc prune``) does it now, with another
+retention if given, or shows what it would remove, and drops the removed ranges' partitions.
+It needs no range lock: the store's chain lock orders it with any other prune or snapshot.
 """
 
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dagster import Config, JobDefinition, OpExecutionContext, in_process_executor, job, op
+from dagster import (
+    AssetObservation,
+    Config,
+    Failure,
+    JobDefinition,
+    OpExecutionContext,
+    in_process_executor,
+    job,
+    op,
+)
 
+from ..engine import pipeline
 from ..engine.identifiers import TableName
+from ..engine.retention import prune
+from ..engine.settings import parse_duration
 from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
+from .keys import DECODED_CHANGES_KEY
+from .metadata import prune_metadata
+from .range_events import drop_unstored_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .runner import keep_storage_connections
 from .runs import RANGE_LOCK_TAG
 
 FOLLOW_JOB = "follow"
+PRUNE_JOB = "prune"
 NO_ENDPOS = "none"
 
 
@@ -68,3 +90,64 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
         follow_stream()
 
     return follow
+
+
+class PruneConfig(Config):
+    retention: str = ""
+    """Remove applied ranges stored longer ago than this (``7d``, ``12h``, ``0``: every
+    applied range but the last); empty: ``PGCDC_STORE_RETENTION``."""
+    dry_run: bool = False
+    """Say what would be removed, remove nothing."""
+
+
+def build_prune_job() -> JobDefinition:
+    @op(
+        name="prune_store",
+        out={},  # it yields its observation only
+        description="Remove the applied ranges older than the retention from the output store "
+        "(the last applied one stays), and their lsn_ranges partitions.",
+    )
+    def prune_store(
+        context: OpExecutionContext, config: PruneConfig, pgcdc: PgcdcResource
+    ) -> Iterator[Any]:
+        settings = pgcdc.settings()
+        try:
+            retention_s = (
+                parse_duration(config.retention) if config.retention else settings.store_retention
+            )
+        except ValueError as exc:
+            raise Failure(description=f"retention: {exc}") from None
+        if retention_s is None:
+            raise Failure(
+                description="the retention is forever (PGCDC_STORE_RETENTION=forever): nothing "
+                "is pruned; give one (pgcdc prune --retention 7d)"
+            )
+        try:
+            origin = pipeline.origin_progress(settings)
+            result = prune(pipeline.store_of(settings), origin, retention_s, dry_run=config.dry_run)
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        if result.skipped:
+            raise Failure(description=f"nothing pruned: {result.skipped}")
+        dropped = [] if config.dry_run else drop_unstored_partitions(context.instance, settings)
+        metadata = prune_metadata(result, retention_s, origin, config.dry_run, len(dropped))
+        yield AssetObservation(
+            DECODED_CHANGES_KEY, description="the store's retention", metadata=metadata
+        )
+        verb = "would remove" if config.dry_run else "removed"
+        context.log.info(
+            f"prune {verb} {len(result.removed)} applied range(s) and "
+            f"{len(result.history)} of earlier snapshots, {result.bytes} bytes; the chain's "
+            f"stored ranges begin at {result.pruned_through or 'its consistent point'}"
+        )
+
+    @job(
+        name=PRUNE_JOB,
+        executor_def=in_process_executor,
+        description="Apply the output store's retention now: remove applied ranges older than "
+        "it, and their partitions.",
+    )
+    def prune_job() -> None:
+        prune_store()
+
+    return prune_job

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ..engine.apply import ApplyResult
     from ..engine.catalog import ColumnInfo
     from ..engine.identifiers import TableName
+    from ..engine.retention import PruneResult
     from ..engine.snapshot import BaseSnapshotResult
     from ..engine.store import RangeResult
     from ..engine.verify import TableComparison
@@ -175,3 +176,27 @@ def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
         {"table": "string", "source_rows": "int", "target_rows": "int", "equal": "bool"},
     )
     return {"tables": tables, "differing_tables": text(", ".join(differing) or "none")}
+
+
+def prune_metadata(
+    result: PruneResult,
+    retention_s: float,
+    origin: Any,
+    dry_run: bool,
+    partitions_dropped: int,
+) -> dict[str, Any]:
+    """What a prune of the store's retention did (or, dry, would do)."""
+    return {
+        "dry_run": dry_run,
+        "retention_s": retention_s,
+        "origin_progress": text(origin),
+        "ranges_removed": len(result.removed),
+        "history_ranges_removed": len(result.history),
+        "bytes_removed": number(result.bytes),
+        "first_removed": result.removed[0].key if result.removed else "",
+        "last_removed": result.removed[-1].key if result.removed else "",
+        "pruned_through": text(result.pruned_through),
+        "oldest_kept": result.kept.key if result.kept else "",
+        "partitions_dropped": partitions_dropped,
+        "seconds": result.seconds,
+    }

@@ -2,9 +2,10 @@
 
 Partitions are a view of the store's chain, never a cursor: a range is registered (idempotently)
 right before a run is requested for it or its events are logged, and a registered range that
-was never stored (its run died first) is removed the next time the range at its place is
-registered, so the UI's partitions stay the chain. Deleting them all, or wiping Dagster's
-storage, changes nothing the engine does: the next ranges register again.
+is not stored (its run died first, or the store's retention removed it) is removed the next
+time a range at or after its place is registered, so the UI's partitions stay the chain.
+Deleting them all, or wiping Dagster's storage, changes nothing the engine does: the next
+ranges register again.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def register_range(
     instance: DagsterInstance, settings: pipeline.ReplicationSettings, rng: LsnRange
 ) -> None:
     """Make ``rng`` a partition (``rng`` starts at the chain's end or is stored), and drop the
-    registered ranges that were never stored and start at or before it: the chain has passed
-    their start with other boundaries (a run requested for them died first), so none of them
-    will ever be stored.
+    registered ranges that are not stored and start at or before it: the chain has passed their
+    start with other boundaries (a run requested for them died first), so none of them will
+    ever be stored, or the store's retention removed them.
 
     That look lists every partition and every stored range, which a follow (a range every few
     hundred milliseconds, for as long as it runs) cannot afford per range: measured with
@@ -68,14 +69,60 @@ def register_range(
     last = _REGISTERED.get(settings.store_path)
     scanned_at = last.scanned_at if last is not None and last.end == rng.start else None
     if scanned_at is None or now - scanned_at >= STALE_SCAN_S:
-        stored = {r.key for r in pipeline.store_of(settings).ranges()}
-        for key in instance.get_dynamic_partitions(LSN_RANGES):
-            other = LsnRange.from_key(key)
-            if other.start <= rng.start and other != rng and key not in stored:
-                instance.delete_dynamic_partition(LSN_RANGES, key)
+        drop_unstored_partitions(instance, settings, through=rng)
         scanned_at = now
     instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
     _REGISTERED[settings.store_path] = _Registered(rng.end, scanned_at)
+
+
+def drop_unstored_partitions(
+    instance: DagsterInstance,
+    settings: pipeline.ReplicationSettings,
+    through: LsnRange | None = None,
+) -> list[str]:
+    """Delete the ``lsn_ranges`` partitions whose range is not in the store and starts at or
+    before ``through``'s start (any, without it), other than ``through``: ranges a dead run
+    never stored, and ranges the store's retention removed. Returns the keys deleted. Their
+    materialisations stay in Dagster's event log (its SQL storages cannot wipe a partition)."""
+    stored = {r.key for r in pipeline.store_of(settings).ranges()}
+    dropped = []
+    for key in instance.get_dynamic_partitions(LSN_RANGES):
+        if key in stored or (through is not None and key == through.key):
+            continue
+        if through is None or LsnRange.from_key(key).start <= through.start:
+            dropped.append(key)
+    delete_partitions(instance, dropped)
+    return dropped
+
+
+DELETE_BATCH = 1000
+
+
+def delete_partitions(instance: DagsterInstance, keys: Sequence[str]) -> None:
+    """Delete ``lsn_ranges`` partitions, a thousand per statement on Dagster's SQL storages.
+
+    Dagster's public call deletes one key per transaction: measured on PostgreSQL storage,
+    1.8 ms a key (a follow storing 5 ranges a second leaves 3,000 for each 10-minute prune:
+    5.4 s in its recording loop), against 9 ms for a thousand in one statement. The statement
+    is the one Dagster's own call runs, on its table, widened to a list of keys; any other
+    storage gets the public call per key."""
+    storage = getattr(instance, "event_log_storage", None)
+    try:
+        from dagster._core.storage.event_log.schema import DynamicPartitionsTable
+
+        connection = storage.index_connection  # type: ignore[union-attr]
+    except (ImportError, AttributeError):
+        for key in keys:
+            instance.delete_dynamic_partition(LSN_RANGES, key)
+        return
+    table = DynamicPartitionsTable
+    for i in range(0, len(keys), DELETE_BATCH):
+        with connection() as conn:
+            conn.execute(
+                table.delete()
+                .where(table.c.partitions_def_name == LSN_RANGES)
+                .where(table.c.partition.in_(keys[i : i + DELETE_BATCH]))
+            )
 
 
 def no_gap_evaluation(

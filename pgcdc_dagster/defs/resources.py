@@ -10,7 +10,11 @@ from dagster import ConfigurableResource, EnvVar, InitResourceContext
 from dagster_pyspark import LazyPySparkResource
 from pydantic import PrivateAttr
 
-from ..engine.settings import DEFAULT_SPARK_MIN_CHANGES, ReplicationSettings
+from ..engine.settings import (
+    DEFAULT_SPARK_MIN_CHANGES,
+    DEFAULT_STORE_RETENTION_S,
+    ReplicationSettings,
+)
 
 
 class PostgresResource(ConfigurableResource):
@@ -35,6 +39,8 @@ class ReplicationResource(ConfigurableResource):
     follow_range_bytes: int = 32 * 1024 * 1024
     follow_idle_s: float = 10.0
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES
+    store_retention: float | None = DEFAULT_STORE_RETENTION_S
+    """Seconds an applied range stays in the store; ``None``: forever."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -90,6 +96,7 @@ class PgcdcResource(ConfigurableResource):
             follow_range_bytes=self.replication.follow_range_bytes,
             follow_idle_s=self.replication.follow_idle_s,
             spark_min_changes=self.replication.spark_min_changes,
+            store_retention=self.replication.store_retention,
         )
 
 
@@ -147,6 +154,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             follow_range_bytes=settings.follow_range_bytes,
             follow_idle_s=settings.follow_idle_s,
             spark_min_changes=settings.spark_min_changes,
+            store_retention=settings.store_retention,
         ),
         store=OutputStoreResource(path=settings.store),
     )

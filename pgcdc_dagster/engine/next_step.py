@@ -23,8 +23,9 @@ and the requested endpos. The answer is one of:
     origin has reached the last commit stored in it. (The origin itself may stay below endpos:
     after an endpos between or inside transactions it rests at the last complete commit.)
 
-Why this is exact: ranges tile the WAL from the consistent point (each starts where the
-previous ended, checked here), a range holds exactly the transactions whose COMMIT ends in it,
+Why this is exact: ranges tile the WAL from the consistent point, or from where the store's
+retention removed applied ranges up to (the chain record's ``pruned_through``; each starts where
+the previous ended, checked here), a range holds exactly the transactions whose COMMIT ends in it,
 and the apply advances the origin to a range's last commit in the range's own transaction. So
 "origin >= transform_lsn" is "that range is applied", and the first range failing it is where
 the target stands. Dagster's partitions may be deleted or wiped without changing any answer.
@@ -99,8 +100,17 @@ def decide(
             f"consistent point {consistent_point}: it belongs to another snapshot; re-take the "
             "base snapshot (pgcdc snapshot --resnapshot)"
         )
+    record = store.chain()
+    pruned = None if record is None else record.pruned_last_commit
+    if pruned is not None and origin < pruned:
+        raise CatchUpStateError(
+            f"the target's replication origin is at {origin}, before {pruned}, the last commit "
+            "of the ranges the store's retention removed as applied: the target went back (a "
+            "restore?) and those changes are gone from the store; re-take the base snapshot "
+            "(pgcdc snapshot --resnapshot)"
+        )
     chain = store.chain_ranges()
-    chain_end = consistent_point
+    chain_end = store.chain_start()
     for rng in chain:
         if rng.start != chain_end:
             raise CatchUpStateError(
@@ -147,7 +157,9 @@ def _first_unapplied(store: OutputStore, chain: list[LsnRange], origin: Lsn) -> 
         start -= 1
     for rng in chain[start:]:
         stored = store.get(rng)
-        if stored is None:  # removed since the listing: the next decision sees the hole
+        if stored is None:  # removed since the listing: pruned (applied), or a hole
+            if store.chain_start() >= rng.end:
+                continue
             raise CatchUpStateError(f"range {rng.key} vanished from the output store {store.root}")
         transform = stored.transform_lsn
         if transform is not None and transform > origin:

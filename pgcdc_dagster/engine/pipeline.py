@@ -25,6 +25,7 @@ from .origin import progress_of
 from .range_lock import RangeBusyError, RangeLock
 from .range_lock import range_lock as hold_range_lock
 from .receive import receive
+from .retention import prune_if_due
 from .settings import ReplicationSettings
 from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
 from .store import OutputStore, RangeResult, StoredRange
@@ -147,6 +148,14 @@ def check_range_order(store: OutputStore, rng: LsnRange) -> None:
         )
     if store.get(rng) is not None:
         return  # re-running a stored range: receive and apply are both idempotent
+    chain = store.chain()
+    pruned = None if chain is None else chain.pruned_through
+    if pruned is not None and rng.end <= pruned:
+        raise RangeOrderError(
+            f"range {rng.key} was applied and then removed from the output store by its "
+            f"retention (PGCDC_STORE_RETENTION; the chain's stored ranges now begin at "
+            f"{pruned}): there is nothing left to run for it"
+        )
     expected = store.chain_end()
     if rng.start != expected:
         missing = f"{expected} to {rng.start}" if rng.start > expected else f"from {expected}"
@@ -204,16 +213,20 @@ def apply_stored_range(
     session = None
     if spark is not None and stored.changes >= settings.spark_min_changes:
         session = spark() if callable(spark) else spark
+    store = store_of(settings)
     with server_errors("target", settings.target_dsn):
-        return apply_range(
+        applied = apply_range(
             settings.target_dsn,
             stored,
             settings.origin,
             spark=session,
-            store=store_of(settings),
+            store=store,
             spark_min_changes=settings.spark_min_changes,
             conn=conn,
         )
+    replay = Lsn.parse(applied.replay_lsn) if applied.replay_lsn else None
+    prune_if_due(store, replay, settings.store_retention)
+    return applied
 
 
 def origin_progress(settings: ReplicationSettings) -> Lsn | None:
@@ -239,6 +252,8 @@ def expected_origin_progress(
     if chain is None or not chain.complete:
         return None
     point = chain.consistent_point
+    if through is not None and chain.start is not None and through.end <= chain.start:
+        return chain.pruned_last_commit if through.end == chain.pruned_through else None
     latest = None if through is None or point is None else store.get(through)
     if latest is not None and point is not None and latest.range.start >= point:
         # A follow asks this for every range it applies: one step back, not a listing.
@@ -249,9 +264,10 @@ def expected_origin_progress(
         if through is not None and rng.end > through.end:
             continue
         stored = store.get(rng)
-        if stored is not None and stored.transform_lsn is not None:
-            return stored.transform_lsn
-    return store.consistent_point()
+        known = None if stored is None else stored.chain_last_commit or stored.transform_lsn
+        if known is not None:
+            return known
+    return store.last_commit_before(store.chain_start())
 
 
 def resolve_endpos(settings: ReplicationSettings, endpos: str | Lsn) -> Lsn:

@@ -24,6 +24,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -52,6 +53,9 @@ With executor-side staging (``benchmarks/spark_staging.py``, one range of 3.04M 
 1.01M net rows, 2 cores): Spark 25.1 s (plus 7.8 s to start it) against 15.9 s in process, but
 the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory, not speed."""
 MiB = 1024 * 1024
+DAY = 86400.0
+DEFAULT_STORE_RETENTION_S = 7 * DAY
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
 
 
 class SettingsError(PgcdcError, ValueError):
@@ -108,6 +112,11 @@ class ReplicationSettings(BaseModel):
     """On a source with no published change, ``follow`` still stores an (empty) range this
     often, or once 16 MiB of WAL went by, so the slot keeps moving and retained WAL stays
     bounded."""
+    store_retention: NonNegativeFloat | None = DEFAULT_STORE_RETENTION_S
+    """Seconds an applied range stays in the store after it was stored (its ``lsn_ranges``
+    partition goes with it); ``None`` (``forever``): every range stays. From ``90s``, ``30m``,
+    ``12h``, ``7d`` or plain seconds. The last applied range always stays (see
+    :mod:`.retention`)."""
 
     def driver_max_rows(self) -> int:
         """The snapshot's driver/Spark split. Unset, it depends on where Spark's executors run.
@@ -130,6 +139,11 @@ class ReplicationSettings(BaseModel):
     @classmethod
     def _parse_tables(cls, value: Any) -> Any:
         return parse_tables(value) if isinstance(value, str) else value
+
+    @field_validator("store_retention", mode="before")
+    @classmethod
+    def _parse_retention(cls, value: Any) -> Any:
+        return parse_duration(value) if isinstance(value, str) else value
 
     @field_validator("spark_master", "spark_remote", mode="before")
     @classmethod
@@ -217,6 +231,24 @@ def parse_tables(text: str | None) -> tuple[TableName, ...] | None:
         return tuple(sorted({TableName.parse(p) for p in parts if p.strip()}))
     except ValueError as exc:
         raise SettingsError(f"{PREFIX}TABLES: {exc}") from None
+
+
+def parse_duration(text: str) -> float | None:
+    """``forever`` (``None``), or a number of seconds with an optional unit: ``90``, ``90s``,
+    ``30m``, ``12h``, ``7d``; :class:`ValueError` saying what is accepted otherwise."""
+    value = text.strip().lower()
+    if value == "forever":
+        return None
+    number, unit = (value[:-1], value[-1]) if value[-1:] in DURATION_UNITS else (value, "s")
+    try:
+        seconds = float(number) * DURATION_UNITS[unit]
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise ValueError(
+            f"{text!r} is not a duration: use 90s, 30m, 12h, 7d, plain seconds, or forever"
+        )
+    return seconds
 
 
 def _one_line(exc: ValidationError) -> str:

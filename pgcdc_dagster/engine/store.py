@@ -5,7 +5,8 @@ Layout under the store root::
     changes/<range key>/part-00000.parquet ...   one row per change, commit order
     changes/<range key>/_RANGE.json              the manifest: watermarks, counts, relations
 
-    _CHAIN.json                                  where the current chain of ranges begins
+    _CHAIN.json                                  where the current chain of ranges begins,
+                                                 and how much of it was pruned
 
 The manifest is the store's single source of truth for "what each LSN range holds"; a range
 exists exactly when its folder (with manifest) exists. A range is written into a hidden
@@ -21,10 +22,13 @@ re-sent mid-range becomes a new version) without repeating names in every row.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -42,6 +46,8 @@ from .lsn import Lsn, LsnRange
 
 MANIFEST = "_RANGE.json"
 CHAIN = "_CHAIN.json"
+CHAIN_LOCK = ".chain.lock"
+PRUNED_PREFIX = ".pruned-"
 FORMAT_VERSION = 1
 
 CHANGE_SCHEMA = pa.schema(
@@ -177,11 +183,16 @@ CHAIN_COMPLETE = "complete"
 
 @dataclass(frozen=True)
 class Chain:
-    """Where the current base snapshot's ranges begin, or that a snapshot is under way.
+    """Where the current base snapshot's ranges begin, or that a snapshot is under way, and
+    how much of the chain's start was pruned.
 
     The base snapshot writes ``snapshot_in_progress`` before it touches the slot or the target
     and ``complete`` (with the consistent point) as its very last step: a snapshot killed at any
     point in between leaves a chain that catch-up refuses and the next snapshot redoes.
+
+    A prune (:mod:`.retention`) records ``pruned_through`` *before* it removes a folder: the
+    chain's ranges up to there were applied and removed, so the chain now begins there, with
+    ``pruned_last_commit`` standing in for the removed ranges' record of their last COMMIT.
     """
 
     slot: str
@@ -189,10 +200,23 @@ class Chain:
     consistent_point: Lsn | None = None
     snapshot: str | None = None
     started_at: str | None = None
+    pruned_through: Lsn | None = None
+    pruned_last_commit: Lsn | None = None
+    pruned_at: float | None = None
+    """When a prune last looked (Unix time), whether or not it removed anything: prunes are
+    spaced by this, across processes."""
 
     @property
     def complete(self) -> bool:
         return self.state == CHAIN_COMPLETE and self.consistent_point is not None
+
+    @property
+    def start(self) -> Lsn | None:
+        """Where the chain's stored ranges begin: past the pruned ones, else the consistent
+        point (``None`` when the snapshot is not complete)."""
+        if not self.complete:
+            return None
+        return self.pruned_through or self.consistent_point
 
 
 @dataclass(frozen=True)
@@ -272,11 +296,15 @@ class _Seen:
     """For equal ends (ranges of two chains) the one that starts last, as a listing in LSN
     order gives it."""
 
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """A prune lists the store in a thread of its own while a receiver stores ranges."""
+
     def stored(self, rng: LsnRange) -> None:
-        known = self.by_end.pop(rng.end, None)
-        self.by_end[rng.end] = rng if known is None or known.start <= rng.start else known
-        while len(self.by_end) > ENDS_SEEN:
-            del self.by_end[next(iter(self.by_end))]
+        with self.lock:
+            known = self.by_end.pop(rng.end, None)
+            self.by_end[rng.end] = rng if known is None or known.start <= rng.start else known
+            while len(self.by_end) > ENDS_SEEN:
+                del self.by_end[next(iter(self.by_end))]
 
 
 _SEEN: dict[Path, _Seen] = {}
@@ -352,19 +380,24 @@ class OutputStore:
 
         One step back in the common case (the range before records it, see
         :attr:`RangeManifest.chain_last_commit`); ranges stored without that record are
-        walked back to the last one holding a transaction."""
+        walked back to the last one holding a transaction. The walk stops at the chain's
+        pruned start, whose record stands in for the ranges a prune removed."""
         chain = self.chain()
         point = None if chain is None or not chain.complete else chain.consistent_point
-        if point is None or start < point:
+        if chain is None or point is None or start < point:
             return None
         if start == point:
             return point
+        if start == chain.pruned_through:
+            return chain.pruned_last_commit
         for previous in self.ranges_before(start):
             known = previous.chain_last_commit or previous.transform_lsn
             if known is not None:
                 return known
             if previous.range.start <= point:
                 return point if previous.range.start == point else None
+            if previous.range.start == chain.pruned_through:
+                return chain.pruned_last_commit
         return None
 
     def last_commit_through(self, stored: StoredRange) -> Lsn | None:
@@ -403,7 +436,8 @@ class OutputStore:
         """Record, durably, that a base snapshot of ``slot`` is under way: from here until
         :meth:`record_chain`, catch-up refuses to run and the next snapshot redoes this one."""
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
+        with self.chain_lock():
+            self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
 
     def record_chain(self, slot: str, consistent_point: Lsn, snapshot_name: str) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
@@ -412,16 +446,75 @@ class OutputStore:
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
         """
-        self._write_chain(
-            {
-                "slot": slot,
-                "state": CHAIN_COMPLETE,
-                "consistent_point": str(consistent_point),
-                "snapshot": snapshot_name,
-            }
-        )
+        with self.chain_lock():
+            self._write_chain(
+                {
+                    "slot": slot,
+                    "state": CHAIN_COMPLETE,
+                    "consistent_point": str(consistent_point),
+                    "snapshot": snapshot_name,
+                }
+            )
 
-    def _write_chain(self, chain: dict[str, str]) -> None:
+    @contextlib.contextmanager
+    def chain_lock(self) -> Iterator[Chain | None]:
+        """Hold the store's chain record against other writers, across processes (an advisory
+        ``flock``, released by the kernel when a holder dies), and yield it as it stands.
+
+        A prune reads the record, decides and writes it back: without the lock a snapshot
+        beginning in between would have its ``snapshot_in_progress`` overwritten with the old
+        complete chain, and catch-up would run against a half-made target."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / CHAIN_LOCK, "a+b") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield self.chain()
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def record_pruned(
+        self, chain: Chain, through: Lsn | None, last_commit: Lsn | None, at: float
+    ) -> None:
+        """Record (the caller holds :meth:`chain_lock` and read ``chain`` under it) that the
+        current chain's ranges up to ``through`` are pruned, with the last COMMIT they held;
+        ``through=None`` records only that a prune looked at ``at``. Never moves backwards."""
+        if not chain.complete or chain.consistent_point is None:
+            raise StoreError("a prune needs a complete base snapshot in the store")
+        before = chain.pruned_through
+        if through is None or (before is not None and through <= before):
+            through, last_commit = chain.pruned_through, chain.pruned_last_commit
+        record: dict[str, Any] = {
+            "slot": chain.slot,
+            "state": CHAIN_COMPLETE,
+            "consistent_point": str(chain.consistent_point),
+            "snapshot": chain.snapshot,
+            "pruned_at": at,
+        }
+        if through is not None:
+            record["pruned_through"] = str(through)
+            record["pruned_last_commit"] = None if last_commit is None else str(last_commit)
+        self._write_chain(record)
+
+    def hide_range(self, rng: LsnRange) -> str | None:
+        """Take a stored range out of the store (a prune's, whose chain record already says
+        so) by renaming it to a hidden folder: it vanishes from every reader at once. Returns
+        that folder, for :func:`remove_folder`; ``None`` when another prune took it first."""
+        hidden = os.path.join(self.changes_dir, PRUNED_PREFIX + rng.key)
+        try:
+            os.rename(os.path.join(self.changes_dir, rng.key), hidden)
+        except FileNotFoundError:
+            return None
+        self._manifests.pop(rng, None)
+        self._listing = None
+        return hidden
+
+    def sweep_removed(self) -> None:
+        """Delete what a prune killed mid-removal left hidden."""
+        if self.changes_dir.is_dir():
+            for left in self.changes_dir.glob(f"{PRUNED_PREFIX}*"):
+                remove_folder(str(left))
+
+    def _write_chain(self, chain: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{CHAIN}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(json.dumps(chain, indent=1, sort_keys=True))
@@ -435,6 +528,8 @@ class OutputStore:
         except FileNotFoundError:
             return None
         point = raw.get("consistent_point")
+        pruned = raw.get("pruned_through")
+        pruned_commit = raw.get("pruned_last_commit")
         return Chain(
             slot=raw["slot"],
             # Chains written before snapshots recorded their state were always complete.
@@ -442,6 +537,9 @@ class OutputStore:
             consistent_point=None if point is None else Lsn.parse(point),
             snapshot=raw.get("snapshot"),
             started_at=raw.get("started_at"),
+            pruned_through=None if pruned is None else Lsn.parse(pruned),
+            pruned_last_commit=None if pruned_commit is None else Lsn.parse(pruned_commit),
+            pruned_at=raw.get("pruned_at"),
         )
 
     def consistent_point(self) -> Lsn:
@@ -460,11 +558,19 @@ class OutputStore:
             )
         return chain.consistent_point
 
+    def chain_start(self) -> Lsn:
+        """Where the current chain's stored ranges begin: the consistent point, or past the
+        ranges a prune removed (:attr:`Chain.start`)."""
+        self.consistent_point()  # refuses a missing or unfinished snapshot
+        chain = self.chain()
+        assert chain is not None and chain.start is not None
+        return chain.start
+
     def chain_end(self) -> Lsn:
         """Where the next range of the current chain starts: the end of its last stored range,
-        or the consistent point when none is stored yet."""
+        or the chain's start when none is stored (yet, or since a prune)."""
         chain = self.chain_ranges()
-        return chain[-1].end if chain else self.consistent_point()
+        return chain[-1].end if chain else self.chain_start()
 
     def last_stored(self) -> StoredRange | None:
         """The last stored range of the current chain."""
@@ -472,8 +578,8 @@ class OutputStore:
         return self.get(chain[-1]) if chain else None
 
     def chain_ranges(self) -> list[LsnRange]:
-        """Stored ranges of the current chain, in LSN order."""
-        start = self.consistent_point()
+        """Stored ranges of the current chain past its pruned start, in LSN order."""
+        start = self.chain_start()
         return [r for r in self.ranges() if r.start >= start]
 
 
@@ -576,6 +682,23 @@ def iter_batches(path: Path) -> Iterator[pa.RecordBatch]:
         reader = pa.ipc.open_file(source)
         for i in range(reader.num_record_batches):
             yield reader.get_batch(i)
+
+
+def remove_folder(path: str) -> int:
+    """Delete a range's folder (files only, no subfolders); returns the Parquet bytes it held.
+    Plain ``os`` calls: a prune removes thousands of ranges, and the kernel's unlinks and
+    rmdir are most of what each costs."""
+    removed = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.name.startswith("part-"):
+                    removed += entry.stat().st_size
+                os.unlink(entry.path)
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass  # another prune got there first
+    return removed
 
 
 def _fsync_path(path: Path) -> None:

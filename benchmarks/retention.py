@@ -1,0 +1,180 @@
+"""What the store's retention costs on a store that ran for a long time.
+
+A store of ``--ranges`` ranges is written by hand (a manifest and a 2 KB Parquet file each, as
+a follow's small steady-state ranges are; stored ``--age`` seconds ago), with a target whose
+replication origin stands at the last range's commit (an origin created on the server
+``--dsn`` for the run, dropped after), and every range registered as an ``lsn_ranges``
+partition in Dagster's PostgreSQL storage (a database of its own on the same server).
+
+Measured:
+
+* ``not_due_ms``: :func:`prune_if_due` when the last prune is recent: what every apply pays.
+* ``listing_only_s``: a prune that finds nothing old enough (one listing of the store).
+* ``command_s``: ``pgcdc prune --retention 1h`` from a fresh process (Python, Dagster and the
+  definitions load, the run, the prune, the partitions dropped), as a user runs it, with the
+  run's own figures: the prune's seconds and the partitions dropped.
+* ``disk_before`` and ``disk_after``: bytes under the store.
+
+Usage: ``.venv/bin/python benchmarks/retention.py [--ranges 20000] [--dsn host=127.0.0.1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pyarrow.parquet as pq
+from psycopg import sql
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
+from pgcdc_dagster.engine.retention import prune, prune_if_due  # noqa: E402
+from pgcdc_dagster.engine.store import CHANGE_SCHEMA, MANIFEST, OutputStore  # noqa: E402
+from pgcdc_dagster_tests.stores import range_manifest  # noqa: E402
+
+START = 0x1_0000_0000
+STEP = 0x4000
+
+
+def write_store(root: Path, ranges: int, age_s: float) -> Lsn:
+    """``ranges`` ranges of one transaction each; returns the last one's commit."""
+    store = OutputStore(root)
+    store.record_chain("bench", Lsn(START), "snap")
+    store.changes_dir.mkdir(parents=True, exist_ok=True)
+    sample = root / "sample.parquet"
+    rows = {f.name: [None] * 20 for f in CHANGE_SCHEMA}
+    rows.update(commit_end_lsn=[1] * 20, commit_lsn=[1] * 20, lsn=[1] * 20, xid=[1] * 20)
+    rows.update(commit_ts=[0] * 20, seq=list(range(20)), action=["I"] * 20)
+    rows.update(schema_name=["public"] * 20, table_name=["t"] * 20, relation_version=[0] * 20)
+    rows.update(flags=[0] * 20, new_row=[["x" * 40]] * 20)
+    pq.write_table(pa.table(rows, schema=CHANGE_SCHEMA), sample, compression="zstd")
+    when = time.time() - age_s
+    last = Lsn(START)
+    for i in range(ranges):
+        start, end = START + i * STEP, START + (i + 1) * STEP
+        last = Lsn(end - 0x100)
+        manifest = range_manifest(str(Lsn(start)), str(Lsn(end)), str(last))
+        manifest = manifest.__class__(
+            result=manifest.result,
+            relations=[],
+            types={},
+            bytes=sample.stat().st_size,
+            chain_last_commit=str(last),
+        )
+        folder = store.changes_dir / LsnRange(Lsn(start), Lsn(end)).key
+        folder.mkdir()
+        shutil.copyfile(sample, folder / "part-00000.parquet")
+        (folder / MANIFEST).write_text(manifest.to_json())
+        os.utime(folder / MANIFEST, (when, when))
+    sample.unlink()
+    return last
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranges", type=int, default=20_000)
+    parser.add_argument("--age", type=float, default=2 * 86400)
+    parser.add_argument("--dsn", default="host=127.0.0.1 port=5432 user=postgres dbname=postgres")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-retention-"))
+    slot = f"bench_{uuid.uuid4().hex[:6]}"
+    storage_db = f"dagster_{slot}"
+    origin = f"pgcdc_{slot}"
+    report: dict[str, object] = {"ranges": args.ranges}
+    with psycopg.connect(args.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
+    try:
+        began = time.perf_counter()
+        last = write_store(work / "store", args.ranges, args.age)
+        report["write_s"] = round(time.perf_counter() - began, 2)
+        with psycopg.connect(args.dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_replication_origin_create(%s)", (origin,))
+            conn.execute(
+                "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (origin, str(last))
+            )
+        home = work / "dagster_home"
+        home.mkdir()
+        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+        host = dict(p.split("=") for p in args.dsn.split())
+        env = {
+            **os.environ,
+            "PGCDC_SOURCE_DSN": args.dsn,
+            "PGCDC_TARGET_DSN": args.dsn,
+            "PGCDC_SLOT": slot,
+            "PGCDC_STORE": str(work / "store"),
+            "PGCDC_SERVER": "off",
+            "DAGSTER_HOME": str(home),
+            "DAGSTER_POSTGRES_URL": f"postgresql+psycopg2://{host.get('user', 'postgres')}@"
+            f"{host.get('host', '127.0.0.1')}:{host.get('port', '5432')}/{storage_db}",
+        }
+        os.environ.update(env)
+        from pgcdc_dagster.defs.partitions import LSN_RANGES
+        from pgcdc_dagster.defs.runner import dagster_instance
+
+        instance = dagster_instance()
+        keys = [r.key for r in OutputStore(work / "store").ranges()]
+        began = time.perf_counter()
+        for i in range(0, len(keys), 1000):
+            instance.add_dynamic_partitions(LSN_RANGES, keys[i : i + 1000])
+        report["register_s"] = round(time.perf_counter() - began, 2)
+        report["disk_before"] = du(work / "store")
+
+        store = OutputStore(work / "store")
+        result = prune(store, last, 10 * 86400)  # nothing old enough: the listing alone
+        report["listing_only_s"] = result.seconds
+        store = OutputStore(work / "store")
+        began = time.perf_counter()
+        for _ in range(1000):
+            prune_if_due(store, last, 3600.0)
+        report["not_due_ms"] = round((time.perf_counter() - began), 4)  # 1000 calls: s = ms each
+
+        began = time.perf_counter()
+        done = subprocess.run(
+            [str(REPO / ".venv/bin/pgcdc"), "prune", "--retention", "1h", "--json"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        report["command_s"] = round(time.perf_counter() - began, 2)
+        if done.returncode != 0:
+            raise SystemExit(done.stderr)
+        run = json.loads(done.stdout)
+        report["prune_s"] = run["seconds"]
+        report["ranges_removed"] = run["ranges_removed"]
+        report["partitions_dropped"] = run["partitions_dropped"]
+        report["disk_after"] = du(work / "store")
+        print(json.dumps(report, indent=1))
+    finally:
+        with psycopg.connect(args.dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
+                "WHERE roname = %s",
+                (origin,),
+            )
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(storage_db)
+                )
+            )
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""The store's retention: what a prune removes and keeps, on stores written on disk, and a
+follow with a retention of zero on real servers (every applied range but the last removed as
+it goes) that stays exact and resumes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import psycopg
+import pytest
+
+from pgcdc_dagster.engine import pipeline, retention
+from pgcdc_dagster.engine.apply import check_no_gap
+from pgcdc_dagster.engine.follow import Follower
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.next_step import ApplyStored, CatchUpStateError, ReceiveNext, decide
+from pgcdc_dagster.engine.pipeline import RangeOrderError, check_range_order
+from pgcdc_dagster.engine.retention import prune, prune_if_due, prune_interval
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.store import MANIFEST, OutputStore
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+from pgcdc_dagster_tests.stores import assert_chain_records, store_ranges
+
+CAP = 0x1000
+HOUR = 3600.0
+
+# A chain from 0/1000: two transactions, an empty range, a transaction, then one the target
+# has not applied (the origin stands at 0/3F00).
+RANGES = [
+    ("0/1000", "0/2000", "0/1F00"),
+    ("0/2000", "0/3000", "0/2E00"),
+    ("0/3000", "0/3800", None),
+    ("0/3800", "0/4000", "0/3F00"),
+    ("0/4000", "0/5000", "0/4E00"),
+]
+ORIGIN = Lsn("0/3F00")
+
+
+def store_with(tmp_path, ranges=RANGES, age_s: float = 2 * HOUR) -> OutputStore:
+    """The ranges, stored ``age_s`` ago (their manifests' mtime)."""
+    store = store_ranges(OutputStore(tmp_path / "store"), ranges, "0/1000")
+    for rng in store.ranges():
+        when = time.time() - age_s
+        os.utime(store.range_path(rng) / MANIFEST, (when, when))
+    return OutputStore(store.root)  # a new process's view
+
+
+def keys(ranges) -> list[str]:
+    return [LsnRange(a, b).key for a, b, _ in ranges]
+
+
+def test_a_prune_removes_applied_ranges_keeping_the_last_applied_and_every_unapplied(tmp_path):
+    store = store_with(tmp_path)
+    result = prune(store, ORIGIN, HOUR)
+    assert [r.key for r in result.removed] == keys(RANGES[:3])
+    assert result.kept == LsnRange("0/3800", "0/4000")  # the last applied: walks end there
+    assert result.pruned_through == Lsn("0/3800")
+    assert [r.key for r in store.chain_ranges()] == keys(RANGES[3:])
+    assert sorted(p.name for p in store.changes_dir.iterdir()) == keys(RANGES[3:])
+    chain = store.chain()
+    assert chain is not None and chain.pruned_last_commit == Lsn("0/2E00")
+    # Every decision still stands on the durable facts alone.
+    assert store.chain_start() == Lsn("0/3800") and store.chain_end() == Lsn("0/5000")
+    assert store.last_commit_before(Lsn("0/3800")) == Lsn("0/2E00")
+    step = decide(store, ORIGIN, Lsn("0/4000"), Lsn("0/9000"), CAP)
+    assert isinstance(step, ApplyStored) and step.range == LsnRange("0/4000", "0/5000")
+    check_no_gap(store, step.stored, ORIGIN)  # walks back to the kept range
+    step = decide(store, Lsn("0/4E00"), Lsn("0/5000"), Lsn("0/9000"), CAP)
+    assert isinstance(step, ReceiveNext) and step.range == LsnRange("0/5000", "0/6000")
+    assert_chain_records(store, Lsn("0/4E00"))
+    # A second prune at once finds nothing more to take.
+    assert prune(store, ORIGIN, HOUR).removed == []
+
+
+def test_young_ranges_and_a_target_that_applied_nothing_keep_everything(tmp_path):
+    young = store_with(tmp_path, age_s=60)
+    assert prune(young, ORIGIN, HOUR).removed == []
+    assert prune(young, None, 0).removed == []  # no origin: nothing is known applied
+    assert prune(young, Lsn("0/1000"), 0).removed == []  # the origin at the consistent point
+    assert len(young.chain_ranges()) == len(RANGES)
+    assert prune(young, ORIGIN, 0).removed  # retention 0: every applied range but the last
+
+
+def test_only_an_old_enough_prefix_goes(tmp_path):
+    store = store_with(tmp_path)
+    now = time.time()
+    os.utime(store.range_path(LsnRange("0/2000", "0/3000")) / MANIFEST, (now, now))
+    result = prune(store, ORIGIN, HOUR)
+    assert [r.key for r in result.removed] == keys(RANGES[:1])  # the chain stays contiguous
+    assert store.chain_start() == Lsn("0/2000")
+    assert store.last_commit_before(Lsn("0/2000")) == Lsn("0/1F00")
+
+
+def test_a_pruned_range_run_again_is_refused_and_a_target_gone_back_is_refused(tmp_path):
+    store = store_with(tmp_path)
+    prune(store, ORIGIN, HOUR)
+    with pytest.raises(RangeOrderError, match="removed from the output store by its retention"):
+        check_range_order(store, LsnRange("0/2000", "0/3000"))
+    with pytest.raises(CatchUpStateError, match=r"before 0/2E00.*re-take the base snapshot"):
+        decide(store, Lsn("0/1F00"), Lsn("0/4000"), Lsn("0/9000"), CAP)
+
+
+def test_ranges_of_an_earlier_snapshot_go_by_age_alone(tmp_path):
+    store = store_with(tmp_path)
+    store.record_chain("slot", Lsn("0/5000"), "snap2")  # a re-snapshot: all of them history
+    result = prune(store, Lsn("0/5000"), HOUR)
+    assert result.removed == [] and len(result.history) == len(RANGES)
+    assert store.ranges() == []
+
+
+def test_prunes_are_spaced_across_processes_and_never_without_a_retention(tmp_path):
+    store = store_with(tmp_path)
+    assert prune_if_due(store, ORIGIN, None) is None
+    first = prune_if_due(store, ORIGIN, HOUR)  # in a thread of its own
+    assert first is not None
+    first.join()
+    assert sorted(p.name for p in store.changes_dir.iterdir()) == keys(RANGES[3:])
+    assert prune_if_due(OutputStore(store.root), ORIGIN, HOUR) is None  # within the interval
+    later = time.time() + prune_interval(HOUR)
+    again = prune_if_due(OutputStore(store.root), ORIGIN, HOUR, now=later)
+    assert again is not None
+    again.join()
+
+
+def test_a_dry_run_removes_nothing(tmp_path):
+    store = store_with(tmp_path)
+    result = prune(store, ORIGIN, HOUR, dry_run=True)
+    assert len(result.removed) == 3
+    assert len(store.ranges()) == len(RANGES)
+    chain = store.chain()
+    assert chain is not None and chain.pruned_through is None
+
+
+_KILLED_PRUNE = """
+import sys
+from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.retention import prune
+from pgcdc_dagster.engine.store import OutputStore
+prune(OutputStore(sys.argv[1]), Lsn(sys.argv[2]), 3600.0)
+"""
+
+
+def test_a_prune_killed_after_its_record_leaves_ranges_the_chain_skips_and_the_next_removes(
+    tmp_path,
+):
+    store = store_with(tmp_path)
+    env = {**os.environ, "PGCDC_FAILPOINT": "prune.recorded=kill"}
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_PRUNE, str(store.root), str(ORIGIN)], env=env, check=False
+    )
+    assert killed.returncode == -9
+    fresh = OutputStore(store.root)
+    assert len(fresh.ranges()) == len(RANGES)  # nothing removed yet
+    assert [r.key for r in fresh.chain_ranges()] == keys(RANGES[3:])  # but the chain skips them
+    step = decide(fresh, ORIGIN, Lsn("0/4000"), Lsn("0/9000"), CAP)
+    assert isinstance(step, ApplyStored) and step.range == LsnRange("0/4000", "0/5000")
+    assert prune(fresh, ORIGIN, HOUR).removed == []
+    assert [r.key for r in fresh.ranges()] == keys(RANGES[3:])  # the leftovers are gone
+
+
+def test_a_snapshot_beginning_waits_for_a_prune_holding_the_chain(tmp_path):
+    store = store_with(tmp_path)
+    started = time.monotonic()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pgcdc_dagster.engine.store import OutputStore\n"
+            "with OutputStore(sys.argv[1]).chain_lock():\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(1.5)\n",
+            str(store.root),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    store.begin_snapshot("slot")
+    assert time.monotonic() - started >= 1.5
+    holder.wait()
+    chain = store.chain()
+    assert chain is not None and not chain.complete
+
+
+# -- on real servers -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def settings(source_dsn, target_dsn, spark, tmp_path) -> ReplicationSettings:
+    run_sql(
+        source_dsn,
+        "CREATE TABLE log (n int, note text); ALTER TABLE log REPLICA IDENTITY FULL;",
+    )
+    settings = ReplicationSettings(
+        source_dsn=source_dsn,
+        target_dsn=target_dsn,
+        slot=f"retain_{uuid.uuid4().hex[:8]}",
+        store=str(tmp_path / "store"),
+        tables="public.log",
+        follow_cut_ms=50,
+        follow_idle_s=1.0,
+        store_retention=0.0,
+    )
+    pipeline.take_snapshot(settings, spark)
+    return settings
+
+
+def count(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT count(*) FROM log").fetchone()[0]
+
+
+def test_a_follow_with_no_retention_keeps_one_applied_range_and_stays_exact(settings):
+    """Insert-only, no key: a range applied twice or lost would show in the count."""
+    src = settings.source_dsn
+    ranges = 0
+    for burst in range(4):
+        run_sql(src, f"INSERT INTO log SELECT g, 'b{burst}' FROM generate_series(1, 500) g")
+        follower = Follower(settings, flush_lsn(src))
+        with pipeline.range_lock(settings):
+            ranges += sum(1 for _ in follower.run())
+        time.sleep(1.1)  # past the prune interval (1 s at retention 0)
+    for thread in list(retention._PRUNING.values()):
+        thread.join()  # the last apply's prune
+    store = pipeline.store_of(settings)
+    chain = store.chain()
+    assert chain is not None and chain.pruned_through is not None
+    assert len(store.ranges()) < ranges
+    assert count(settings.target_dsn) == count(src) == 2000
+    origin = pipeline.origin_progress(settings)
+    assert_chain_records(store, origin)
+    assert pipeline.expected_origin_progress(settings) == origin
+    # And it goes on from the pruned chain.
+    run_sql(src, "INSERT INTO log SELECT g, 'after' FROM generate_series(1, 10) g")
+    with pipeline.range_lock(settings):
+        list(Follower(settings, flush_lsn(src)).run())
+    assert count(settings.target_dsn) == count(src) == 2010
