@@ -38,7 +38,7 @@ from .defs.assets import (
     build_assets,
     target_key,
 )
-from .defs.checks import build_consistency_check, build_slot_health
+from .defs.checks import build_consistency_check, build_slot_health, store_retention
 from .defs.jobs import build_follow_job, build_prune_job
 from .defs.resources import default_resources
 from .defs.runs import RANGE_LOCK_TAG
@@ -137,11 +137,11 @@ def build_definitions(
         build_prune_job(),
         define_asset_job(
             "slot_health",
-            selection=AssetSelection.checks(slot_health),
-            description="Check the replication slot's health.",
+            selection=AssetSelection.checks(slot_health, store_retention),
+            description="Check the replication slot's health and the output store's retention.",
         ),
     ]
-    checks: list[Any] = [slot_health]
+    checks: list[Any] = [slot_health, store_retention]
     if consistency is not None:
         checks.append(consistency)
         jobs.append(

@@ -197,7 +197,7 @@ def test_progress_is_drawn_live_on_a_terminal(cli_env):
 
 def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(cli_env, capsys):
     from pgcdc_dagster.defs.partitions import LSN_RANGES
-    from pgcdc_dagster.defs.runner import dagster_instance
+    from pgcdc_dagster.defs.runner import dagster_instance, run_job
 
     assert run_cli(capsys, "snapshot")[0] == 0
     for n in range(3):
@@ -224,6 +224,11 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(c
     left = set(dagster_instance().get_dynamic_partitions(LSN_RANGES))
     assert left == {status["last_range"]} and len(registered) == stored
     assert report["partitions_dropped"] == stored - 1
+    checked = run_job("slot_health")
+    (retention,) = [
+        e for e in checked.get_asset_check_evaluations() if e.check_name == "store_retention"
+    ]
+    assert retention.passed and retention.metadata["ranges_stored"].value == 1
 
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("UPDATE items SET name = 'after prune' WHERE id = 200")

@@ -1,4 +1,5 @@
-"""Asset checks that do not belong to one materialisation: slot health, target = source."""
+"""Asset checks that do not belong to one materialisation: slot health, the store's retention,
+target = source."""
 
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -14,8 +15,9 @@ from dagster import (
 
 from ..engine import pipeline, verify
 from ..engine.identifiers import TableName
+from ..engine.retention import retention_status
 from ..engine.slot import SlotError
-from .assets import ENGINE_ERRORS, SLOT_KEY, target_key
+from .assets import DECODED_CHANGES_KEY, ENGINE_ERRORS, SLOT_KEY, target_key
 from .metadata import comparison_metadata, number, text
 from .resources import PgcdcResource
 
@@ -72,6 +74,41 @@ def slot_health_result(
             "retained_wal_bytes": number(retained),
             "lag_bytes": number(positions.lag_bytes),
             "active": text(slot.active),
+        },
+    )
+
+
+@asset_check(
+    asset=DECODED_CHANGES_KEY,
+    name="store_retention",
+    description="The output store's retention keeps up: no applied range older than "
+    "PGCDC_STORE_RETENTION (plus two prune intervals) is still stored.",
+)
+def store_retention(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -> AssetCheckResult:
+    settings = pgcdc.settings()
+    try:
+        origin = pipeline.origin_progress(settings)
+    except ENGINE_ERRORS as exc:
+        return AssetCheckResult(
+            passed=False, severity=AssetCheckSeverity.WARN, description=f"target: {exc}"
+        )
+    status = retention_status(pipeline.store_of(settings), origin, settings.store_retention)
+    return AssetCheckResult(
+        passed=status.overdue is None,
+        severity=AssetCheckSeverity.WARN,
+        description=status.overdue,
+        metadata={
+            "ranges_stored": status.ranges,
+            "pruned_through": text(status.pruned_through),
+            "oldest_range_age_s": text(
+                None if status.oldest_age_s is None else round(status.oldest_age_s)
+            ),
+            "last_prune_age_s": text(
+                None if status.last_prune_age_s is None else round(status.last_prune_age_s)
+            ),
+            "retention_s": text(
+                "forever" if settings.store_retention is None else settings.store_retention
+            ),
         },
     )
 

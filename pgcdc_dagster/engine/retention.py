@@ -187,3 +187,47 @@ def prune_if_due(
     _PRUNING[store.root] = thread
     thread.start()
     return thread
+
+
+@dataclass(frozen=True)
+class RetentionStatus:
+    """How far the store's retention has got, for a check that a person reads."""
+
+    ranges: int
+    """Stored ranges of the current chain."""
+    pruned_through: Lsn | None
+    oldest_age_s: float | None
+    """How long ago the chain's oldest stored range was stored."""
+    last_prune_age_s: float | None
+    overdue: str | None
+    """Why the retention is behind (prunes failing), else ``None``."""
+
+
+def retention_status(
+    store: OutputStore, origin: Lsn | None, retention_s: float | None, *, now: float | None = None
+) -> RetentionStatus:
+    """Whether a range the prunes should have removed is still stored: the chain's oldest
+    range older than the retention plus two prune intervals while the range after it is
+    applied too (the last applied range always stays, so an oldest range that is the last
+    applied one is not the retention's to remove: a stalled apply is ``slot_health``'s)."""
+    now = time.time() if now is None else now
+    chain = store.chain()
+    if chain is None or not chain.complete:
+        return RetentionStatus(0, None, None, None, None)
+    ranges = store.chain_ranges()
+    oldest_age = now - stored_at(store, ranges[0]) if ranges else None
+    last_prune = None if chain.pruned_at is None else now - chain.pruned_at
+    overdue = None
+    if retention_s is not None and oldest_age is not None and len(ranges) > 1:
+        limit = retention_s + 2 * prune_interval(retention_s)
+        second = store.get(ranges[1])
+        known = None if second is None else second.chain_last_commit or second.transform_lsn
+        applied = origin is not None and known is not None and known <= origin
+        if oldest_age > limit and applied:
+            overdue = (
+                f"the output store still holds applied ranges stored {oldest_age:.0f} s ago, "
+                f"past its retention of {retention_s:.0f} s (last prune "
+                + ("never" if last_prune is None else f"{last_prune:.0f} s ago")
+                + "): prunes are failing; run pgcdc prune to see why"
+            )
+    return RetentionStatus(len(ranges), chain.pruned_through, oldest_age, last_prune, overdue)

@@ -46,6 +46,7 @@ def test_definitions_load_and_lineage_is_source_snapshot_changes_target():
         "cutover_job",
         "verify",
         "slot_health",
+        "prune",
     }
     assert defs.resolve_sensor_def("slot_progress_sensor") is not None
 
@@ -122,6 +123,7 @@ def test_every_setting_reaches_the_runs_through_the_resources():
         dead_run_grace=3.0,
         retained_wal_limit=99,
         mode="follow",
+        store_retention=123.0,
     )
     resources = default_resources(changed)
     rebuilt = resources["pgcdc"].settings(resources["spark"])

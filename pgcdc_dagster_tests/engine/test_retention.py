@@ -19,7 +19,12 @@ from pgcdc_dagster.engine.follow import Follower
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.next_step import ApplyStored, CatchUpStateError, ReceiveNext, decide
 from pgcdc_dagster.engine.pipeline import RangeOrderError, check_range_order
-from pgcdc_dagster.engine.retention import prune, prune_if_due, prune_interval
+from pgcdc_dagster.engine.retention import (
+    prune,
+    prune_if_due,
+    prune_interval,
+    retention_status,
+)
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import MANIFEST, OutputStore
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
@@ -124,6 +129,20 @@ def test_prunes_are_spaced_across_processes_and_never_without_a_retention(tmp_pa
     again = prune_if_due(OutputStore(store.root), ORIGIN, HOUR, now=later)
     assert again is not None
     again.join()
+
+
+def test_a_retention_that_fell_behind_is_reported_and_a_stalled_apply_is_not(tmp_path):
+    store = store_with(tmp_path, age_s=2 * HOUR + 2 * prune_interval(HOUR) + 60)
+    behind = retention_status(store, ORIGIN, HOUR)
+    assert behind.ranges == len(RANGES) and behind.last_prune_age_s is None
+    assert behind.overdue is not None and "run pgcdc prune" in behind.overdue
+    # The target applied only the first range: keeping it is the rule, not a failing prune.
+    assert retention_status(store, Lsn("0/1F00"), HOUR).overdue is None
+    assert retention_status(store, ORIGIN, None).overdue is None  # forever
+    prune(store, ORIGIN, HOUR)
+    caught_up = retention_status(store, ORIGIN, HOUR)
+    assert caught_up.overdue is None and caught_up.ranges == 2
+    assert caught_up.pruned_through == Lsn("0/3800") and caught_up.last_prune_age_s is not None
 
 
 def test_a_dry_run_removes_nothing(tmp_path):
