@@ -214,6 +214,14 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(c
     assert dry["ranges_removed"] == stored - 1 and dry["partitions_dropped"] == 0
     assert json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"] == stored
 
+    storage_dsn = cli_env["DAGSTER_POSTGRES_URL"].replace("+psycopg2", "")
+    with psycopg.connect(storage_dsn) as conn:
+        (before,) = conn.execute(
+            "SELECT count(DISTINCT partition) FROM event_logs "
+            "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL"
+        ).fetchone()
+    assert before == stored
+
     code, out, err = run_cli(capsys, "prune", "--retention", "0", "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -224,6 +232,24 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(c
     left = set(dagster_instance().get_dynamic_partitions(LSN_RANGES))
     assert left == {status["last_range"]} and len(registered) == stored
     assert report["partitions_dropped"] == stored - 1
+    # Their history goes with them: materialisations and no_gap evaluations of the pruned
+    # partitions, of every asset; the kept partition's stay.
+    with psycopg.connect(storage_dsn) as conn:
+        rows = dict(
+            conn.execute(
+                "SELECT partition = %s, count(*) FROM event_logs "
+                "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL "
+                "GROUP BY 1",
+                (status["last_range"],),
+            ).fetchall()
+        )
+        checks = conn.execute(
+            "SELECT count(*) FILTER (WHERE partition <> %s), count(*) FILTER (WHERE partition "
+            "= %s) FROM asset_check_executions",
+            (status["last_range"], status["last_range"]),
+        ).fetchone()
+    assert rows == {True: 2}  # decoded_changes and target/public/items
+    assert checks == (0, 1)
     checked = run_job("slot_health")
     (retention,) = [
         e for e in checked.get_asset_check_evaluations() if e.check_name == "store_retention"
