@@ -34,6 +34,8 @@ BATCH = 1000
 def forget_partitions(instance: DagsterInstance, keys: Sequence[str]) -> None:
     """Delete the ``lsn_ranges`` partitions ``keys`` and, on PostgreSQL storage, their
     history (see the module docstring)."""
+    if not keys:
+        return
     storage = instance.event_log_storage
     try:
         from dagster._core.storage.event_log.schema import (
