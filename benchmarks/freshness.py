@@ -180,6 +180,12 @@ def main() -> None:
     parser.add_argument(
         "--no-native", action="store_true", help="skip the native logical replication run"
     )
+    parser.add_argument(
+        "--extra-tables",
+        type=int,
+        default=0,
+        help="that many more (idle) published tables: each is an asset every range records",
+    )
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="pgcdc-fresh-"))
@@ -194,6 +200,10 @@ def main() -> None:
         }
         os.environ.update(env)
         load_sample_data(clusters.source)
+        if args.extra_tables:
+            with psycopg.connect(clusters.source.dsn(), autocommit=True) as conn:
+                for n in range(args.extra_tables):
+                    conn.execute(f"CREATE TABLE extra_{n:03d} (id int PRIMARY KEY, v text)")
         settings = ReplicationSettings.from_env()
         subprocess.run([PGCDC, "snapshot"], env=env, check=True, capture_output=True, cwd=base)
         launched = time.monotonic()
@@ -218,7 +228,9 @@ def main() -> None:
         ours = load_window(args, settings.source_dsn, settings.target_dsn, meter)
 
         follow.send_signal(signal.SIGTERM)
-        out, ferr = follow.communicate(timeout=120)
+        stopping = time.monotonic()
+        out, ferr = follow.communicate(timeout=600)
+        ours["stop_s"] = round(time.monotonic() - stopping, 2)  # SIGTERM to the command's exit
         if follow.returncode != 0:
             raise RuntimeError(f"pgcdc follow exited {follow.returncode}: {ferr[-2000:]}")
         totals = json.loads(out).get("follow", {})

@@ -53,6 +53,8 @@ def test_storage_connections_are_kept_and_a_dropped_one_is_replaced(
         assert _sessions(admin, str(database)) - before <= 3
         kept = _backends(admin, str(database))
         assert 1 <= len(kept) <= 3
+        # Their commits do not wait for the disk (the events are a view, not progress).
+        assert _synchronous_commit(instance) == "off"
 
         # The server drops them (a restart, an idle timeout): the next use reconnects.
         for pid in kept:
@@ -60,3 +62,11 @@ def test_storage_connections_are_kept_and_a_dropped_one_is_replaced(
         instance.report_runless_asset_event(AssetMaterialization("after_drop"))
         assert instance.get_latest_materialization_event(AssetKey("after_drop")) is not None
         assert not set(_backends(admin, str(database))) & set(kept)
+        assert _synchronous_commit(instance) == "off"  # so do the new ones
+
+
+def _synchronous_commit(instance: DagsterInstance) -> str:
+    """The setting on the connections Dagster's event log writes through."""
+    storage: Any = instance.event_log_storage
+    with storage.index_connection() as conn:
+        return str(conn.exec_driver_sql("SHOW synchronous_commit").scalar())
