@@ -195,9 +195,15 @@ def test_progress_is_drawn_live_on_a_terminal(cli_env):
     assert "pgcdc: snapshot copy:" not in text
 
 
-def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(cli_env, capsys):
+def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
+    cli_env, capsys, monkeypatch
+):
+    from pgcdc_dagster.defs import runner
     from pgcdc_dagster.defs.partitions import LSN_RANGES
     from pgcdc_dagster.defs.runner import dagster_instance, run_job
+
+    # This test reads its own storage: not the instance an earlier test left to the process.
+    monkeypatch.setattr(runner, "_instance", None)
 
     assert run_cli(capsys, "snapshot")[0] == 0
     for n in range(3):
@@ -214,13 +220,16 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(c
     assert dry["ranges_removed"] == stored - 1 and dry["partitions_dropped"] == 0
     assert json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"] == stored
 
-    storage_dsn = cli_env["DAGSTER_POSTGRES_URL"].replace("+psycopg2", "")
-    with psycopg.connect(storage_dsn) as conn:
-        (before,) = conn.execute(
-            "SELECT count(DISTINCT partition) FROM event_logs "
-            "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL"
-        ).fetchone()
-    assert before == stored
+    def storage_rows(query: str, *args: str) -> list[tuple]:
+        # The storage the runs of this process write to (one instance per process).
+        with dagster_instance().event_log_storage.index_connection() as conn:
+            return [tuple(r) for r in conn.exec_driver_sql(query, args).fetchall()]
+
+    (before,) = storage_rows(
+        "SELECT count(DISTINCT partition) FROM event_logs "
+        "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL"
+    )
+    assert before == (stored,)
 
     code, out, err = run_cli(capsys, "prune", "--retention", "0", "--json")
     assert code == 0, err
@@ -234,20 +243,21 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(c
     assert report["partitions_dropped"] == stored - 1
     # Their history goes with them: materialisations and no_gap evaluations of the pruned
     # partitions, of every asset; the kept partition's stay.
-    with psycopg.connect(storage_dsn) as conn:
-        rows = dict(
-            conn.execute(
-                "SELECT partition = %s, count(*) FROM event_logs "
-                "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL "
-                "GROUP BY 1",
-                (status["last_range"],),
-            ).fetchall()
+    kept = status["last_range"]
+    rows = dict(
+        storage_rows(
+            "SELECT partition = %s, count(*) FROM event_logs "
+            "WHERE dagster_event_type = 'ASSET_MATERIALIZATION' AND partition IS NOT NULL "
+            "GROUP BY 1",
+            kept,
         )
-        checks = conn.execute(
-            "SELECT count(*) FILTER (WHERE partition <> %s), count(*) FILTER (WHERE partition "
-            "= %s) FROM asset_check_executions",
-            (status["last_range"], status["last_range"]),
-        ).fetchone()
+    )
+    (checks,) = storage_rows(
+        "SELECT count(*) FILTER (WHERE partition <> %s), count(*) FILTER (WHERE partition = %s) "
+        "FROM asset_check_executions",
+        kept,
+        kept,
+    )
     assert rows == {True: 2}  # decoded_changes and target/public/items
     assert checks == (0, 1)
     checked = run_job("slot_health")

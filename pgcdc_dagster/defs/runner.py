@@ -117,6 +117,8 @@ def _commit_asynchronously(dbapi_connection: Any, record: Any) -> None:
     progress: that lives in the slot, the store and the origin, and Dagster's records are a
     view of them (the next range's events, or ``pgcdc status``, show where things stand)."""
     del record
+    if not type(dbapi_connection).__module__.startswith("psycopg2"):
+        return  # Dagster's local SQLite storage
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("SET synchronous_commit = off")
