@@ -274,3 +274,30 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
 
     code, _, err = run_cli(capsys, "prune", "--retention", "soon")
     assert code == 2 and "not a duration" in err and "\n" not in err.strip()
+
+
+def test_a_follow_can_materialise_only_the_tables_a_range_changed(cli_env):
+    """PGCDC_FOLLOW_TABLE_EVENTS=changed, through the commands in fresh processes (the
+    replicated tables are resolved when a process loads the definitions)."""
+    import os
+    import subprocess
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE other (id int PRIMARY KEY)")
+    env = {**os.environ, "PGCDC_FOLLOW_TABLE_EVENTS": "changed", "PGCDC_SERVER": "off"}
+    for args in (["snapshot"], ["catchup"]):
+        done = _pgcdc(*args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert done.wait(timeout=300) == 0, done.stderr.read() if done.stderr else ""
+        if args == ["snapshot"]:
+            with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+                conn.execute("INSERT INTO items VALUES (300, 'only items')")
+    storage_dsn = cli_env["DAGSTER_POSTGRES_URL"].replace("+psycopg2", "")
+    with psycopg.connect(storage_dsn) as conn:
+        materialised = dict(
+            conn.execute(
+                "SELECT asset_key, count(*) FROM event_logs WHERE partition IS NOT NULL "
+                "AND dagster_event_type = 'ASSET_MATERIALIZATION' GROUP BY 1"
+            ).fetchall()
+        )
+    ranges = materialised.pop('["decoded_changes"]')
+    assert ranges >= 1 and materialised == {'["target", "public", "items"]': 1}

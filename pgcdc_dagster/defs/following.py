@@ -89,7 +89,11 @@ def _events(
         rng = LsnRange.from_key(done.received.range_key)
         register_range(context.instance, settings, rng)
         yield from range_events(
-            tables, settings, done, followed.lag_bytes, row_counts.after(done.applied)
+            recorded_tables(settings, tables, done),
+            settings,
+            done,
+            followed.lag_bytes,
+            row_counts.after(done.applied),
         )
         if tables:
             replay = done.applied.replay_lsn
@@ -100,6 +104,21 @@ def _events(
             if not gap.passed:
                 follower.stop("no_gap failed")
                 raise Failure(description=gap.description)
+
+
+def recorded_tables(
+    settings: pipeline.ReplicationSettings, tables: Sequence[TableName], done: pipeline.RangeDone
+) -> Sequence[TableName]:
+    """The target tables whose partition this range materialises: all of them, or with
+    ``PGCDC_FOLLOW_TABLE_EVENTS=changed`` those the apply changed (measured with 108
+    published tables at 1,000 tps: 110 events a range, and a run that needed minutes after
+    its stop to record them)."""
+    if settings.follow_table_events == "all":
+        return tables
+    counts = done.applied.tables
+    return [
+        t for t in tables if (c := counts.get(str(t))) is not None and (c.changes or c.truncated)
+    ]
 
 
 def new_follower(

@@ -41,6 +41,8 @@ class ReplicationResource(ConfigurableResource):
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES
     store_retention: float | None = DEFAULT_STORE_RETENTION_S
     """Seconds an applied range stays in the store; ``None``: forever."""
+    follow_table_events: str = "all"
+    """``all`` or ``changed``: which target tables a follow materialises per range."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -97,6 +99,7 @@ class PgcdcResource(ConfigurableResource):
             follow_idle_s=self.replication.follow_idle_s,
             spark_min_changes=self.replication.spark_min_changes,
             store_retention=self.replication.store_retention,
+            follow_table_events=self.replication.follow_table_events,  # type: ignore[arg-type]
         )
 
 
@@ -155,6 +158,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             follow_idle_s=settings.follow_idle_s,
             spark_min_changes=settings.spark_min_changes,
             store_retention=settings.store_retention,
+            follow_table_events=settings.follow_table_events,
         ),
         store=OutputStoreResource(path=settings.store),
     )

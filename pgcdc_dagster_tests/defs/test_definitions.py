@@ -124,6 +124,7 @@ def test_every_setting_reaches_the_runs_through_the_resources():
         retained_wal_limit=99,
         mode="follow",
         store_retention=123.0,
+        follow_table_events="changed",
     )
     resources = default_resources(changed)
     rebuilt = resources["pgcdc"].settings(resources["spark"])
