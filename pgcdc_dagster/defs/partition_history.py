@@ -46,11 +46,11 @@ def forget_partitions(instance: DagsterInstance, keys: Sequence[str]) -> None:
             SqlEventLogStorageTable,
         )
         from dagster_postgres.event_log.event_log import PostgresEventLogStorage
+
+        on_postgres = isinstance(storage, PostgresEventLogStorage)
     except ImportError:
-        for key in keys:
-            instance.delete_dynamic_partition(LSN_RANGES, key)
-        return
-    if not isinstance(storage, PostgresEventLogStorage):
+        on_postgres = False
+    if not on_postgres:
         for key in keys:
             instance.delete_dynamic_partition(LSN_RANGES, key)
         return

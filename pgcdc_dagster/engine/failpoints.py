@@ -50,6 +50,7 @@ POINTS: dict[str, str] = {
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
     "prune.recorded": "a prune recorded where the chain now begins; no range removed yet",
+    "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
 }
 """Every crash point of the engine and what is durable when it fires."""
 

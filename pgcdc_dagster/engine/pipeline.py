@@ -264,7 +264,7 @@ def expected_origin_progress(
         if through is not None and rng.end > through.end:
             continue
         stored = store.get(rng)
-        known = None if stored is None else stored.chain_last_commit or stored.transform_lsn
+        known = None if stored is None else stored.last_commit_known
         if known is not None:
             return known
     return store.last_commit_before(store.chain_start())

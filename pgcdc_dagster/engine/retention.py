@@ -114,7 +114,7 @@ def prune(
             if stored is None:
                 stopped_at = rng
                 break
-            known = stored.chain_last_commit or stored.transform_lsn
+            known = stored.last_commit_known
             applied = origin is not None and (known is None or known <= origin)
             if not applied or stored_at(store, rng) > cutoff:
                 if applied and known is not None:
@@ -139,6 +139,7 @@ def prune(
         return result
     failpoint("prune.recorded")
     hidden = [store.hide_range(rng) for rng in [*leftovers, *result.history, *result.removed]]
+    failpoint("prune.removing")
     for folder in hidden:
         if folder is not None:
             result.bytes += remove_folder(folder)
@@ -221,7 +222,7 @@ def retention_status(
     if retention_s is not None and oldest_age is not None and len(ranges) > 1:
         limit = retention_s + 2 * prune_interval(retention_s)
         second = store.get(ranges[1])
-        known = None if second is None else second.chain_last_commit or second.transform_lsn
+        known = None if second is None else second.last_commit_known
         applied = origin is not None and known is not None and known <= origin
         if oldest_age > limit and applied:
             overdue = (

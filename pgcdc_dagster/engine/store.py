@@ -238,6 +238,13 @@ class StoredRange:
         return None if value is None else Lsn.parse(value)
 
     @property
+    def last_commit_known(self) -> Lsn | None:
+        """The chain's last COMMIT up to this range's end as the range itself knows it: its
+        record, else its own last COMMIT; ``None`` when it knows neither (an empty range
+        stored without the record)."""
+        return self.chain_last_commit or self.transform_lsn
+
+    @property
     def safe_point(self) -> Lsn:
         """Where the slot may be confirmed once this range is stored."""
         return Lsn.parse(self.manifest.result.safe_point)
@@ -391,7 +398,7 @@ class OutputStore:
         if start == chain.pruned_through:
             return chain.pruned_last_commit
         for previous in self.ranges_before(start):
-            known = previous.chain_last_commit or previous.transform_lsn
+            known = previous.last_commit_known
             if known is not None:
                 return known
             if previous.range.start <= point:
@@ -403,7 +410,7 @@ class OutputStore:
     def last_commit_through(self, stored: StoredRange) -> Lsn | None:
         """The end of the last COMMIT the current chain stores up to ``stored``'s end: its
         record, else its own last COMMIT, else :meth:`last_commit_before` its start."""
-        known = stored.chain_last_commit or stored.transform_lsn
+        known = stored.last_commit_known
         return known if known is not None else self.last_commit_before(stored.range.start)
 
     def ranges_before(self, end: Lsn) -> Iterator[StoredRange]:

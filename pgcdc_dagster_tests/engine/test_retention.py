@@ -163,22 +163,33 @@ prune(OutputStore(sys.argv[1]), Lsn(sys.argv[2]), 3600.0)
 """
 
 
+@pytest.mark.parametrize("point", ["prune.recorded", "prune.removing"])
 def test_a_prune_killed_after_its_record_leaves_ranges_the_chain_skips_and_the_next_removes(
-    tmp_path,
+    tmp_path, point
 ):
+    """SIGKILL after the chain record (the ranges still in place) or after they were taken out
+    of the store (hidden, not deleted): the chain skips them, decisions stand, the chain lock
+    is free again, and the next prune leaves nothing of them."""
     store = store_with(tmp_path)
-    env = {**os.environ, "PGCDC_FAILPOINT": "prune.recorded=kill"}
+    env = {**os.environ, "PGCDC_FAILPOINT": f"{point}=kill"}
     killed = subprocess.run(
         [sys.executable, "-c", _KILLED_PRUNE, str(store.root), str(ORIGIN)], env=env, check=False
     )
     assert killed.returncode == -9
     fresh = OutputStore(store.root)
-    assert len(fresh.ranges()) == len(RANGES)  # nothing removed yet
-    assert [r.key for r in fresh.chain_ranges()] == keys(RANGES[3:])  # but the chain skips them
+    hidden = sorted(p.name for p in fresh.changes_dir.glob(".pruned-*"))
+    if point == "prune.recorded":
+        assert len(fresh.ranges()) == len(RANGES) and hidden == []  # nothing removed yet
+    else:
+        assert [r.key for r in fresh.ranges()] == keys(RANGES[3:])
+        assert hidden == [f".pruned-{k}" for k in keys(RANGES[:3])]
+    assert [r.key for r in fresh.chain_ranges()] == keys(RANGES[3:])  # the chain skips them
     step = decide(fresh, ORIGIN, Lsn("0/4000"), Lsn("0/9000"), CAP)
     assert isinstance(step, ApplyStored) and step.range == LsnRange("0/4000", "0/5000")
+    with fresh.chain_lock():  # the dead prune's lock went with it (a holder would block this)
+        pass
     assert prune(fresh, ORIGIN, HOUR).removed == []
-    assert [r.key for r in fresh.ranges()] == keys(RANGES[3:])  # the leftovers are gone
+    assert sorted(p.name for p in fresh.changes_dir.iterdir()) == keys(RANGES[3:])
 
 
 def test_a_snapshot_beginning_waits_for_a_prune_holding_the_chain(tmp_path):
