@@ -171,6 +171,25 @@ def run_native(
     return report
 
 
+def recorded_events(storage_url: str) -> dict[str, int]:
+    """What the follow run recorded in Dagster's storage: its ranges, those that recorded only
+    the tables they changed because the run's events trailed the apply (the default
+    ``PGCDC_FOLLOW_TABLE_EVENTS=all``; see ``defs/following.py``), and target-table
+    materialisations."""
+    with psycopg.connect(storage_url.replace("+psycopg2", "")) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE asset_key = '[\"decoded_changes\"]'), "
+            "count(*) FILTER (WHERE asset_key = '[\"decoded_changes\"]' "
+            "AND event LIKE '%trailed the apply%'), "
+            "count(*) FILTER (WHERE asset_key LIKE '[\"target\"%') "
+            "FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION' "
+            "AND partition IS NOT NULL"
+        ).fetchone()
+    assert row is not None
+    ranges, trailing, tables = row
+    return {"ranges": ranges, "ranges_changed_tables_only": trailing, "table_events": tables}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tps", type=int, default=1000)
@@ -242,6 +261,7 @@ def main() -> None:
         ours["equal"] = all(c.equal for c in comparisons)
         ours["follow_startup_s"] = round(startup_s, 2)
         ours["follow"] = totals
+        ours["recorded"] = recorded_events(env["DAGSTER_POSTGRES_URL"])
         store = pipeline.store_of(settings)
         chain = store.chain()
         ours["store"] = {  # what the retention (PGCDC_STORE_RETENTION) left

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from pgcdc_dagster.cli import main
 from pgcdc_dagster.engine.range_lock import range_lock
@@ -276,18 +277,39 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
     assert code == 2 and "not a duration" in err and "\n" not in err.strip()
 
 
-def test_a_follow_can_materialise_only_the_tables_a_range_changed(cli_env):
-    """PGCDC_FOLLOW_TABLE_EVENTS=changed, through the commands in fresh processes (the
-    replicated tables are resolved when a process loads the definitions)."""
+@pytest.mark.parametrize(
+    ("catchup_env", "described"),
+    [
+        ({"PGCDC_FOLLOW_TABLE_EVENTS": "changed"}, "PGCDC_FOLLOW_TABLE_EVENTS=changed"),
+        # The default (all), with the run's events held 3 s behind the apply (TRAILING_S: 2 s).
+        ({"PGCDC_FAILPOINT": "follow.recording=sleep(3)@1"}, "trailed the apply"),
+    ],
+    ids=["changed", "all-but-trailing"],
+)
+def test_a_follow_can_materialise_only_the_tables_a_range_changed(cli_env, catchup_env, described):
+    """Only the tables a range changed are materialised with PGCDC_FOLLOW_TABLE_EVENTS=changed,
+    and with the default while the run's events trail the apply by more than a couple of
+    seconds; the range's ``table_events`` metadata says which and why. Through the commands in
+    fresh processes (the replicated tables are resolved when a process loads the
+    definitions)."""
     import os
     import subprocess
 
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("CREATE TABLE other (id int PRIMARY KEY)")
-    env = {**os.environ, "PGCDC_FOLLOW_TABLE_EVENTS": "changed", "PGCDC_SERVER": "off"}
+    env = {**os.environ, "PGCDC_SERVER": "off"}
+    if "PGCDC_FOLLOW_TABLE_EVENTS" in catchup_env:
+        env.update(catchup_env)
     for args in (["snapshot"], ["catchup"]):
-        done = _pgcdc(*args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert done.wait(timeout=300) == 0, done.stderr.read() if done.stderr else ""
+        done = _pgcdc(
+            *args,
+            env={**env, **catchup_env} if args == ["catchup"] else env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _, err = done.communicate(timeout=300)
+        assert done.returncode == 0, err
         if args == ["snapshot"]:
             with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
                 conn.execute("INSERT INTO items VALUES (300, 'only items')")
@@ -299,5 +321,19 @@ def test_a_follow_can_materialise_only_the_tables_a_range_changed(cli_env):
                 "AND dagster_event_type = 'ASSET_MATERIALIZATION' GROUP BY 1"
             ).fetchall()
         )
+        (said,) = conn.execute(
+            "SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION' "
+            "AND asset_key = '[\"decoded_changes\"]' AND event LIKE %s",
+            (f"%{described}%",),
+        ).fetchone()
+        (logged,) = conn.execute(
+            "SELECT count(*) FROM event_logs WHERE event LIKE %s",
+            ("%materialised only the target tables they changed%",),
+        ).fetchone()
     ranges = materialised.pop('["decoded_changes"]')
     assert ranges >= 1 and materialised == {'["target", "public", "items"]': 1}
+    assert said == ranges
+    if "PGCDC_FOLLOW_TABLE_EVENTS" in catchup_env:
+        assert logged == 0  # nothing to explain: always so
+    else:
+        assert logged >= 1

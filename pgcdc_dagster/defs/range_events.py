@@ -138,17 +138,18 @@ def range_events(
     done: pipeline.RangeDone,
     lag_bytes: int | None,
     row_counts: Mapping[TableName, int | None],
+    table_events: str | None = None,
 ) -> list[AssetMaterialization]:
     """The materialisations of one range, as the per-range job records them: the decoded
-    changes partition and every target table's partition, with the same metadata."""
+    changes partition and the partitions of ``tables`` (a follow's choice, ``table_events``
+    says which, see :class:`~.following.TableEvents`), with the same metadata."""
     received, applied = done.received, done.applied
     uri = pipeline.store_of(settings).range_path(LsnRange.from_key(received.range_key)).as_uri()
+    decoded = receive_metadata(received, lag_bytes, uri)
+    if table_events is not None:
+        decoded["table_events"] = text(table_events)
     events = [
-        AssetMaterialization(
-            DECODED_CHANGES_KEY,
-            partition=received.range_key,
-            metadata=receive_metadata(received, lag_bytes, uri),
-        )
+        AssetMaterialization(DECODED_CHANGES_KEY, partition=received.range_key, metadata=decoded)
     ]
     events += [
         AssetMaterialization(

@@ -141,11 +141,14 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
 
 
 class Followed(NamedTuple):
-    """One range through the follower: what was stored and applied, and the source's WAL not
-    yet received when it was cut (``None`` for a range found stored, from an earlier run)."""
+    """One range through the follower: what was stored and applied, the source's WAL not
+    yet received when it was cut (``None`` for a range found stored, from an earlier run), and
+    when its apply ended (``time.monotonic()``: one clock for every process of the machine, so
+    a consumer in another process can tell how far it trails)."""
 
     done: RangeDone
     lag_bytes: int | None
+    applied_at: float = 0.0
 
 
 @dataclass
@@ -406,7 +409,7 @@ class Follower:
                 raise CatchUpStalledError(f"{step.describe()} was applied but made no progress")
             applied = apply_stored_range(self.settings, step.range, self.spark)
             self._count(step.stored.manifest.result)
-            yield Followed(RangeDone(step.stored.manifest.result, applied), None)
+            yield Followed(RangeDone(step.stored.manifest.result, applied), None, time.monotonic())
             previous = step
 
     def _caught_up(self) -> bool:
@@ -608,7 +611,7 @@ class Follower:
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.applying.append((began, time.monotonic()))
                 self._count(received, lag)
-                self._done.put(Followed(RangeDone(received, applied), lag))
+                self._done.put(Followed(RangeDone(received, applied), lag, time.monotonic()))
         except BaseException as exc:  # handed to the consumer by run()
             self._errors.append(exc)
             self.stop("error")

@@ -114,9 +114,11 @@ class ReplicationSettings(BaseModel):
     bounded."""
     follow_table_events: Literal["all", "changed"] = "all"
     """Which target tables a follow materialises for each range: ``all`` (every replicated
-    table's partition, as a per-range run does) or ``changed`` (only the tables the range
-    changed). Each materialisation is a Dagster event of a few milliseconds: with hundreds of
-    tables, ``all`` records more than Dagster keeps up with at a range every 200 ms."""
+    table's partition, as a per-range run does, while the run's events keep up with the apply;
+    for the ranges they trail on by more than 2 s, only the tables the range changed) or
+    ``changed`` (always only the tables the range changed). Each materialisation is a Dagster
+    event of a few milliseconds: with hundreds of tables, every table for every range is more
+    than Dagster keeps up with at a range every 200 ms."""
     store_retention: NonNegativeFloat | None = DEFAULT_STORE_RETENTION_S
     """Seconds an applied range stays in the store after it was stored (its ``lsn_ranges``
     partition goes with it); ``None`` (``forever``): every range stays. From ``90s``, ``30m``,
