@@ -12,6 +12,7 @@ rows, and no Dagster run is left not finished.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -40,7 +41,9 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.engine import pipeline, staging, verify
+from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
+from pgcdc_dagster.engine.range_lock import lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.procs import descendants, gone
 from pgcdc_dagster_tests.stores import assert_chain_records
@@ -434,6 +437,107 @@ def test_sigterm_stops_follow_at_a_range_boundary_and_the_next_resumes_exactly_o
     done = site.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
     site.assert_converged()
+
+
+def test_follow_rides_through_a_source_restart_and_a_target_crash_in_one_run(site: Site):
+    """``pgcdc follow`` (no endpos) while its servers go away: the source restarted, then the
+    target crashed (its range lock went with it). The follow waits each out, takes the range
+    lock again, and goes on applying in the same run; SIGTERM then ends it with exit 0, and
+    the next command finds nothing lost and nothing applied twice."""
+    clusters = site.clusters
+    follow = site.start("follow", "--json")
+    try:
+        for seed, outage in ((71, clusters.source.stop), (72, clusters.target.crash)):
+            before = _ranges_stored(site)
+            with site.writer(seed=seed):
+                _wait_for(
+                    lambda before=before: _ranges_stored(site) >= before + 2,
+                    "two ranges followed",
+                    120,
+                )
+            assert follow.poll() is None
+            outage()
+            time.sleep(1.5)  # the follow finds it gone and waits
+            (clusters.source if seed == 71 else clusters.target).start()
+        with site.writer(seed=73):
+            time.sleep(1.0)
+        stored = pipeline.store_of(site.settings).chain_end()
+        _wait_for(
+            lambda: (
+                (pipeline.origin_progress(site.settings) or 0)
+                >= (pipeline.expected_origin_progress(site.settings) or 0)
+                and pipeline.store_of(site.settings).chain_end() > stored
+            ),
+            "the follow to apply what was written after both outages",
+            120,
+        )
+        holders = lock_holders(site.settings.target_dsn, site.settings.slot)
+        assert [h.holder for h in holders] == [
+            f"follow pid {_follower_pid(follow)} (after an outage)"
+        ]
+        follow.send_signal(signal.SIGTERM)
+        out, err = follow.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(follow.pid, signal.SIGKILL)
+    assert follow.returncode == 0, err
+    totals = json.loads(out)["follow"]
+    assert totals["outages"] == 2 and totals["outage_s"] > 1.0, totals
+    assert "trying again in" in err and "the servers are back after" in err, err
+    with site.instance() as instance:
+        (run,) = instance.get_runs(RunsFilter(job_name="follow"), limit=1)
+        assert run.status == DagsterRunStatus.SUCCESS
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+def test_a_follower_whose_range_lock_another_catchup_took_ends_naming_it(site: Site):
+    """The target ends the follower's sessions (its range lock's among them) and another
+    catch-up takes the lock before the follower's next apply: the follower, finding its kept
+    connection gone, checks the lock before it applies on a new one, and ends in one line
+    naming the holder, instead of applying beside it."""
+    settings = site.settings
+    errors: list[BaseException] = []
+    followed: list[Followed] = []
+    with range_lock(settings.target_dsn, settings.slot, "run lock-test") as lock:
+        follower = Follower(settings, None, lock_session=lock.session_pid, lock_holder=lock.holder)
+
+        def consume() -> None:
+            try:
+                followed.extend(follower.run())
+            except BaseException as exc:
+                errors.append(exc)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        try:
+            with site.writer(seed=74):
+                _wait_for(lambda: len(followed) >= 2, "two ranges followed", 60)
+            with psycopg.connect(settings.target_dsn, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name LIKE 'pgcdc%'"
+                )
+            with (
+                range_lock(settings.target_dsn, settings.slot, "run intruder", own=True),
+                site.writer(seed=75),
+            ):
+                consumer.join(60)
+        finally:
+            follower.stop("test over")
+            consumer.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], RangeTakenError), errors
+    assert "run intruder" in str(errors[0]) and "\n" not in str(errors[0])
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+def _follower_pid(command: subprocess.Popen[str]) -> int:
+    """The follow process a cold ``pgcdc follow`` forked (engine/follow_process.py)."""
+    (pid,) = [pid for pid, cmd in descendants(command.pid).items() if PGCDC in cmd]
+    return pid
 
 
 @pytest.mark.parametrize("victim", ["command", "follower"])

@@ -22,6 +22,7 @@ from ..engine.failpoints import failpoint
 from ..engine.follow import Followed, Follower, Following, FollowSummary, adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
+from ..engine.range_lock import RangeLock
 from .keys import DECODED_CHANGES_KEY, target_key
 from .progress_log import logged
 from .range_events import no_gap_evaluation, range_events, register_range
@@ -57,6 +58,12 @@ def follow_events(
         f"{summary.seconds} s; receive busy {summary.receive_busy_s} s, apply busy "
         f"{summary.apply_busy_s} s, both at once {summary.overlap_s} s; CPU receiving "
         f"{summary.receive_cpu_s} s, applying {summary.apply_cpu_s} s"
+        + (
+            f"; rode through {summary.outages} outage(s) of its servers, "
+            f"{summary.outage_s} s in all"
+            if summary.outages
+            else ""
+        )
     )
 
 
@@ -74,6 +81,8 @@ def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
         "overlap_s": summary.overlap_s,
         "receive_cpu_s": summary.receive_cpu_s,
         "apply_cpu_s": summary.apply_cpu_s,
+        "outages": summary.outages,
+        "outage_s": summary.outage_s,
     }
 
 
@@ -195,17 +204,30 @@ def changed_tables(tables: Sequence[TableName], done: pipeline.RangeDone) -> lis
 
 
 def new_follower(
-    settings: pipeline.ReplicationSettings, endpos: str | None, spark: Any
+    settings: pipeline.ReplicationSettings,
+    endpos: str | None,
+    spark: Any,
+    lock: RangeLock | None = None,
 ) -> Following:
     """A follower of the run's slot up to ``endpos`` (``current``, ``X/Y``, or ``None``: until
     stopped), with Spark from the run's ``spark`` resource, started only if a range needs it.
 
     When the command that started this run already follows (its head start, see
     :func:`~pgcdc_dagster.engine.follow.head_start`), the run takes that follower over: same
-    slot, same endpos, ranges it has done so far are reported first."""
+    slot, same endpos, ranges it has done so far are reported first.
+
+    ``lock``: the run's range lock, whose session the follower checks is still there after an
+    outage."""
     adopted = adopt(settings.slot)
     if adopted is not None:
         adopted.interrupts = INTERRUPTS
         return adopted
     target = None if endpos is None else pipeline.resolve_endpos(settings, endpos)
-    return Follower(settings, target, spark=lambda: spark.spark_session, interrupts=INTERRUPTS)
+    return Follower(
+        settings,
+        target,
+        spark=lambda: spark.spark_session,
+        interrupts=INTERRUPTS,
+        lock_session=lock.session_pid if lock else None,
+        lock_holder=lock.holder if lock else None,
+    )

@@ -70,7 +70,7 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
         keep_storage_connections(context.instance)  # a long run writes events every range
         try:
             endpos = None if config.endpos.strip().lower() == NO_ENDPOS else config.endpos
-            follower = new_follower(settings, endpos, spark)
+            follower = new_follower(settings, endpos, spark, range_lock.held())
             context.log.info(
                 f"following slot {settings.slot}"
                 + (f" up to {follower.endpos}" if follower.endpos else "")

@@ -11,6 +11,7 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import PrivateAttr
 
 from ..engine.settings import (
+    DEFAULT_FOLLOW_RETRY_S,
     DEFAULT_SPARK_MIN_CHANGES,
     DEFAULT_STORE_RETENTION_S,
     ReplicationSettings,
@@ -43,6 +44,8 @@ class ReplicationResource(ConfigurableResource):
     """Seconds an applied range stays in the store; ``None``: forever."""
     follow_table_events: str = "all"
     """``all`` or ``changed``: which target tables a follow materialises per range."""
+    follow_retry: float | None = DEFAULT_FOLLOW_RETRY_S
+    """Seconds a follow retries a server that went away; ``None``: forever."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -100,6 +103,7 @@ class PgcdcResource(ConfigurableResource):
             spark_min_changes=self.replication.spark_min_changes,
             store_retention=self.replication.store_retention,
             follow_table_events=self.replication.follow_table_events,  # type: ignore[arg-type]
+            follow_retry=self.replication.follow_retry,
         )
 
 
@@ -135,9 +139,10 @@ class RangeLockResource(ConfigurableResource):
             self._lock = lock
             yield self
 
-    def still_held(self) -> bool:
-        """False once the target went away under the run (the server then freed the lock)."""
-        return self._lock is None or self._lock.check()
+    def held(self) -> Any:
+        """The :class:`~pgcdc_dagster.engine.range_lock.RangeLock` this run holds (a follower
+        checks its session is still there after an outage)."""
+        return self._lock
 
 
 def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
@@ -159,6 +164,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             spark_min_changes=settings.spark_min_changes,
             store_retention=settings.store_retention,
             follow_table_events=settings.follow_table_events,
+            follow_retry=settings.follow_retry,
         ),
         store=OutputStoreResource(path=settings.store),
     )

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import psycopg
 from dagster import DagsterInstance
 
 from ..engine.apply import ApplyResult, ApplyStatus
 from ..engine.catalog import count_rows
-from ..engine.connect import connect
+from ..engine.connect import ConnectError, connect
 from ..engine.identifiers import TableName
 from ..engine.settings import ReplicationSettings
 from .keys import target_key
@@ -55,8 +56,13 @@ class TargetRowCounts:
                 rows = (0 if done.truncated else rows) + done.inserted - done.deleted
             counts[table] = rows
         if stale:
-            with connect(self.settings.target_dsn, role="target", autocommit=True) as conn:
-                counts.update(count_rows(conn, stale, COUNT_TIMEOUT_S))
+            try:
+                with connect(self.settings.target_dsn, role="target", autocommit=True) as conn:
+                    counts.update(count_rows(conn, stale, COUNT_TIMEOUT_S))
+            except (ConnectError, psycopg.OperationalError):
+                # The target went away after the apply (a follow rides that through): the
+                # counts are not known this time, which is no reason to stop recording.
+                counts.update(dict.fromkeys(stale))
         for table, rows in counts.items():
             if rows is not None and applied.replay_lsn is not None:
                 self.known[table] = (rows, applied.replay_lsn)

@@ -29,6 +29,32 @@ class ServerGoneError(ConnectError):
     """A server went away (crash, restart, network) in the middle of a step."""
 
 
+class ServerUnavailableError(ConnectError):
+    """A server could not be reached or would not take a connection now (down, restarting,
+    out of connection slots, a network failure): a condition that passes, unlike a wrong
+    password, a missing database or a refused role (plain :class:`ConnectError`)."""
+
+
+_LASTING = (
+    "password authentication failed",
+    "no password supplied",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "permission denied",
+    "not permitted to log in",
+    "certificate",
+    "invalid ",
+)
+"""What a connection refused for a reason that a retry does not change says."""
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` says a server is away for now (:class:`ServerGoneError` in the middle
+    of a step, :class:`ServerUnavailableError` at a connection): what a long-lived follow
+    rides through by retrying, where every other error ends it."""
+    return isinstance(exc, ServerGoneError | ServerUnavailableError)
+
+
 def describe_dsn(dsn: str) -> str:
     """``user@host:port/dbname`` for messages: everything but secrets."""
     try:
@@ -70,11 +96,13 @@ def connect(
     try:
         return psycopg.connect(dsn, autocommit=autocommit, **extra)
     except psycopg.OperationalError as exc:
-        reason = redact(str(exc).strip().splitlines()[-1] if str(exc).strip() else "", dsn)
+        # libpq's lines: what failed, then a hint ("Is the server running...?"), per host tried.
+        reason = redact(" ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()), dsn)
         hint = ""
         if "password authentication failed" in reason or "no password supplied" in reason:
             hint = ": check the user and password in the connection string's environment variable"
-        raise ConnectError(
+        lasting = any(marker in str(exc) for marker in _LASTING)
+        raise (ConnectError if lasting else ServerUnavailableError)(
             f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
         ) from None
 

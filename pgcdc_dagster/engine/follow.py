@@ -36,6 +36,16 @@ Idle source: a poll that finds no committed published change stores nothing and 
 where it is; an empty range is still stored (and the slot moved) every ``follow_idle_s`` or once
 16 MiB of WAL went by, so retained WAL stays bounded while the published tables are idle.
 
+Riding through an outage: a follow without an endpos that loses its source or target (a restart,
+a failover, a network failure) or cannot reach it again waits (0.5 s, doubling to 10 s) and
+starts over from the durable state, as a new follow would: ranges stored and not applied are
+applied, then streaming goes on from the chain's end. Nothing needs undoing, since every range
+is stored, applied and the slot moved whole or not at all. Before it goes on, it makes sure it
+still runs under the range lock: a target that restarted freed it, so the follower takes it
+again, or ends (:class:`RangeTakenError`) if another catch-up took it meanwhile. It gives up
+after ``follow_retry`` seconds of outage; a follow that never reached its servers, or with an
+endpos (``catchup``), fails at once, as does any error that is not an outage.
+
 Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
 endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
 or SIGINT, a Dagster termination, the caller closing the generator). A stop lets the range being
@@ -46,6 +56,8 @@ and the position is wherever the last range ended.
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import queue
 import sys
 import threading
@@ -58,7 +70,8 @@ import psycopg
 
 from . import head_start as head_starts
 from . import progress
-from .connect import ServerGoneError, connect, server_errors
+from .connect import ServerGoneError, connect, server_errors, unavailable
+from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp
@@ -71,6 +84,7 @@ from .pipeline import (
     next_step,
     store_of,
 )
+from .range_lock import RangeBusyError, lent_lock, lock_holders, range_lock
 from .receive import receive, receive_in_cuts
 from .settings import MiB, ReplicationSettings
 from .slot import current_flush_lsn
@@ -98,6 +112,9 @@ PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
 a second at a time."""
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 10.0
+"""A follow that lost a server tries again after 0.5 s, then 1, 2, 4, 8, and every 10 s."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
@@ -169,6 +186,10 @@ class FollowSummary:
     """Seconds during which a receive and an apply ran at the same time."""
     target_reconnects: int = 0
     """Times the applier's target connection, kept across ranges, was lost and replaced."""
+    outages: int = 0
+    """Times a server went away under the follow and it waited until it was back."""
+    outage_s: float = 0.0
+    """Seconds spent waiting for servers that went away."""
     receive_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,
@@ -193,6 +214,10 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
             total += max(0.0, min(b, ys[k][1]) - max(a, ys[k][0]))
             k += 1
     return total
+
+
+class RangeTakenError(PgcdcError):
+    """While a follow waited for a server, another catch-up of its slot took the range lock."""
 
 
 class Following(Protocol):
@@ -278,7 +303,10 @@ def head_start(
     follower has ended. ``own_process``: in a forked child, for a caller whose interpreter has
     other work, Dagster's imports and run (:mod:`.follow_process`; Linux only, elsewhere on
     threads)."""
-    threaded = Follower(settings, endpos, spark=spark)
+    lent = lent_lock(settings.target_dsn, settings.slot)
+    threaded = Follower(
+        settings, endpos, spark=spark, lock_session=lent.session_pid if lent else None
+    )
     follower: Following = threaded
     if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
         from .follow_process import ProcessFollower
@@ -307,17 +335,34 @@ class Follower:
         *,
         spark: SparkProvider = None,
         interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+        lock_session: int | None = None,
+        lock_holder: str | None = None,
     ) -> None:
         self.settings = settings
         self.endpos = endpos
         self.spark = spark
         self.interrupts = interrupts
+        self.lock_session = lock_session
+        """The server process of the session holding the range lock this follower runs under
+        (``None``: not known, not checked after an outage)."""
+        self.lock_holder = lock_holder
+        """What that session calls itself (``run <id>``), the name under which the lock is
+        taken again after an outage; ``None``: ``follow pid <this process> (after an
+        outage)``."""
         self.summary = FollowSummary()
         self._stop = threading.Event()
+        """Set to end the current session: by :meth:`stop`, or by a session's own failure."""
+        self._stop_requested = False
         self._stop_reason = ""
         self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
         self._done: queue.Queue[Any] = queue.Queue()
         self._errors: list[BaseException] = []
+        self._session_errors: list[BaseException] = []
+        self._reached_servers = False
+        self._outage_since: float | None = None
+        self._retry_s = RETRY_FIRST_S
+        self._relocked = contextlib.ExitStack()
+        """A range lock taken again after an outage, held until the follower ends."""
         self._reached_endpos = False
         self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
         self._started = time.monotonic()
@@ -326,9 +371,17 @@ class Follower:
         self._rates: collections.deque[tuple[float, int]] = collections.deque([(self._started, 0)])
 
     def stop(self, reason: str) -> None:
-        """Stop at the next range boundary. Safe from a signal handler."""
-        if not self._stop.is_set():
+        """Stop at the next range boundary. Safe from a signal handler: no lock, a flag and
+        then the event (:meth:`_reset_stop` reads them in the other order)."""
+        if not self._stop_requested:
             self._stop_reason = reason
+            self._stop_requested = True
+        self._stop.set()
+
+    def _reset_stop(self) -> None:
+        """Clear a session's own stop, never one :meth:`stop` asked for."""
+        self._stop.clear()
+        if self._stop_requested:
             self._stop.set()
 
     def start(self) -> Follower:
@@ -366,34 +419,137 @@ class Follower:
                     thread.join(timeout=0.2)
                 except self.interrupts:
                     continue  # already stopping: finish the boundary
+        self._relocked.close()
         untrack(self)
         if not self.summary.stopped_by:
             self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
             self.summary.close(self._started)
 
     def _lead_loop(self) -> None:
-        """Finish what an earlier run stored, then receive here while an applier thread
-        applies. Every way out ends the queue of done ranges with ``END``."""
+        """Run sessions (:meth:`_session`) until the endpos, a stop or an error; after an
+        outage another session starts once the servers are back (:meth:`_wait_out`). Every way
+        out ends the queue of done ranges with ``END``."""
         try:
-            for followed in self._finish_stored():
-                self._done.put(followed)
-            if self._caught_up():
-                self._reached_endpos = True
-            elif not self._stop.is_set():
-                applier = threading.Thread(
-                    target=self._apply_loop, name="pgcdc-follow-apply", daemon=True
-                )
-                self._threads.append(applier)
-                applier.start()
-                self._receive_loop()
-                return  # the applier ends the queue once it has applied what was received
+            while True:
+                try:
+                    self._session()
+                    return
+                except BaseException as exc:
+                    if not self._wait_out(exc):
+                        raise
+                    if self._stop_requested:
+                        return
         except BaseException as exc:  # handed to the consumer by run()
             self._errors.append(exc)
             self.stop("error")
-            if self._threads:
-                self._put_to_apply(None)  # let the applier apply what is queued, then end
+        finally:
+            self._done.put(END)
+
+    def _session(self) -> None:
+        """Finish what is stored and not applied, then receive here while an applier thread
+        applies; an error of either ends the session once the applier has applied what was
+        queued, and is raised here."""
+        self._reset_stop()
+        self._session_errors = []
+        self._to_apply = queue.Queue(QUEUE_RANGES)
+        if self._outage_since is not None:
+            self._hold_lock_again()
+        for followed in self._finish_stored():
+            self._done.put(followed)
+        if self._caught_up():
+            self._reached_endpos = True
+            return
+        if self._stop.is_set():
+            return
+        applier = threading.Thread(target=self._apply_loop, name="pgcdc-follow-apply", daemon=True)
+        self._threads.append(applier)
+        applier.start()
+        try:
+            self._receive_loop()
+        finally:
+            self._put_to_apply(None)  # the applier applies what is queued, then ends
+            applier.join()
+        if self._session_errors:
+            raise self._session_errors[0]
+
+    # -- outages -------------------------------------------------------------------------------
+
+    def _wait_out(self, exc: BaseException) -> bool:
+        """Whether the session ended by ``exc`` is to be followed by another: ``exc`` says a
+        server is away, this follow has no endpos, reached its servers before and was not
+        stopped, and the outage is younger than ``follow_retry``. Then it waits (growing
+        pauses, cut short by a stop) and returns True. A spent budget raises ``exc`` again,
+        saying so."""
+        budget = self.settings.follow_retry
+        if (
+            not unavailable(exc)
+            or self.endpos is not None
+            or not self._reached_servers
+            or budget == 0
+            or self._stop_requested
+        ):
+            return False
+        now = time.monotonic()
+        if self._outage_since is None:
+            self._outage_since = now
+            self._retry_s = RETRY_FIRST_S
+            self.summary.outages += 1
+        away = now - self._outage_since
+        if budget is not None and away >= budget:
+            raise type(exc)(
+                f"{exc} (a follow retried for {away:.0f} s: PGCDC_FOLLOW_RETRY)"
+            ) from exc
+        pause = self._retry_s
+        self._retry_s = min(RETRY_MAX_S, pause * 2)
+        what = str(exc).split(": check that", 1)[0]
+        self._report(None, f"{what}; trying again in {pause:g} s ({away:.0f} s away)", True)
+        self._reset_stop()
+        self._stop.wait(pause)
+        return True
+
+    def _servers_reached(self) -> None:
+        """The receiver is connected again: both servers answered this session."""
+        self._reached_servers = True
+        if self._outage_since is not None:
+            away = time.monotonic() - self._outage_since
+            self.summary.outage_s = round(self.summary.outage_s + away, 3)
+            self._outage_since = None
+            self._report(None, f"the servers are back after {away:.1f} s")
+
+    def _hold_lock_again(self) -> None:
+        """After an outage or a lost target connection, go on only under the range lock. A
+        target that restarted freed it with its sessions (so did a terminated lock session);
+        then take it here (held until this follower ends), unless another catch-up took it
+        meanwhile (the sensor's next follow run, a command): that one goes on, and this one
+        ends. Called by the lead thread between sessions and by the applier thread within one,
+        never both at once."""
+        if self.lock_session is None:
+            return
+        settings = self.settings
+        holders = lock_holders(settings.target_dsn, settings.slot)
+        if any(h.backend_pid == self.lock_session for h in holders):
+            return
+        if not holders:
+            try:
+                lock = self._relocked.enter_context(
+                    range_lock(
+                        settings.target_dsn,
+                        settings.slot,
+                        self.lock_holder or f"follow pid {os.getpid()} (after an outage)",
+                        own=True,
+                    )
+                )
+            except RangeBusyError:
+                holders = lock_holders(settings.target_dsn, settings.slot)
+            else:
+                self.lock_session = lock.session_pid
                 return
-        self._done.put(END)
+        who = ", ".join(h.holder for h in holders) or "a session that just ended"
+        raise RangeTakenError(
+            f"while its servers were away, another catch-up of slot {settings.slot} took the "
+            f"range lock ({who}): this follow ends here and that one goes on (pgcdc status "
+            "shows it)"
+        )
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------
 
@@ -424,7 +580,9 @@ class Follower:
         try:
             self._receive_ranges()
         finally:
-            self.summary.receive_cpu_s = round(time.thread_time() - cpu, 3)
+            self.summary.receive_cpu_s = round(
+                self.summary.receive_cpu_s + time.thread_time() - cpu, 3
+            )
 
     def _receive_ranges(self) -> None:
         settings = self.settings
@@ -438,6 +596,7 @@ class Follower:
             server_errors("source", settings.source_dsn),
             connect(settings.source_dsn, role="source") as conn,
         ):
+            self._servers_reached()
             while not self._stop.is_set():
                 cycle = time.monotonic()
                 flush = current_flush_lsn(conn)
@@ -492,7 +651,6 @@ class Follower:
                     if previous is not None:
                         continue  # a backlog: the next range right away
                 self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
-        self._put_to_apply(None)
 
     def _receive_rest(
         self,
@@ -573,12 +731,12 @@ class Follower:
     def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:
         """Blocks while the applier is ``QUEUE_RANGES`` behind (the bound on how far receive
         runs ahead), unless the applier has failed."""
-        while not self._errors or item is None:
+        while not self._session_errors or item is None:
             try:
                 self._to_apply.put(item, timeout=0.2)
                 return
             except queue.Full:
-                if self._errors:
+                if self._session_errors:
                     return
 
     def _apply_loop(self) -> None:
@@ -605,21 +763,22 @@ class Follower:
                     # The kept connection died between ranges (a target restart, an idle
                     # timeout): once more on a new one, as a connection per range would
                     # have. Safe whatever the first try did: an apply ends with its COMMIT or
-                    # without a trace, and a range already applied is found so.
+                    # without a trace, and a range already applied is found so. A target that
+                    # restarted took the range lock with it: held again first, or this ends.
                     target = self._connect_target()
+                    self._hold_lock_again()
                     self.summary.target_reconnects += 1
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.applying.append((began, time.monotonic()))
                 self._count(received, lag)
                 self._done.put(Followed(RangeDone(received, applied), lag, time.monotonic()))
-        except BaseException as exc:  # handed to the consumer by run()
-            self._errors.append(exc)
-            self.stop("error")
+        except BaseException as exc:  # raised by the session once the receiver has stopped
+            self._session_errors.append(exc)
+            self._stop.set()
         finally:
             if target is not None:
                 target.close()
-        self.summary.apply_cpu_s = round(time.thread_time() - cpu, 3)
-        self._done.put(END)
+        self.summary.apply_cpu_s = round(self.summary.apply_cpu_s + time.thread_time() - cpu, 3)
 
     def _connect_target(self) -> psycopg.Connection[Any]:
         return connect(self.settings.target_dsn, role="target", autocommit=True)
@@ -630,20 +789,27 @@ class Follower:
         summary.transactions += received.transactions
         summary.changes += received.changes
         summary.last = received
-        if progress.active():
-            now = time.monotonic()
-            self._rates.append((now, summary.changes))
-            while len(self._rates) > 2 and now - self._rates[0][0] > 5:
-                self._rates.popleft()
-            t0, c0 = self._rates[0]
-            rate = (summary.changes - c0) / (now - t0) if now > t0 else 0.0
-            progress.publish(
-                progress.FollowProgress(
-                    summary.ranges,
-                    summary.transactions,
-                    summary.changes,
-                    now - self._started,
-                    rate,
-                    lag_bytes,
-                )
+        self._report(lag_bytes)
+
+    def _report(self, lag_bytes: int | None, note: str = "", retrying: bool = False) -> None:
+        if not progress.active():
+            return
+        summary = self.summary
+        now = time.monotonic()
+        self._rates.append((now, summary.changes))
+        while len(self._rates) > 2 and now - self._rates[0][0] > 5:
+            self._rates.popleft()
+        t0, c0 = self._rates[0]
+        rate = (summary.changes - c0) / (now - t0) if now > t0 else 0.0
+        progress.publish(
+            progress.FollowProgress(
+                summary.ranges,
+                summary.transactions,
+                summary.changes,
+                now - self._started,
+                rate,
+                lag_bytes,
+                note,
+                retrying,
             )
+        )

@@ -81,13 +81,25 @@ class FollowProgress:
     """Over the last few seconds."""
     lag_bytes: int | None
     """The source's WAL not yet received when the last range was cut."""
+    note: str = ""
+    """What a follow riding through an outage says: a server went away and when it tries
+    again, or that the servers are back."""
+    retrying: bool = False
+    """Waiting for a server that went away (the phase ``retrying``, shown at once)."""
+
+    @property
+    def phase(self) -> str:
+        """``retrying`` while waiting for a server, ``noted`` for the report that the servers
+        are back (a phase of its own, so a throttled log shows it at once), else ``follow``."""
+        return "retrying" if self.retrying else "noted" if self.note else "follow"
 
     def line(self) -> str:
         lag = "-" if self.lag_bytes is None else f"{self.lag_bytes / 1e6:,.1f} MB"
+        note = f"; {self.note}" if self.note else ""
         return (
             f"follow: {self.ranges:,} ranges, {self.transactions:,} transactions, "
             f"{self.changes:,} changes, {self.changes_per_s:,.0f} changes/s, lag {lag}, "
-            f"{self.elapsed_s:.0f} s"
+            f"{self.elapsed_s:.0f} s{note}"
         )
 
 

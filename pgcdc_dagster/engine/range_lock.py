@@ -61,6 +61,9 @@ class RangeLock:
         self, conn: psycopg.Connection[Any], slot: str, holder: str, target_dsn: str
     ) -> None:
         self._conn = conn
+        self.session_pid: int = conn.info.backend_pid
+        """The server process of the session that holds the lock (how a follower that lost
+        its servers for a while tells whether the lock it runs under is still held)."""
         self.slot = slot
         self.holder = holder
         self._target_dsn = target_dsn
@@ -89,7 +92,7 @@ _lent_lock = threading.Lock()
 
 @contextmanager
 def range_lock(
-    target_dsn: str, slot: str, holder: str, *, lend: bool = False
+    target_dsn: str, slot: str, holder: str, *, lend: bool = False, own: bool = False
 ) -> Iterator[RangeLock]:
     """Hold the range lock of ``slot`` as ``holder``, or raise :class:`RangeBusyError` naming
     who holds it. Never waits: a run that cannot run now fails at once and says why.
@@ -98,8 +101,9 @@ def range_lock(
     (:func:`lent_lock`) instead of failing on it: the CLI's head start (see :mod:`.head_start`)
     holds the lock before its run exists. While a lent lock is held, this function called
     again in the same process for the same slot hands out that lock (the head-started work
-    takes the lock as it always does, and finds it held for it)."""
-    if not lend and (held := lent_lock(target_dsn, slot)) is not None:
+    takes the lock as it always does, and finds it held for it). ``own``: take it anew
+    whatever is lent (a follower whose lent lock went with a target that restarted)."""
+    if not lend and not own and (held := lent_lock(target_dsn, slot)) is not None:
         yield held
         return
     key = lock_key(slot)

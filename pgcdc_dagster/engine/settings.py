@@ -55,6 +55,7 @@ the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory,
 MiB = 1024 * 1024
 DAY = 86400.0
 DEFAULT_STORE_RETENTION_S = 7 * DAY
+DEFAULT_FOLLOW_RETRY_S = 600.0
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
 
 
@@ -125,6 +126,14 @@ class ReplicationSettings(BaseModel):
     ``12h``, ``7d`` or plain seconds. The last applied range always stays (see
     :mod:`.retention`)."""
 
+    follow_retry: NonNegativeFloat | None = DEFAULT_FOLLOW_RETRY_S
+    """How long a follow without an endpos rides through a source or target that went away
+    (a restart, a failover, a network failure) before it fails: it retries with growing
+    pauses (0.5 s doubling to 10 s) and resumes from the durable state, as a new follow
+    would. ``0``: fail at once, as ``catchup`` always does; ``forever``: never give up. From
+    ``90s``, ``30m``, ``12h``, ``7d`` or plain seconds. A follow that never reached its
+    servers fails at once whatever this says: that is a setting to fix, not an outage."""
+
     def driver_max_rows(self) -> int:
         """The snapshot's driver/Spark split. Unset, it depends on where Spark's executors run.
         On this machine's cores (local Spark, or the warm local server of ``pgcdc spark
@@ -147,7 +156,7 @@ class ReplicationSettings(BaseModel):
     def _parse_tables(cls, value: Any) -> Any:
         return parse_tables(value) if isinstance(value, str) else value
 
-    @field_validator("store_retention", mode="before")
+    @field_validator("store_retention", "follow_retry", mode="before")
     @classmethod
     def _parse_retention(cls, value: Any) -> Any:
         return parse_duration(value) if isinstance(value, str) else value

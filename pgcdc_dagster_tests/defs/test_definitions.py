@@ -125,6 +125,7 @@ def test_every_setting_reaches_the_runs_through_the_resources():
         mode="follow",
         store_retention=123.0,
         follow_table_events="changed",
+        follow_retry=42.0,
     )
     resources = default_resources(changed)
     rebuilt = resources["pgcdc"].settings(resources["spark"])
