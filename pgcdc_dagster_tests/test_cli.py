@@ -9,6 +9,7 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.cli import main
+from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import range_lock
 
 REPO = Path(__file__).resolve().parent.parent
@@ -337,3 +338,36 @@ def test_a_follow_can_materialise_only_the_tables_a_range_changed(cli_env, catch
         assert logged == 0  # nothing to explain: always so
     else:
         assert logged >= 1
+
+
+def test_re_running_an_applied_range_changes_nothing_and_passes_its_gap_check(
+    cli_env, capsys, monkeypatch
+):
+    """A user re-materialises an old partition from the UI (for example "materialize missing"
+    on a target table a follow did not record for a range): the range is stored and applied,
+    later ranges too. The run changes nothing on the target, and its blocking ``no_gap`` check
+    passes: nothing was skipped, the origin is past the range."""
+    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.runner import run_job
+    from pgcdc_dagster.engine import pipeline
+    from pgcdc_dagster.engine.settings import ReplicationSettings
+
+    monkeypatch.setattr(runner, "_instance", None)
+    assert run_cli(capsys, "snapshot")[0] == 0
+    for n in range(2):
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+            conn.execute("INSERT INTO items VALUES (%s, 'new')", (400 + n,))
+        assert run_cli(capsys, "catchup")[0] == 0
+    settings = ReplicationSettings.from_env()
+    store = pipeline.store_of(settings)
+    first = next(r for r in store.chain_ranges() if store.get(r).manifest.result.changes)
+    origin = pipeline.origin_progress(settings)
+    assert origin is not None and origin > Lsn(first.end)
+
+    result = run_job("catchup", partition_key=first.key, allow_failure=True)
+    assert result.success, [e.message for e in result.all_events if e.is_failure]
+    (gap,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "no_gap"]
+    assert gap.passed, gap.description
+    assert pipeline.origin_progress(settings) == origin
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True

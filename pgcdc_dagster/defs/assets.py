@@ -22,6 +22,7 @@ from dagster import (
 )
 
 from ..engine import head_start, pipeline, verify
+from ..engine.apply import ApplyStatus
 from ..engine.catalog import ColumnInfo
 from ..engine.errors import PgcdcError
 from ..engine.identifiers import TableName
@@ -219,7 +220,12 @@ def _target_tables(
             received = pipeline.stored_range(settings, rng).manifest.result
             applied = pipeline.apply_stored_range(settings, rng, spark=lambda: spark.spark_session)
             lag = _lag(settings)
-            gap = no_gap_evaluation(settings, specs[0].key, rng)
+            gap = no_gap_evaluation(
+                settings,
+                specs[0].key,
+                rng,
+                already_applied=applied.status == ApplyStatus.ALREADY_APPLIED,
+            )
             rows = TargetRowCounts(context.instance, settings, tables).after(applied)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None

@@ -110,6 +110,8 @@ def _events(
         )
         if tables:
             replay = done.applied.replay_lsn
+            # Strict even for a range found applied: in a follow, the origin past a range
+            # it takes means another applier, which must stop it.
             gap = no_gap_evaluation(
                 settings, target_key(tables[0]), rng, Lsn(replay) if replay else None
             )

@@ -101,15 +101,22 @@ def no_gap_evaluation(
     key: AssetKey,
     rng: LsnRange,
     origin_progress: Lsn | None = None,
+    already_applied: bool = False,
 ) -> AssetCheckEvaluation:
     """Whether the target's origin stands exactly at the last commit stored up to ``rng``: no
     range before it skipped, none half applied. Blocking: a failure stops the run.
 
     ``origin_progress`` is the origin's progress as the apply of ``rng`` left it, read in its
-    transaction (a follower passes it instead of asking the target again for every range)."""
+    transaction (a follower passes it instead of asking the target again for every range).
+    ``already_applied``: a range run again on its own (from the UI) found every transaction of
+    it applied: then the origin may stand past it, where later ranges left it."""
     expected = pipeline.expected_origin_progress(settings, through=rng)
     actual = origin_progress or pipeline.origin_progress(settings)
-    passed = expected is None or actual == expected
+    passed = (
+        expected is None
+        or actual == expected
+        or (already_applied and actual is not None and actual > expected)
+    )
     return AssetCheckEvaluation(
         asset_key=key,
         check_name=NO_GAP,
@@ -119,6 +126,7 @@ def no_gap_evaluation(
         metadata={
             "origin_progress": text(actual),
             "last_applied_transform_lsn": text(expected),
+            "already_applied": already_applied,
         },
         description=None if passed else no_gap_failure(expected, actual),
     )
