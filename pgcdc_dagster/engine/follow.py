@@ -70,6 +70,7 @@ import psycopg
 
 from . import head_start as head_starts
 from . import progress
+from .busy_time import BusyTime
 from .connect import ServerGoneError, connect, server_errors, unavailable
 from .errors import PgcdcError
 from .failpoints import failpoint
@@ -194,26 +195,18 @@ class FollowSummary:
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,
     Parquet, compaction; the servers' work is theirs)."""
-    receiving: list[tuple[float, float]] = field(default_factory=list, repr=False)
-    applying: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    busy: BusyTime = field(default_factory=BusyTime, repr=False)
+    """The receiver's (side :data:`RECEIVING`) and the applier's (:data:`APPLYING`) busy
+    intervals, folded into totals as they settle."""
 
     def close(self, started: float) -> None:
         self.seconds = round(time.monotonic() - started, 3)
-        self.receive_busy_s = round(sum(b - a for a, b in self.receiving), 3)
-        self.apply_busy_s = round(sum(b - a for a, b in self.applying), 3)
-        self.overlap_s = round(_overlap(self.receiving, self.applying), 3)
+        self.receive_busy_s = round(self.busy.busy_s(RECEIVING), 3)
+        self.apply_busy_s = round(self.busy.busy_s(APPLYING), 3)
+        self.overlap_s = round(self.busy.both_s(), 3)
 
 
-def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
-    total, j = 0.0, 0
-    for a, b in xs:  # both lists are sorted and their intervals disjoint
-        while j < len(ys) and ys[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(ys) and ys[k][0] < b:
-            total += max(0.0, min(b, ys[k][1]) - max(a, ys[k][0]))
-            k += 1
-    return total
+RECEIVING, APPLYING = 0, 1
 
 
 class RangeTakenError(PgcdcError):
@@ -639,7 +632,7 @@ class Follower:
                     keep_empty=due,
                     **({} if final else {"lookahead_bytes": CUT_LOOKAHEAD_BYTES}),
                 )
-                self.summary.receiving.append((cycle, time.monotonic()))
+                self.summary.busy.add(RECEIVING, cycle, time.monotonic())
                 if result is not None:
                     last_kept = time.monotonic()
                     self._put_to_apply((result, int(flush - end)))
@@ -695,7 +688,7 @@ class Follower:
         def stored(result: RangeResult) -> bool:
             nonlocal began
             now = time.monotonic()
-            self.summary.receiving.append((began, now))
+            self.summary.busy.add(RECEIVING, began, now)
             began = now
             item = (result, int(flush - Lsn(result.endpos)))
             try:
@@ -769,7 +762,7 @@ class Follower:
                     self._hold_lock_again()
                     self.summary.target_reconnects += 1
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
-                self.summary.applying.append((began, time.monotonic()))
+                self.summary.busy.add(APPLYING, began, time.monotonic())
                 self._count(received, lag)
                 self._done.put(Followed(RangeDone(received, applied), lag, time.monotonic()))
         except BaseException as exc:  # raised by the session once the receiver has stopped
