@@ -104,7 +104,7 @@ def run_ours_cli(
         "seconds": seconds,
         "cpu_s": meter.seconds,
         "follow": summary.get("follow", {}),
-        "ranges": len(summary["ranges"]),
+        "ranges": summary["ranges_run"],
         "verify": verify_target(settings.model_copy(update={"target_dsn": settings.target_dsn})),
     }
 

@@ -171,6 +171,36 @@ def run_native(
     return report
 
 
+def tree_rss_mb(root: int) -> dict[str, float]:
+    """Resident memory of the follow command (``command``: in a cold command, the Dagster run
+    too) and of its descendants (``follower``: the follow process it forked), in MB."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+
+    def rss(pid: int) -> float:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    below, todo = 0.0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        below += rss(pid)
+        todo += children.get(pid, [])
+    return {"command": round(rss(root), 1), "follower": round(below, 1)}
+
+
 def recorded_events(storage_url: str) -> dict[str, int]:
     """What the follow run recorded in Dagster's storage: its ranges, those that recorded only
     the tables they changed because the run's events trailed the apply (the default
@@ -244,7 +274,19 @@ def main() -> None:
         meter = CpuMeter(clusters.source, clusters.target)
         meter.roots["follow"] = follow.pid
         meter.roots["dagster_storage"] = postmaster_pid(clusters.storage)
+        sampled: list[dict[str, float]] = []
+        sampling = threading.Event()
+
+        def sample_rss(pid: int) -> None:  # every 10 s of the load: how memory grows
+            while not sampling.wait(10.0 if sampled else 0.0):
+                sampled.append(tree_rss_mb(pid))
+
+        sampler = threading.Thread(target=sample_rss, args=(follow.pid,), daemon=True)
+        sampler.start()
         ours = load_window(args, settings.source_dsn, settings.target_dsn, meter)
+        sampling.set()
+        sampler.join()
+        ours["rss_mb"] = [*sampled, tree_rss_mb(follow.pid)]
 
         follow.send_signal(signal.SIGTERM)
         stopping = time.monotonic()

@@ -8,6 +8,7 @@ run shows in the UI beside the sensor's. Errors are one line (``--debug`` for th
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -95,31 +96,29 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
         # While Dagster loads, the follower is already at work (when the lock was free).
         instance = dagster_instance()
         clear_the_way(instance, settings, args.wait, command, holding=started)
+        from .defs.following import listening_for_ranges
         from .defs.jobs import NO_ENDPOS
 
         config = {"endpos": str(target) if target else NO_ENDPOS}
-        result = _run_in_worker({"ops": {"follow_stream": {"config": config}}})
-    ran = [
-        event.step_materialization_data.materialization.partition
-        for event in result.get_asset_materialization_events()
-        if event.step_materialization_data.materialization.asset_key.to_user_string()
-        == "decoded_changes"
-    ]
-    summary = _range_summary(settings, ran)
+        ran = _Ranges()
+        with listening_for_ranges(ran.recorded):
+            result = _run_in_worker({"ops": {"follow_stream": {"config": config}}})
+    summary = _range_summary(settings, list(ran.keys))
+    summary["ranges_run"] = ran.count
     summary["follow"] = _follow_totals(result)
     if target is None:
         summary["stopped"] = True
-        _print_summary(args, summary, f"stopped at a range boundary: {len(ran)} range(s) run")
+        _print_summary(args, summary, f"stopped at a range boundary: {ran.count} range(s) run")
         return 0
     # "Caught up" is the origin's word, read again now, not the run's.
     step = pipeline.next_step(settings, target)
     if not isinstance(step, CaughtUp):
         if _stop_requested:
-            _print_summary(args, summary, f"stopped before {target}: {len(ran)} range(s) run")
+            _print_summary(args, summary, f"stopped before {target}: {ran.count} range(s) run")
             return 0
         raise CliError(f"not caught up to {target}: the next step is to {step.describe()}")
     summary["endpos_requested"] = str(target)
-    _print_summary(args, summary, f"caught up to {target}: {len(ran)} range(s) run")
+    _print_summary(args, summary, f"caught up to {target}: {ran.count} range(s) run")
     return 0
 
 
@@ -146,6 +145,24 @@ def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterato
         finally:
             adopt(kind, settings.slot)  # not adopted if the run never started: it ends here
             work.close("the command ended")  # the run has closed it when it ran
+
+
+RANGES_LISTED = 1000
+"""A follow's summary lists the keys of its newest ranges, up to this many (``ranges_run``
+counts them all): one that runs for days takes hundreds of thousands."""
+
+
+class _Ranges:
+    """The ranges a follow run of this process recorded: how many, and the newest keys (the
+    run does not yield its ranges' events, see :mod:`pgcdc_dagster.defs.following`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.keys: collections.deque[str] = collections.deque(maxlen=RANGES_LISTED)
+
+    def recorded(self, key: str) -> None:
+        self.count += 1
+        self.keys.append(key)
 
 
 def _follow_totals(result: Any) -> dict[str, Any]:

@@ -3,18 +3,30 @@
 A follower (:mod:`pgcdc_dagster.engine.follow`) receives and applies inside one long-lived run;
 this turns each range it finishes into the events a per-range run records (its ``lsn_ranges``
 partition, the ``decoded_changes`` and target-table materialisations with the same metadata,
-the blocking ``no_gap`` evaluation), as they happen. The events are *yielded*: an op's
-``context.log_event`` only reaches the event log when the op yields or returns, which for a
-run that follows for hours would be never.
+the blocking ``no_gap`` evaluation), as they happen.
+
+The events are *recorded* as each range is applied (:func:`record`), in the run's event log
+under its step exactly as yielded events are, not yielded: a step keeps every event it yields
+until it ends (Dagster hands the list to the step's hooks), and an op's ``context.log_event``
+only reaches the event log when the op yields or returns. For a run that follows for days,
+the first grows without bound (measured under a follow at 1,000 tps: 40 KB a range, about
+17 GB a day at 5 ranges a second) and the second would record nothing until the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from dagster import AssetCheckEvaluation, AssetMaterialization, AssetObservation, Failure
+from dagster import (
+    AssetCheckEvaluation,
+    AssetMaterialization,
+    AssetObservation,
+    DagsterEvent,
+    Failure,
+)
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
@@ -37,13 +49,14 @@ def follow_events(
     settings: pipeline.ReplicationSettings,
     tables: Sequence[TableName],
     follower: Following,
-) -> Iterator[AssetMaterialization | AssetCheckEvaluation | AssetObservation]:
-    """Run ``follower`` (this run holds the range lock) and yield each range's events as soon
-    as the range is applied. A failed ``no_gap`` stops the follower and fails the run."""
+) -> Iterator[AssetObservation]:
+    """Run ``follower`` (this run holds the range lock), recording each range's events as
+    soon as the range is applied; yield the run's totals at the end. A failed ``no_gap``
+    stops the follower and fails the run."""
     row_counts = TargetRowCounts(context.instance, settings, tables)
     try:
         with logged(context):
-            yield from _events(context, settings, tables, follower, row_counts)
+            _record_ranges(context, settings, tables, follower, row_counts)
     finally:
         follower.close("the run ended")  # however it ends: its threads stop at a boundary
     summary = follower.summary
@@ -86,13 +99,44 @@ def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
     }
 
 
-def _events(
+RangeEvent = AssetMaterialization | AssetCheckEvaluation | AssetObservation
+
+
+def record(step: Any, event: RangeEvent) -> None:
+    """Record ``event`` in the run's event log now, under the step ``step`` (the op's
+    ``get_step_execution_context()``), as Dagster records an event the step yields, but without
+    the step keeping it (see the module docstring)."""
+    if isinstance(event, AssetMaterialization):
+        DagsterEvent.asset_materialization(step, event)
+    elif isinstance(event, AssetCheckEvaluation):
+        DagsterEvent.asset_check_evaluation(step, event)
+    else:
+        DagsterEvent.asset_observation(step, event)
+
+
+_range_listeners: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def listening_for_ranges(listener: Callable[[str], None]) -> Iterator[None]:
+    """Hand ``listener`` the key of every range a follow run of this process records while
+    inside (the CLI's summary: the run's events are not yielded, so the run's own result does
+    not have them)."""
+    _range_listeners.append(listener)
+    try:
+        yield
+    finally:
+        _range_listeners.remove(listener)
+
+
+def _record_ranges(
     context: Any,
     settings: pipeline.ReplicationSettings,
     tables: Sequence[TableName],
     follower: Following,
     row_counts: TargetRowCounts,
-) -> Iterator[AssetMaterialization | AssetCheckEvaluation]:
+) -> None:
+    step = context.get_step_execution_context()
     table_events = TableEvents(context, settings, tables)
     for followed in follower.run():
         failpoint("follow.recording")
@@ -100,14 +144,15 @@ def _events(
         rng = LsnRange.from_key(done.received.range_key)
         register_range(context.instance, settings, rng)
         recorded = table_events.recorded(followed)
-        yield from range_events(
+        for event in range_events(
             recorded,
             settings,
             done,
             followed.lag_bytes,
             row_counts.after(done.applied),
             table_events=table_events.describe(),
-        )
+        ):
+            record(step, event)
         if tables:
             replay = done.applied.replay_lsn
             # Strict even for a range found applied: in a follow, the origin past a range
@@ -115,10 +160,12 @@ def _events(
             gap = no_gap_evaluation(
                 settings, target_key(tables[0]), rng, Lsn(replay) if replay else None
             )
-            yield gap
+            record(step, gap)
             if not gap.passed:
                 follower.stop("no_gap failed")
                 raise Failure(description=gap.description)
+        for listener in list(_range_listeners):
+            listener(done.received.range_key)
     table_events.log_trailed()
 
 
