@@ -371,3 +371,27 @@ def test_re_running_an_applied_range_changes_nothing_and_passes_its_gap_check(
     assert pipeline.origin_progress(settings) == origin
     code, out, _ = run_cli(capsys, "verify", "--json")
     assert code == 0 and json.loads(out)["equal"] is True
+
+
+def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, capsys, monkeypatch):
+    """A follow's ranges are in the run's event log, under its step, while the step keeps
+    none of them (Dagster keeps every event a step yields until the step ends: without bound
+    for a follow that runs for days)."""
+    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+
+    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.runner import dagster_instance, run_job
+
+    monkeypatch.setattr(runner, "_instance", None)
+    assert run_cli(capsys, "snapshot")[0] == 0
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items VALUES (500, 'followed')")
+    config = {"ops": {"follow_stream": {"config": {"endpos": "current"}}}}
+    result = run_job("follow", run_config=config)
+    assert result.get_asset_materialization_events() == []
+    assert result.get_asset_observation_events()  # the totals, yielded at the end
+    records = dagster_instance().get_event_records(
+        EventRecordsFilter(DagsterEventType.ASSET_MATERIALIZATION, AssetKey("decoded_changes"))
+    )
+    mine = [r for r in records if r.event_log_entry.run_id == result.run_id]
+    assert mine and all(r.event_log_entry.step_key == "follow_stream" for r in mine)
