@@ -197,6 +197,16 @@ def test_progress_is_drawn_live_on_a_terminal(cli_env):
     assert "pgcdc: snapshot copy:" not in text
 
 
+def snapshot_then_catch_up_inserts(cli_env, capsys, *, first_id: int, count: int) -> None:
+    """A base snapshot, then ``count`` rows inserted into ``items`` from ``first_id``, each
+    caught up by its own ``pgcdc catchup`` (a range each, at least)."""
+    assert run_cli(capsys, "snapshot")[0] == 0
+    for n in range(count):
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+            conn.execute("INSERT INTO items VALUES (%s, 'new')", (first_id + n,))
+        assert run_cli(capsys, "catchup")[0] == 0
+
+
 def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
     cli_env, capsys, monkeypatch
 ):
@@ -207,11 +217,7 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
     # This test reads its own storage: not the instance an earlier test left to the process.
     monkeypatch.setattr(runner, "_instance", None)
 
-    assert run_cli(capsys, "snapshot")[0] == 0
-    for n in range(3):
-        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-            conn.execute("INSERT INTO items VALUES (%s, 'new')", (200 + n,))
-        assert run_cli(capsys, "catchup")[0] == 0
+    snapshot_then_catch_up_inserts(cli_env, capsys, first_id=200, count=3)
     stored = json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"]
     assert stored >= 3
     registered = set(dagster_instance().get_dynamic_partitions(LSN_RANGES))
@@ -353,11 +359,7 @@ def test_re_running_an_applied_range_changes_nothing_and_passes_its_gap_check(
     from pgcdc_dagster.engine.settings import ReplicationSettings
 
     monkeypatch.setattr(runner, "_instance", None)
-    assert run_cli(capsys, "snapshot")[0] == 0
-    for n in range(2):
-        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-            conn.execute("INSERT INTO items VALUES (%s, 'new')", (400 + n,))
-        assert run_cli(capsys, "catchup")[0] == 0
+    snapshot_then_catch_up_inserts(cli_env, capsys, first_id=400, count=2)
     settings = ReplicationSettings.from_env()
     store = pipeline.store_of(settings)
     first = next(r for r in store.chain_ranges() if store.get(r).manifest.result.changes)
