@@ -461,7 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
     p.set_defaults(func=cmd_catchup)
-    p = sub.add_parser("follow", help="receive and apply continuously, until SIGTERM/SIGINT")
+    p = sub.add_parser(
+        "follow",
+        help="receive and apply continuously, until SIGTERM/SIGINT; without --endpos it waits "
+        "out a source or target that went away (PGCDC_FOLLOW_RETRY, default 10m)",
+    )
     p.add_argument("--endpos", default=None, help="stop at this LSN X/Y, or 'current'")
     p.add_argument("--json", action="store_true")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
