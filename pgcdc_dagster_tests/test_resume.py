@@ -492,6 +492,50 @@ def test_follow_rides_through_a_source_restart_and_a_target_crash_in_one_run(sit
     site.assert_converged()
 
 
+def test_a_run_follower_takes_its_range_lock_again_under_its_run_name_after_a_target_crash(
+    site: Site,
+):
+    """The follower of a Dagster run (on threads, as the daemon's follow run has it) under the
+    run's range lock: the target crashes (taking the lock with it) and comes back. The
+    follower takes the lock again under the run's name, so the run is still seen as the
+    holder, and goes on applying."""
+    settings = site.settings
+    errors: list[BaseException] = []
+    followed: list[Followed] = []
+    with range_lock(settings.target_dsn, settings.slot, "run ride-test") as lock:
+        follower = Follower(settings, None, lock_session=lock.session_pid, lock_holder=lock.holder)
+
+        def consume() -> None:
+            try:
+                followed.extend(follower.run())
+            except BaseException as exc:
+                errors.append(exc)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        try:
+            with site.writer(seed=76):
+                _wait_for(lambda: len(followed) >= 1, "a range followed", 60)
+            site.clusters.target.crash()
+            time.sleep(1.0)
+            site.clusters.target.start()
+            before = len(followed)
+            with site.writer(seed=77):
+                _wait_for(lambda: len(followed) > before, "a range after the crash", 60)
+            (holder,) = lock_holders(settings.target_dsn, settings.slot)
+            assert holder.holder == "run ride-test" and holder.backend_pid != lock.session_pid
+        finally:
+            follower.stop("test over")
+            consumer.join(60)
+    # Found as an outage (a session ended) or by the applier's kept connection, whichever
+    # met the crash first.
+    summary = follower.summary
+    assert errors == [] and summary.outages + summary.target_reconnects >= 1, errors
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
 def test_a_follower_whose_range_lock_another_catchup_took_ends_naming_it(site: Site):
     """The target ends the follower's sessions (its range lock's among them) and another
     catch-up takes the lock before the follower's next apply: the follower, finding its kept
