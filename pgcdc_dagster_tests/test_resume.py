@@ -43,7 +43,7 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
-from pgcdc_dagster.engine.range_lock import lock_holders, range_lock
+from pgcdc_dagster.engine.range_lock import RangeLock, lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.procs import descendants, gone
 from pgcdc_dagster_tests.stores import assert_chain_records
@@ -492,6 +492,41 @@ def test_follow_rides_through_a_source_restart_and_a_target_crash_in_one_run(sit
     site.assert_converged()
 
 
+@dataclass
+class RunFollower:
+    """A follower as a Dagster run has it (on threads, under the run's range lock, as the
+    daemon's follow run), consumed on a thread of its own."""
+
+    follower: Follower
+    lock: RangeLock
+    followed: list[Followed] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+    consumer: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.consumer = threading.Thread(target=self.consume)
+
+    def consume(self) -> None:
+        try:
+            self.followed.extend(self.follower.run())
+        except BaseException as exc:
+            self.errors.append(exc)
+
+
+@contextlib.contextmanager
+def run_follower(settings: ReplicationSettings, holder: str) -> Iterator[RunFollower]:
+    """Follow under the range lock held as ``holder``; stopped and joined on the way out."""
+    with range_lock(settings.target_dsn, settings.slot, holder) as lock:
+        follower = Follower(settings, None, lock_session=lock.session_pid, lock_holder=lock.holder)
+        running = RunFollower(follower, lock)
+        running.consumer.start()
+        try:
+            yield running
+        finally:
+            follower.stop("test over")
+            running.consumer.join(60)
+
+
 def test_a_run_follower_takes_its_range_lock_again_under_its_run_name_after_a_target_crash(
     site: Site,
 ):
@@ -500,37 +535,23 @@ def test_a_run_follower_takes_its_range_lock_again_under_its_run_name_after_a_ta
     follower takes the lock again under the run's name, so the run is still seen as the
     holder, and goes on applying."""
     settings = site.settings
-    errors: list[BaseException] = []
-    followed: list[Followed] = []
-    with range_lock(settings.target_dsn, settings.slot, "run ride-test") as lock:
-        follower = Follower(settings, None, lock_session=lock.session_pid, lock_holder=lock.holder)
-
-        def consume() -> None:
-            try:
-                followed.extend(follower.run())
-            except BaseException as exc:
-                errors.append(exc)
-
-        consumer = threading.Thread(target=consume)
-        consumer.start()
-        try:
-            with site.writer(seed=76):
-                _wait_for(lambda: len(followed) >= 1, "a range followed", 60)
-            site.clusters.target.crash()
-            time.sleep(1.0)
-            site.clusters.target.start()
-            before = len(followed)
-            with site.writer(seed=77):
-                _wait_for(lambda: len(followed) > before, "a range after the crash", 60)
-            (holder,) = lock_holders(settings.target_dsn, settings.slot)
-            assert holder.holder == "run ride-test" and holder.backend_pid != lock.session_pid
-        finally:
-            follower.stop("test over")
-            consumer.join(60)
+    with run_follower(settings, "run ride-test") as running:
+        with site.writer(seed=76):
+            _wait_for(lambda: len(running.followed) >= 1, "a range followed", 60)
+        site.clusters.target.crash()
+        time.sleep(1.0)
+        site.clusters.target.start()
+        before = len(running.followed)
+        with site.writer(seed=77):
+            _wait_for(lambda: len(running.followed) > before, "a range after the crash", 60)
+        (holder,) = lock_holders(settings.target_dsn, settings.slot)
+        assert holder.holder == "run ride-test"
+        assert holder.backend_pid != running.lock.session_pid
     # Found as an outage (a session ended) or by the applier's kept connection, whichever
     # met the crash first.
-    summary = follower.summary
-    assert errors == [] and summary.outages + summary.target_reconnects >= 1, errors
+    summary = running.follower.summary
+    assert running.errors == [], running.errors
+    assert summary.outages + summary.target_reconnects >= 1
     done = site.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
     site.assert_converged()
@@ -542,35 +563,20 @@ def test_a_follower_whose_range_lock_another_catchup_took_ends_naming_it(site: S
     connection gone, checks the lock before it applies on a new one, and ends in one line
     naming the holder, instead of applying beside it."""
     settings = site.settings
-    errors: list[BaseException] = []
-    followed: list[Followed] = []
-    with range_lock(settings.target_dsn, settings.slot, "run lock-test") as lock:
-        follower = Follower(settings, None, lock_session=lock.session_pid, lock_holder=lock.holder)
-
-        def consume() -> None:
-            try:
-                followed.extend(follower.run())
-            except BaseException as exc:
-                errors.append(exc)
-
-        consumer = threading.Thread(target=consume)
-        consumer.start()
-        try:
-            with site.writer(seed=74):
-                _wait_for(lambda: len(followed) >= 2, "two ranges followed", 60)
-            with psycopg.connect(settings.target_dsn, autocommit=True) as conn:
-                conn.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = current_database() AND application_name LIKE 'pgcdc%'"
-                )
-            with (
-                range_lock(settings.target_dsn, settings.slot, "run intruder", own=True),
-                site.writer(seed=75),
-            ):
-                consumer.join(60)
-        finally:
-            follower.stop("test over")
-            consumer.join(60)
+    with run_follower(settings, "run lock-test") as running:
+        with site.writer(seed=74):
+            _wait_for(lambda: len(running.followed) >= 2, "two ranges followed", 60)
+        with psycopg.connect(settings.target_dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name LIKE 'pgcdc%'"
+            )
+        with (
+            range_lock(settings.target_dsn, settings.slot, "run intruder", own=True),
+            site.writer(seed=75),
+        ):
+            running.consumer.join(60)
+    errors = running.errors
     assert len(errors) == 1 and isinstance(errors[0], RangeTakenError), errors
     assert "run intruder" in str(errors[0]) and "\n" not in str(errors[0])
     done = site.pgcdc("catchup", "--endpos", "current")
