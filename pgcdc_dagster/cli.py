@@ -80,7 +80,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 
 def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
-    from .engine import pipeline
+    from .engine import pipeline, progress
     from .engine.follow import head_start
     from .engine.next_step import CaughtUp
 
@@ -92,33 +92,38 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
         # Dagster imports of a cold command nor the run's own work share its interpreter lock.
         return head_start(settings, target, settings.spark_session, own_process=True)
 
-    with _stops_at_boundary(), shown(), _head_start(settings, "follow", start) as started:
+    keys: collections.deque[str] = collections.deque(maxlen=RANGES_LISTED)
+    with (
+        _stops_at_boundary(),
+        shown(),
+        progress.listening(lambda report: _note_range(report, keys)),
+        _head_start(settings, "follow", start) as started,
+    ):
         # While Dagster loads, the follower is already at work (when the lock was free).
         instance = dagster_instance()
         clear_the_way(instance, settings, args.wait, command, holding=started)
-        from .defs.following import listening_for_ranges
         from .defs.jobs import NO_ENDPOS
 
         config = {"endpos": str(target) if target else NO_ENDPOS}
-        ran = _Ranges()
-        with listening_for_ranges(ran.recorded):
-            result = _run_in_worker({"ops": {"follow_stream": {"config": config}}})
-    summary = _range_summary(settings, list(ran.keys))
-    summary["ranges_run"] = ran.count
-    summary["follow"] = _follow_totals(result)
+        result = _run_in_worker({"ops": {"follow_stream": {"config": config}}})
+    totals = _follow_totals(result)
+    ran = int(totals.get("ranges", len(keys)))
+    summary = _range_summary(settings, list(keys))
+    summary["ranges_run"] = ran
+    summary["follow"] = totals
     if target is None:
         summary["stopped"] = True
-        _print_summary(args, summary, f"stopped at a range boundary: {ran.count} range(s) run")
+        _print_summary(args, summary, f"stopped at a range boundary: {ran} range(s) run")
         return 0
     # "Caught up" is the origin's word, read again now, not the run's.
     step = pipeline.next_step(settings, target)
     if not isinstance(step, CaughtUp):
         if _stop_requested:
-            _print_summary(args, summary, f"stopped before {target}: {ran.count} range(s) run")
+            _print_summary(args, summary, f"stopped before {target}: {ran} range(s) run")
             return 0
         raise CliError(f"not caught up to {target}: the next step is to {step.describe()}")
     summary["endpos_requested"] = str(target)
-    _print_summary(args, summary, f"caught up to {target}: {ran.count} range(s) run")
+    _print_summary(args, summary, f"caught up to {target}: {ran} range(s) run")
     return 0
 
 
@@ -149,20 +154,15 @@ def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterato
 
 RANGES_LISTED = 1000
 """A follow's summary lists the keys of its newest ranges, up to this many (``ranges_run``
-counts them all): one that runs for days takes hundreds of thousands."""
+counts them all, from the run's totals): one that runs for days takes hundreds of thousands."""
 
 
-class _Ranges:
-    """The ranges a follow run of this process recorded: how many, and the newest keys (the
-    run does not yield its ranges' events, see :mod:`pgcdc_dagster.defs.following`)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.keys: collections.deque[str] = collections.deque(maxlen=RANGES_LISTED)
-
-    def recorded(self, key: str) -> None:
-        self.count += 1
-        self.keys.append(key)
+def _note_range(report: Any, keys: collections.deque[str]) -> None:
+    """Keep the key of each range the follower reports (the run does not yield its ranges'
+    events, see :mod:`pgcdc_dagster.defs.following`, so its result does not list them)."""
+    key = getattr(report, "range_key", None)
+    if key is not None:
+        keys.append(key)
 
 
 def _follow_totals(result: Any) -> dict[str, Any]:

@@ -15,9 +15,8 @@ the first grows without bound (measured under a follow at 1,000 tps: 40 KB a ran
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dagster import (
@@ -114,21 +113,6 @@ def record(step: Any, event: RangeEvent) -> None:
         DagsterEvent.asset_observation(step, event)
 
 
-_range_listeners: list[Callable[[str], None]] = []
-
-
-@contextlib.contextmanager
-def listening_for_ranges(listener: Callable[[str], None]) -> Iterator[None]:
-    """Hand ``listener`` the key of every range a follow run of this process records while
-    inside (the CLI's summary: the run's events are not yielded, so the run's own result does
-    not have them)."""
-    _range_listeners.append(listener)
-    try:
-        yield
-    finally:
-        _range_listeners.remove(listener)
-
-
 def _record_ranges(
     context: Any,
     settings: pipeline.ReplicationSettings,
@@ -143,14 +127,14 @@ def _record_ranges(
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
         register_range(context.instance, settings, rng)
-        recorded = table_events.recorded(followed)
+        recorded, described = table_events.choose(followed)
         for event in range_events(
             recorded,
             settings,
             done,
             followed.lag_bytes,
             row_counts.after(done.applied),
-            table_events=table_events.describe(),
+            table_events=described,
         ):
             record(step, event)
         if tables:
@@ -164,8 +148,6 @@ def _record_ranges(
             if not gap.passed:
                 follower.stop("no_gap failed")
                 raise Failure(description=gap.description)
-        for listener in list(_range_listeners):
-            listener(done.received.range_key)
     table_events.log_trailed()
 
 
@@ -207,29 +189,27 @@ class TableEvents:
         self.trailed_most_s = 0.0
         self.logged_at: float | None = None
 
-    def recorded(self, followed: Followed) -> Sequence[TableName]:
+    def choose(self, followed: Followed) -> tuple[Sequence[TableName], str]:
+        """The tables whose partitions the range materialises, and what its ``table_events``
+        metadata says of them."""
         if self.mode == "changed":
-            return changed_tables(self.tables, followed.done)
+            tables = changed_tables(self.tables, followed.done)
+            return tables, "changed (PGCDC_FOLLOW_TABLE_EVENTS=changed)"
         behind = time.monotonic() - followed.applied_at if followed.applied_at else 0.0
         if behind > TRAILING_S:
             self.trailing = True
         elif behind < CAUGHT_UP_S:
             self.trailing = False
         if not self.trailing:
-            return self.tables
+            return self.tables, "all"
         self.trailed_ranges += 1
         self.trailed_most_s = max(self.trailed_most_s, behind)
         if self.logged_at is None or time.monotonic() - self.logged_at >= TRAIL_LOG_S:
             self.log_trailed()
-        return changed_tables(self.tables, followed.done)
-
-    def describe(self) -> str:
-        """The ``table_events`` metadata of the range :meth:`recorded` last chose for."""
-        if self.mode == "changed":
-            return "changed (PGCDC_FOLLOW_TABLE_EVENTS=changed)"
-        if not self.trailing:
-            return "all"
-        return f"changed (the run's events trailed the apply by more than {TRAILING_S:g} s)"
+        return (
+            changed_tables(self.tables, followed.done),
+            f"changed (the run's events trailed the apply by more than {TRAILING_S:g} s)",
+        )
 
     def log_trailed(self) -> None:
         if self.trailed_ranges:

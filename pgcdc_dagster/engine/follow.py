@@ -495,7 +495,8 @@ class Follower:
         pause = self._retry_s
         self._retry_s = min(RETRY_MAX_S, pause * 2)
         what = str(exc).split(": check that", 1)[0]
-        self._report(None, f"{what}; trying again in {pause:g} s ({away:.0f} s away)", True)
+        note = f"{what}; trying again in {pause:g} s ({away:.0f} s away)"
+        self._report(None, note=note, retrying=True)
         self._reset_stop()
         self._stop.wait(pause)
         return True
@@ -507,7 +508,7 @@ class Follower:
             away = time.monotonic() - self._outage_since
             self.summary.outage_s = round(self.summary.outage_s + away, 3)
             self._outage_since = None
-            self._report(None, f"the servers are back after {away:.1f} s")
+            self._report(None, note=f"the servers are back after {away:.1f} s")
 
     def _hold_lock_again(self) -> None:
         """After an outage or a lost target connection, go on only under the range lock. A
@@ -782,9 +783,15 @@ class Follower:
         summary.transactions += received.transactions
         summary.changes += received.changes
         summary.last = received
-        self._report(lag_bytes)
+        self._report(lag_bytes, received.range_key)
 
-    def _report(self, lag_bytes: int | None, note: str = "", retrying: bool = False) -> None:
+    def _report(
+        self,
+        lag_bytes: int | None,
+        range_key: str | None = None,
+        note: str = "",
+        retrying: bool = False,
+    ) -> None:
         if not progress.active():
             return
         summary = self.summary
@@ -802,6 +809,7 @@ class Follower:
                 now - self._started,
                 rate,
                 lag_bytes,
+                range_key,
                 note,
                 retrying,
             )

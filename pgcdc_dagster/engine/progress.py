@@ -81,6 +81,8 @@ class FollowProgress:
     """Over the last few seconds."""
     lag_bytes: int | None
     """The source's WAL not yet received when the last range was cut."""
+    range_key: str | None = None
+    """The range this report follows (``None``: a report of an outage)."""
     note: str = ""
     """What a follow riding through an outage says: a server went away and when it tries
     again, or that the servers are back."""

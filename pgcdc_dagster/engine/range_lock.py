@@ -54,8 +54,7 @@ def lock_key(slot: str) -> int:
 
 
 class RangeLock:
-    """A held range lock; :meth:`check` tells whether it is still held (the target may have
-    restarted under it, releasing it)."""
+    """A held range lock (a target that restarts releases it: see :attr:`session_pid`)."""
 
     def __init__(
         self, conn: psycopg.Connection[Any], slot: str, holder: str, target_dsn: str
@@ -77,13 +76,6 @@ class RangeLock:
                 ((APPLICATION_PREFIX + holder)[:63],),
             )
         self.holder = holder
-
-    def check(self) -> bool:
-        try:
-            self._conn.execute("SELECT 1")
-            return True
-        except psycopg.Error:
-            return False
 
 
 _lent: dict[tuple[str, str], RangeLock] = {}
