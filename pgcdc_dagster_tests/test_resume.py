@@ -492,6 +492,38 @@ def test_follow_rides_through_a_source_restart_and_a_target_crash_in_one_run(sit
     site.assert_converged()
 
 
+def test_a_follow_killed_while_it_waits_out_an_outage_then_a_catchup_converges(site: Site):
+    """SIGKILL of ``pgcdc follow`` (its whole process group) while it waits for a source that
+    went away: nothing is left holding the range lock, and once the source is back the next
+    plain catch-up converges, nothing lost or applied twice."""
+    clusters = site.clusters
+    before = _ranges_stored(site)
+    follow = site.start("follow")
+    try:
+        with site.writer(seed=78):
+            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+        clusters.source.stop()
+        time.sleep(1.5)  # the follow finds it gone and waits
+        assert follow.poll() is None
+        os.killpg(follow.pid, signal.SIGKILL)
+        follow.communicate(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(follow.pid, signal.SIGKILL)
+        clusters.source.start()
+    assert follow.returncode == -signal.SIGKILL
+    _wait_for(
+        lambda: not lock_holders(site.settings.target_dsn, site.settings.slot),
+        "the range lock to be free",
+        30,
+    )
+    with site.writer(seed=79):
+        time.sleep(0.5)  # more commits after the kill
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
 @dataclass
 class RunFollower:
     """A follower as a Dagster run has it (on threads, under the run's range lock, as the
