@@ -221,6 +221,7 @@ def _run_in_worker(run_config: dict[str, Any]) -> Any:
     only on the main thread (they turn a signal into an interrupted, failed step), so here the
     signals stay ours (:func:`_stops_at_boundary`), and a stop reaches the follower once it
     runs."""
+    from .defs.storage_outage import given_up
     from .engine.follow import stop_all
 
     outcome: dict[str, Any] = {}
@@ -236,6 +237,8 @@ def _run_in_worker(run_config: dict[str, Any]) -> Any:
     while worker.is_alive():
         if _stop_requested:
             stop_all("stopped by a signal")  # again each turn: the follower may start late
+        if (gone := given_up()) is not None:
+            raise gone  # the follower has stopped; Dagster cannot record the run's end
         worker.join(timeout=0.2)
     if "error" in outcome:
         raise outcome["error"]
@@ -301,18 +304,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _runs_in_flight(settings: ReplicationSettings) -> list[str]:
-    """Not-finished range-lock runs as ``run id (job): verdict``; empty without an instance."""
+def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
+    """Not-finished range-lock runs as ``run id (job): verdict``; empty without an instance;
+    a line saying why when Dagster's storage cannot be reached."""
     from .defs.runs import judge, pgcdc_runs_not_finished
+    from .defs.storage_outage import storage_name, storage_problem, storage_unreachable
     from .engine.range_lock import lock_holders
 
-    instance = dagster_instance()
-    verdicts = judge(
-        instance,
-        pgcdc_runs_not_finished(instance),
-        lock_holders(settings.target_dsn, settings.slot),
-        settings.dead_run_grace,
-    )
+    holders = lock_holders(settings.target_dsn, settings.slot)
+    try:
+        instance = dagster_instance()
+        verdicts = judge(
+            instance, pgcdc_runs_not_finished(instance), holders, settings.dead_run_grace
+        )
+    except Exception as exc:
+        if not storage_unreachable(exc):
+            raise
+        # The replication's state above needs no Dagster; only its runs are not known.
+        held = "; ".join(h.holder for h in holders) or "nobody"
+        return (
+            f"unknown: {storage_name()} cannot be reached: {storage_problem(exc)} "
+            f"(the range lock is held by {held})"
+        )
     return [f"{v.run.run_id} ({v.run.job_name}): {v.state}, {v.reason}" for v in verdicts]
 
 
@@ -464,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "follow",
         help="receive and apply continuously, until SIGTERM/SIGINT; without --endpos it waits "
-        "out a source or target that went away (PGCDC_FOLLOW_RETRY, default 10m)",
+        "out a source, target or Dagster storage that went away (PGCDC_FOLLOW_RETRY, default "
+        "10m)",
     )
     p.add_argument("--endpos", default=None, help="stop at this LSN X/Y, or 'current'")
     p.add_argument("--json", action="store_true")
@@ -507,11 +521,19 @@ def main(argv: list[str] | None = None) -> int:
     except PgcdcError as exc:
         if args.debug:
             raise
-        print(f"pgcdc: {exc}", file=sys.stderr)
+        from .defs.storage_outage import as_storage_error
+
+        print(f"pgcdc: {as_storage_error(exc)}", file=sys.stderr)
         return 1
     except Exception as exc:
         if args.debug:
             raise
+        from .defs.storage_outage import as_storage_error
+
+        shown = as_storage_error(exc)
+        if shown is not exc:
+            print(f"pgcdc: {shown}", file=sys.stderr)
+            return 1
         print(f"pgcdc: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

@@ -311,7 +311,12 @@ def run_main(argv: list[str]) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    logging.shutdown()
+    from .defs.storage_outage import given_up
+
+    if given_up() is None:
+        # Not after a run gave up on Dagster's storage: its worker thread may be inside a
+        # handler, failing to write the run's end for seconds, and shutdown waits for it.
+        logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     return code

@@ -524,6 +524,130 @@ def test_a_follow_killed_while_it_waits_out_an_outage_then_a_catchup_converges(s
     site.assert_converged()
 
 
+def _follow_run_started(site: Site) -> bool:
+    with site.instance() as instance:
+        return bool(
+            instance.get_runs(
+                RunsFilter(job_name="follow", statuses=[DagsterRunStatus.STARTED]), limit=1
+            )
+        )
+
+
+STORAGE_DOWN_S = 12.0
+"""Past dagster-postgres' own retries of a connection (about 6 s), so what carries a follow
+through is :mod:`pgcdc_dagster.defs.storage_outage`."""
+
+
+def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_back(site: Site):
+    """Dagster's storage (the run's event log) goes away for 12 s under a ``pgcdc follow``:
+    the follow goes on receiving and applying meanwhile, records the ranges it applied once
+    the storage is back, in the same run, and a SIGTERM then ends it with exit 0."""
+    clusters = site.clusters
+    follow = site.start("follow", "--json")
+    try:
+        _wait_for(lambda: _follow_run_started(site), "the follow run to start", 120)
+        with site.writer(seed=81):
+            before = _ranges_stored(site)
+            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+            clusters.storage.stop()
+            applied_before = pipeline.origin_progress(site.settings) or 0
+            time.sleep(STORAGE_DOWN_S)
+            assert follow.poll() is None
+            # Applied while Dagster's storage was away, not held back for it.
+            assert (pipeline.origin_progress(site.settings) or 0) > applied_before
+            clusters.storage.start()
+            time.sleep(1.0)
+        _wait_for(
+            lambda: (
+                (pipeline.origin_progress(site.settings) or 0)
+                >= (pipeline.expected_origin_progress(site.settings) or 0)
+            ),
+            "the follow to apply what was written",
+            120,
+        )
+        stored = {r.key for r in pipeline.store_of(site.settings).chain_ranges()}
+        _wait_for(lambda: stored <= _registered(site), "every range applied to be recorded", 120)
+        follow.send_signal(signal.SIGTERM)
+        out, err = follow.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(follow.pid, signal.SIGKILL)
+        _started(clusters.storage)
+    assert follow.returncode == 0, err
+    totals = json.loads(out)["follow"]
+    assert totals["storage_outages"] == 1 and totals["storage_outage_s"] > 5.0, totals
+    assert "the follow goes on applying" in err and "is back after" in err, err
+    assert "Retrying failed database connection" not in err, err
+    with site.instance() as instance:
+        (run,) = instance.get_runs(RunsFilter(job_name="follow"), limit=1)
+        assert run.status == DagsterRunStatus.SUCCESS
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    site.assert_converged()
+
+
+def _started(cluster: LocalCluster) -> None:
+    """Start ``cluster`` unless it runs (a test's way out, whether or not it got there)."""
+    if not (cluster.datadir / "postmaster.pid").exists():
+        cluster.start()
+
+
+def _registered(site: Site) -> set[str]:
+    with site.instance() as instance:
+        return set(instance.get_dynamic_partitions(LSN_RANGES))
+
+
+def test_a_follow_ends_in_one_line_when_dagster_storage_stays_away_then_the_next_converges(
+    site: Site,
+):
+    """Dagster's storage gone for longer than ``PGCDC_FOLLOW_RETRY``: the follow stops at a
+    range boundary and exits 1 with one line naming the storage (never its password) and the
+    fix, without waiting for Dagster to fail at recording the run's end. While the storage
+    stays away, ``pgcdc status`` still reports the replication and a catch-up fails in that
+    one line; once it is back, a plain catch-up converges and the dead run is marked failed."""
+    clusters = site.clusters
+    url = site.env["DAGSTER_POSTGRES_URL"].replace("postgres@", "postgres:s3cret-pw@")
+    env = {"PGCDC_FOLLOW_RETRY": "3s", "DAGSTER_POSTGRES_URL": url}  # trust: any password
+    follow = site.start("follow", env=env)
+    try:
+        _wait_for(lambda: _follow_run_started(site), "the follow run to start", 120)
+        with site.writer(seed=83):
+            before = _ranges_stored(site)
+            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+            clusters.storage.stop()
+            stopped_at = time.monotonic()
+            _, err = follow.communicate(timeout=90)
+            ended_s = time.monotonic() - stopped_at
+        assert follow.returncode == 1, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("pgcdc: Dagster's storage (postgresql at 127.0.0.1:"), err
+        assert "PGCDC_FOLLOW_RETRY" in last and "Traceback" not in err, err
+        assert "s3cret-pw" not in err
+        assert ended_s < 45, ended_s  # 2-3 of dagster-postgres' 6 s retries, not the run's end
+        assert not lock_holders(site.settings.target_dsn, site.settings.slot)
+
+        status = site.pgcdc("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        runs = json.loads(status.stdout)["runs_in_flight"]
+        assert runs.startswith("unknown: Dagster's storage") and "s3cret-pw" not in runs, runs
+        caught = site.pgcdc("catchup", "--endpos", "current", env=env)
+        assert caught.returncode == 1
+        assert (
+            caught.stderr.strip()
+            .splitlines()[-1]
+            .startswith("pgcdc: Dagster's storage (postgresql at")
+        ), caught.stderr
+        assert "s3cret-pw" not in caught.stderr + caught.stdout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(follow.pid, signal.SIGKILL)
+        _started(clusters.storage)
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    assert "was left unfinished" in done.stderr, done.stderr
+    site.assert_converged()
+
+
 @dataclass
 class RunFollower:
     """A follower as a Dagster run has it (on threads, under the run's range lock, as the

@@ -16,7 +16,7 @@ the first grows without bound (measured under a follow at 1,000 tps: 40 KB a ran
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from dagster import (
@@ -38,6 +38,7 @@ from .keys import DECODED_CHANGES_KEY, target_key
 from .progress_log import logged
 from .range_events import no_gap_evaluation, range_events, register_range
 from .row_counts import TargetRowCounts
+from .storage_outage import StorageRide, StorageUnavailableError, give_up
 
 INTERRUPTS = (KeyboardInterrupt, DagsterExecutionInterruptedError)
 """What a stop of the run looks like inside it: SIGINT, or Dagster's termination."""
@@ -51,18 +52,33 @@ def follow_events(
 ) -> Iterator[AssetObservation]:
     """Run ``follower`` (this run holds the range lock), recording each range's events as
     soon as the range is applied; yield the run's totals at the end. A failed ``no_gap``
-    stops the follower and fails the run."""
+    stops the follower and fails the run. Without an endpos, the events' writes ride through
+    Dagster's storage going away (:mod:`.storage_outage`) for as long as
+    ``PGCDC_FOLLOW_RETRY`` lets the follow wait for any of its servers; the follower goes on
+    applying meanwhile."""
+    # A catch-up (an endpos) rides through no outage: its caller wants an answer, as for its
+    # source and target (dagster-postgres' own retries still cover a blip of a few seconds).
+    budget = settings.follow_retry if follower.endpos is None else 0
+    storage = StorageRide(budget, stopping=lambda: follower.stopping)
     row_counts = TargetRowCounts(context.instance, settings, tables)
+    gone: StorageUnavailableError | None = None
     try:
-        with logged(context):
-            _record_ranges(context, settings, tables, follower, row_counts)
+        with logged(context) as lines:
+            try:
+                _record_ranges(context, settings, tables, follower, row_counts, storage)
+            except StorageUnavailableError as exc:
+                lines.drop()
+                gone = exc
+                raise
     finally:
         follower.close("the run ended")  # however it ends: its threads stop at a boundary
+        if gone is not None:
+            give_up(gone)
     summary = follower.summary
     yield AssetObservation(
         DECODED_CHANGES_KEY,
         description="this follow run's totals",
-        metadata=follow_summary_metadata(summary),
+        metadata=follow_summary_metadata(summary, storage),
     )
     context.log.info(
         f"follow ended ({summary.stopped_by}): {summary.ranges} range(s), "
@@ -76,12 +92,21 @@ def follow_events(
             if summary.outages
             else ""
         )
+        + (
+            f"; recorded through {storage.outages} outage(s) of Dagster's storage, "
+            f"{storage.outage_s} s in all"
+            if storage.outages
+            else ""
+        )
     )
 
 
-def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
+def follow_summary_metadata(
+    summary: FollowSummary, storage: StorageRide | None = None
+) -> dict[str, Any]:
     """How the run ended and where its time went: receive and apply busy seconds, how long
-    both ran at once (the pipelining), and the CPU each side spent in the follower itself."""
+    both ran at once (the pipelining), the CPU each side spent in the follower itself, and the
+    outages it rode through (of its servers, and of Dagster's storage)."""
     return {
         "stopped_by": summary.stopped_by,
         "ranges": summary.ranges,
@@ -95,6 +120,8 @@ def follow_summary_metadata(summary: FollowSummary) -> dict[str, Any]:
         "apply_cpu_s": summary.apply_cpu_s,
         "outages": summary.outages,
         "outage_s": summary.outage_s,
+        "storage_outages": storage.outages if storage else 0,
+        "storage_outage_s": storage.outage_s if storage else 0.0,
     }
 
 
@@ -119,24 +146,27 @@ def _record_ranges(
     tables: Sequence[TableName],
     follower: Following,
     row_counts: TargetRowCounts,
+    storage: StorageRide,
 ) -> None:
     step = context.get_step_execution_context()
-    table_events = TableEvents(context, settings, tables)
+
+    def log(line: str) -> None:
+        storage.write(lambda: context.log.info(line))
+
+    table_events = TableEvents(log, settings, tables)
     for followed in follower.run():
         failpoint("follow.recording")
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
-        register_range(context.instance, settings, rng)
+        storage.write(lambda rng=rng: register_range(context.instance, settings, rng))
         recorded, described = table_events.choose(followed)
-        for event in range_events(
-            recorded,
-            settings,
-            done,
-            followed.lag_bytes,
-            row_counts.after(done.applied),
-            table_events=described,
-        ):
-            record(step, event)
+        counts = storage.write(lambda done=done: row_counts.after(done.applied))
+        events: list[RangeEvent] = list(
+            range_events(
+                recorded, settings, done, followed.lag_bytes, counts, table_events=described
+            )
+        )
+        gap = None
         if tables:
             replay = done.applied.replay_lsn
             # Strict even for a range found applied: in a follow, the origin past a range
@@ -144,10 +174,17 @@ def _record_ranges(
             gap = no_gap_evaluation(
                 settings, target_key(tables[0]), rng, Lsn(replay) if replay else None
             )
-            record(step, gap)
-            if not gap.passed:
-                follower.stop("no_gap failed")
-                raise Failure(description=gap.description)
+            events.append(gap)
+        for event in events:  # each written once: a retry goes on from the one that failed
+            storage.write(lambda event=event: record(step, event))
+        while storage.back_notes:
+            log(
+                f"{storage.back_notes.pop(0)}: this follow went on applying while it was "
+                "away, and the ranges it applied meanwhile were recorded once it was back"
+            )
+        if gap is not None and not gap.passed:
+            follower.stop("no_gap failed")
+            raise Failure(description=gap.description)
     table_events.log_trailed()
 
 
@@ -178,9 +215,12 @@ class TableEvents:
     once a minute, in the run's log."""
 
     def __init__(
-        self, context: Any, settings: pipeline.ReplicationSettings, tables: Sequence[TableName]
+        self,
+        log: Callable[[str], None],
+        settings: pipeline.ReplicationSettings,
+        tables: Sequence[TableName],
     ) -> None:
-        self.log = context.log
+        self.log = log
         self.mode = settings.follow_table_events
         self.tables = tables
         self.trailing = False
@@ -213,7 +253,7 @@ class TableEvents:
 
     def log_trailed(self) -> None:
         if self.trailed_ranges:
-            self.log.info(
+            self.log(
                 f"the run's events trailed the apply by up to {self.trailed_most_s:.1f} s: "
                 f"{self.trailed_ranges} range(s) materialised only the target tables they "
                 f"changed, not all {len(self.tables)} (with this many tables, "

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..engine.errors import PgcdcError
 from ..engine.settings import ReplicationSettings
+from .storage_outage import quiet_storage_retries
 
 DEFAULT_DAGSTER_HOME = ".pgcdc/dagster_home"
 
@@ -56,6 +57,7 @@ def dagster_instance() -> Any:
             ref = InstanceRef.from_dir(str(home), overrides=overrides)
         finally:
             logging.getLogger("dagster").removeFilter(quiet)
+        quiet_storage_retries()
         _instance = DagsterInstance.from_ref(ref)
         keep_storage_connections(_instance)
     return _instance

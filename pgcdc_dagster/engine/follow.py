@@ -221,6 +221,11 @@ class Following(Protocol):
     interrupts: tuple[type[BaseException], ...]
 
     @property
+    def stopping(self) -> bool:
+        """A stop was asked for (the follower ends at its next boundary)."""
+        ...
+
+    @property
     def endpos(self) -> Lsn | None: ...
 
     def start(self) -> Any: ...
@@ -370,6 +375,10 @@ class Follower:
             self._stop_reason = reason
             self._stop_requested = True
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
 
     def _reset_stop(self) -> None:
         """Clear a session's own stop, never one :meth:`stop` asked for."""

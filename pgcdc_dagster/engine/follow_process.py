@@ -70,6 +70,7 @@ class ProcessFollower:
         """Not started here: the child runs it, on its copy of this process."""
         self.interrupts = follower.interrupts
         self.summary = FollowSummary()
+        self.stopping = False
         self.pid = 0
         self._stop_fd = -1
         self._done: queue.Queue[Any] = queue.Queue()
@@ -105,6 +106,7 @@ class ProcessFollower:
 
     def stop(self, reason: str) -> None:
         """Stop at the next range boundary. Safe from a signal handler (one ``write``)."""
+        self.stopping = True
         if self._stop_fd >= 0:
             with contextlib.suppress(OSError):  # the child has ended already
                 os.write(self._stop_fd, reason.replace("\n", " ").encode()[:200] + b"\n")

@@ -130,8 +130,10 @@ class ReplicationSettings(BaseModel):
     """How long a follow without an endpos rides through a source or target that went away
     (a restart, a failover, a network failure) before it fails: it retries with growing
     pauses (0.5 s doubling to 10 s) and resumes from the durable state, as a new follow
-    would. ``0``: fail at once, as ``catchup`` always does; ``forever``: never give up. From
-    ``90s``, ``30m``, ``12h``, ``7d`` or plain seconds. A follow that never reached its
+    would. The same budget covers Dagster's own storage: the follow goes on applying and
+    records its ranges' events once the storage is back. ``0``: fail at once, as
+    ``catchup`` always does; ``forever``: never give up. From ``90s``, ``30m``, ``12h``,
+    ``7d`` or plain seconds. A follow that never reached its
     servers fails at once whatever this says: that is a setting to fix, not an outage."""
 
     def driver_max_rows(self) -> int:

@@ -1,0 +1,238 @@
+"""Dagster's own storage going away: named in one line, and ridden through by a follow run.
+
+Why: Dagster's records are a view of the replication for people (progress lives in the slot,
+the store and the target's origin), but a follow run writes to them for every range. Measured
+before this module, through ``pgcdc follow`` with Dagster on PostgreSQL: dagster-postgres
+retries a connection five times over about 6 s, so a storage server down for 15 s (a restart, a
+failover) ended the follow with ``DagsterPostgresException: too many retries for DB
+connection``, a line that names neither the server nor the fix.
+
+What must hold:
+
+- A follow run goes on receiving and applying while the storage is away: its follower does not
+  wait for the run's events (the ranges it finishes queue up for :class:`StorageRide`), and
+  the run's progress log lines are written from a thread of their own
+  (:mod:`.progress_log`), so a slow or absent storage never holds the follower.
+- Each write is tried again, with growing pauses, until the storage answers; a range's events
+  resume from the first one not written, so none is recorded twice. The wait is bounded by
+  ``PGCDC_FOLLOW_RETRY``, the budget a follow has for any of its servers; past it the run
+  ends with :class:`StorageUnavailableError`, and nothing is lost: the next follow goes on
+  from the durable state and records its own ranges.
+- Messages name the storage by host, port and database, never by its URL (it may hold a
+  password).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..engine.errors import PgcdcError
+
+T = TypeVar("T")
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 10.0
+
+
+class StorageUnavailableError(PgcdcError):
+    """Dagster's storage cannot be reached; the message names it (no secret) and the fix."""
+
+
+def storage_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) says Dagster's SQL storage could not be
+    reached or dropped the connection: dagster-postgres giving up its own retries, or
+    SQLAlchemy's operational and interface errors (a refused, reset or closed connection).
+    Errors of the statements themselves (a missing table, a constraint) are not."""
+    try:
+        from sqlalchemy import exc as sa
+    except ImportError:  # pragma: no cover - Dagster always brings SQLAlchemy
+        return False
+    seen: BaseException | None = exc
+    while seen is not None:
+        if type(seen).__name__ == "DagsterPostgresException":
+            return True
+        if isinstance(seen, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError):
+            return True
+        if isinstance(seen, sa.DBAPIError) and seen.connection_invalidated:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def storage_name() -> str:
+    """Dagster's storage as a message may name it: ``postgresql at host:port/database``."""
+    import os
+
+    url = os.environ.get("DAGSTER_POSTGRES_URL")
+    if not url:
+        return "Dagster's storage (DAGSTER_POSTGRES_URL is not set)"
+    try:
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+    except Exception:
+        return "Dagster's storage (DAGSTER_POSTGRES_URL)"
+    return (
+        f"Dagster's storage (postgresql at {parsed.host or 'localhost'}:{parsed.port or 5432}"
+        f"/{parsed.database or ''}, DAGSTER_POSTGRES_URL)"
+    )
+
+
+def storage_problem(exc: BaseException) -> str:
+    """libpq's first line of what went wrong (``connection refused``, ``the database system is
+    shutting down``), from ``exc`` or the errors it was raised from."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        original = getattr(seen, "orig", None)
+        if original is not None:
+            return _first_line(str(original))
+        if type(seen).__module__.startswith("psycopg2"):
+            return _first_line(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    return _first_line(str(exc))
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "no answer"
+    # psycopg2 says: connection to server at "127.0.0.1", port 5433 failed: Connection refused
+    return line.split(" failed: ", 1)[-1].strip()
+
+
+def unreachable_error(exc: BaseException, waited_s: float | None = None) -> StorageUnavailableError:
+    """The one line for a command or run that cannot reach the storage."""
+    waited = f" for {waited_s:.0f} s (PGCDC_FOLLOW_RETRY)" if waited_s is not None else ""
+    return StorageUnavailableError(
+        f"{storage_name()} cannot be reached{waited}: {storage_problem(exc)}. Start it or fix "
+        "DAGSTER_POSTGRES_URL, then run the command again: the replication's progress is in "
+        "the slot, the store and the target's origin, so nothing was lost"
+    )
+
+
+class StorageRide:
+    """Writes of a long-lived run to Dagster's storage, each tried until the storage answers
+    (see the module docstring). ``budget_s``: how long an outage may last (``None``: for ever;
+    0: not at all). ``note``: where the run says the storage went away and came back while
+    its own log cannot take it (the terminal of a command, the run worker's stderr)."""
+
+    def __init__(
+        self,
+        budget_s: float | None,
+        note: Callable[[str], None] | None = None,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.budget_s = budget_s
+        self.note = note or _to_stderr
+        self.stopping = stopping
+        self.outages = 0
+        self.outage_s = 0.0
+        self._since: float | None = None
+        self._pause = RETRY_FIRST_S
+        self.back_notes: list[str] = []
+        """What to write in the run's log once it takes writes again (the outages it missed)."""
+
+    def write(self, call: Callable[[], T]) -> T:
+        """``call()``, tried again while it fails because the storage is away."""
+        while True:
+            tried_at = time.monotonic()
+            try:
+                result = call()
+            except Exception as exc:
+                if not storage_unreachable(exc):
+                    raise
+                self._wait(exc, tried_at)
+                continue
+            self._back()
+            return result
+
+    def _wait(self, exc: BaseException, tried_at: float) -> None:
+        """Wait before the next try; an outage counts from the start of its first failed try
+        (dagster-postgres retried for seconds before giving up)."""
+        now = time.monotonic()
+        if self.stopping():
+            raise StorageUnavailableError(
+                f"{storage_name()} cannot be reached: {storage_problem(exc)}; the follow "
+                "stopped as asked while it was away, so the ranges it applied meanwhile are on "
+                "the target and in its origin but not in Dagster (the next run's ranges are)"
+            ) from exc
+        if self._since is None:
+            self._since = tried_at
+            self._pause = RETRY_FIRST_S
+            self.outages += 1
+        away = now - self._since
+        if self.budget_s is not None and away >= self.budget_s:
+            raise unreachable_error(exc, away) from exc
+        pause = self._pause
+        self._pause = min(RETRY_MAX_S, pause * 2)
+        self.note(
+            f"{storage_name()} cannot be reached: {storage_problem(exc)}; the follow goes on "
+            f"applying, and records its ranges' events when it is back (trying again in "
+            f"{pause:g} s, {away:.0f} s away)"
+        )
+        deadline = time.monotonic() + pause
+        while time.monotonic() < deadline and not self.stopping():
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _back(self) -> None:
+        if self._since is None:
+            return
+        away = time.monotonic() - self._since
+        self._since = None
+        self.outage_s = round(self.outage_s + away, 3)
+        line = f"{storage_name()} is back after {away:.1f} s"
+        self.note(line)
+        self.back_notes.append(line)
+
+
+class QuietRetries(logging.Filter):
+    """Drops dagster-postgres' warnings about its connection retries (five a failed write,
+    each with libpq's message and SQLAlchemy's pointer to its docs) from the root logger of a
+    process of ours: there, what the storage's outage means is said in one line, by
+    :class:`StorageRide` or by the command's error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Retrying failed database connection")
+
+
+_QUIET = QuietRetries()
+
+
+def quiet_storage_retries() -> None:
+    """Install :class:`QuietRetries` on this process's root logger (idempotent)."""
+    root = logging.getLogger()
+    if _QUIET not in root.filters:
+        root.addFilter(_QUIET)
+
+
+def _to_stderr(line: str) -> None:
+    print(f"pgcdc: {line}", file=sys.stderr, flush=True)
+
+
+_given_up: list[StorageUnavailableError] = []
+
+
+def give_up(exc: StorageUnavailableError) -> None:
+    """Say that a run of this process ended on ``exc`` with its work stopped at a boundary:
+    the command that started it need not wait for Dagster to fail at recording the failure
+    (dagster-postgres' retries, about 6 s for each of the run's last events)."""
+    _given_up.append(exc)
+
+
+def given_up() -> StorageUnavailableError | None:
+    """What :func:`give_up` was handed, if anything."""
+    return _given_up[0] if _given_up else None
+
+
+def as_storage_error(exc: BaseException) -> BaseException:
+    """For a command's error line: the :class:`StorageUnavailableError` ``exc`` is or was
+    raised from (a run that ended on it, then could not record its failure), or a new one when
+    ``exc`` says the storage is away; otherwise ``exc`` itself."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, StorageUnavailableError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return unreachable_error(exc) if storage_unreachable(exc) else exc
