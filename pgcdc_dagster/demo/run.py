@@ -307,13 +307,40 @@ def start_dagster_process(base: Path, tool: str, args: list[str]) -> subprocess.
     )
 
 
+GROUP_GRACE_S = 10.0
+"""How long what a stopped Dagster process leaves in its process group may take to go."""
+
+
 def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Stop a Dagster process started by :func:`start_dagster_process` and everything in its
+    process group: its code servers and run workers. A code server whose own cleanup thread
+    died (it did when Dagster's storage was away for 15 s under ``pgcdc demo --ui``: the
+    thread that ends the server once its heartbeats stop raised, and SIGTERM then left the
+    server running for good) is killed after :data:`GROUP_GRACE_S`."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+            return
+    deadline = time.monotonic() + GROUP_GRACE_S
+    while _group_alive(process.pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            return
+        time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def follow_run_costs(instance) -> list[tuple[float, float]]:  # type: ignore[no-untyped-def]
