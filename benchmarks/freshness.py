@@ -23,7 +23,13 @@ spent during the load window by the source cluster, the target cluster, the foll
 pgbench, the same load for both); for ours the follow run's totals (ranges, receive and apply
 busy time); each target verified equal to the source (ours after a final ``pgcdc catchup``).
 
-Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40] [--no-native]``
+With ``--storage-outage S``, Dagster's storage cluster is stopped for ``S`` seconds in the
+middle of our load (a restart, a failover of the server holding Dagster's records): the
+freshness of the probes that arrived while it was away is reported apart
+(``storage_away_*``), and the follow's totals count the outage.
+
+Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40] [--no-native]
+[--storage-outage 15]``
 """
 
 from __future__ import annotations
@@ -65,12 +71,46 @@ NATIVE_DB = "native"
 NATIVE_SUBSCRIPTION = "fresh_native"
 
 
+def freshness_figures(seconds: list[float], prefix: str = "freshness") -> dict[str, Any]:
+    fresh = sorted(seconds)
+    if not fresh:
+        return {f"{prefix}_probes": 0}
+    return {
+        f"{prefix}_median_s": round(statistics.median(fresh), 3),
+        f"{prefix}_p95_s": round(fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))], 3),
+        f"{prefix}_max_s": round(fresh[-1], 3),
+    }
+
+
+def storage_outage(
+    cluster: Any, args: argparse.Namespace, measured: Measurements, out: dict[str, Any]
+) -> None:
+    """Stop Dagster's storage cluster for ``--storage-outage`` seconds in the middle of the
+    load, and note which probes arrived while it was away."""
+    time.sleep(max(0.0, (args.seconds - args.storage_outage) / 2))
+    first = len(measured.freshness_s)
+    cluster.stop()
+    time.sleep(args.storage_outage)
+    cluster.start()
+    out["storage_outage_probes"] = (first, len(measured.freshness_s))
+
+
 def load_window(
-    args: argparse.Namespace, source_dsn: str, target_dsn: str, meter: CpuMeter
+    args: argparse.Namespace,
+    source_dsn: str,
+    target_dsn: str,
+    meter: CpuMeter,
+    storage: Any = None,
 ) -> dict[str, Any]:
     """The load, with a probe every ``--probe-interval`` polled on ``target_dsn``, inside
-    ``meter``; its freshness figures, pgbench's rate and the CPU seconds."""
+    ``meter``; its freshness figures, pgbench's rate and the CPU seconds. With ``storage``
+    (Dagster's storage cluster) and ``--storage-outage``: that cluster stopped meanwhile, and
+    the freshness of the probes that arrived while it was away reported apart."""
     measured = Measurements()
+    outage: dict[str, Any] = {}
+    outages = None
+    if storage is not None and args.storage_outage:
+        outages = threading.Thread(target=storage_outage, args=(storage, args, measured, outage))
     writing, never = threading.Event(), threading.Event()
     writing.set()
     prober = threading.Thread(
@@ -87,25 +127,32 @@ def load_window(
     ]
     with meter:
         prober.start()
+        if outages is not None:
+            outages.start()
         bench = subprocess.run(
             command, env={**os.environ, **tool_env}, capture_output=True, text=True, check=True
         )
         writing.clear()
         prober.join(timeout=60)
+        if outages is not None:
+            outages.join()
     cpu = dict(meter.seconds)
     if "follow" in cpu:  # started by this process: its tree is inside the driver's too
         cpu["driver"] = round(cpu["driver"] - cpu["follow"], 2)
         cpu["others"] = round(cpu["others"] + cpu["follow"], 2)
     found = re.findall(r"tps = ([0-9.]+)", bench.stdout)
-    fresh = sorted(measured.freshness_s)
-    return {
+    report = {
         "pgbench_tps": float(found[-1]) if found else None,
-        "probes": len(fresh),
-        "freshness_median_s": round(statistics.median(fresh), 3),
-        "freshness_p95_s": round(fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))], 3),
-        "freshness_max_s": round(fresh[-1], 3),
+        "probes": len(measured.freshness_s),
+        **freshness_figures(measured.freshness_s),
         "cpu_s": cpu,
     }
+    if "storage_outage_probes" in outage:
+        first, last = outage["storage_outage_probes"]
+        report["storage_outage_s"] = args.storage_outage
+        report["storage_outage_probes"] = last - first
+        report.update(freshness_figures(measured.freshness_s[first:last], "storage_away"))
+    return report
 
 
 def run_native(
@@ -235,6 +282,12 @@ def main() -> None:
         default=0,
         help="that many more (idle) published tables: each is an asset every range records",
     )
+    parser.add_argument(
+        "--storage-outage",
+        type=float,
+        default=0.0,
+        help="stop Dagster's storage cluster for that many seconds in the middle of the load",
+    )
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="pgcdc-fresh-"))
@@ -273,7 +326,8 @@ def main() -> None:
 
         meter = CpuMeter(clusters.source, clusters.target)
         meter.roots["follow"] = follow.pid
-        meter.roots["dagster_storage"] = postmaster_pid(clusters.storage)
+        if not args.storage_outage:  # a restarted storage is another process tree
+            meter.roots["dagster_storage"] = postmaster_pid(clusters.storage)
         sampled: list[dict[str, float]] = []
         sampling = threading.Event()
 
@@ -283,7 +337,9 @@ def main() -> None:
 
         sampler = threading.Thread(target=sample_rss, args=(follow.pid,), daemon=True)
         sampler.start()
-        ours = load_window(args, settings.source_dsn, settings.target_dsn, meter)
+        ours = load_window(
+            args, settings.source_dsn, settings.target_dsn, meter, storage=clusters.storage
+        )
         sampling.set()
         sampler.join()
         ours["rss_mb"] = [*sampled, tree_rss_mb(follow.pid)]

@@ -524,13 +524,14 @@ def test_a_follow_killed_while_it_waits_out_an_outage_then_a_catchup_converges(s
     site.assert_converged()
 
 
-def _follow_run_started(site: Site) -> bool:
+def _run_started(site: Site, command: subprocess.Popen[str]) -> bool:
+    """Whether the Dagster run ``command`` created has started (earlier tests' runs aside)."""
+    runs = site.runs_of_pid(command.pid)
+    if not runs:
+        return False
     with site.instance() as instance:
-        return bool(
-            instance.get_runs(
-                RunsFilter(job_name="follow", statuses=[DagsterRunStatus.STARTED]), limit=1
-            )
-        )
+        run = instance.get_run_by_id(runs[0])
+        return run is not None and run.status == DagsterRunStatus.STARTED
 
 
 STORAGE_DOWN_S = 12.0
@@ -545,7 +546,8 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
     clusters = site.clusters
     follow = site.start("follow", "--json")
     try:
-        _wait_for(lambda: _follow_run_started(site), "the follow run to start", 120)
+        _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
+        earlier = {r.key for r in pipeline.store_of(site.settings).chain_ranges()}
         with site.writer(seed=81):
             before = _ranges_stored(site)
             _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
@@ -565,8 +567,10 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
             "the follow to apply what was written",
             120,
         )
-        stored = {r.key for r in pipeline.store_of(site.settings).chain_ranges()}
-        _wait_for(lambda: stored <= _registered(site), "every range applied to be recorded", 120)
+        followed = {r.key for r in pipeline.store_of(site.settings).chain_ranges()} - earlier
+        _wait_for(
+            lambda: followed <= _registered(site), "every range it applied to be recorded", 120
+        )
         follow.send_signal(signal.SIGTERM)
         out, err = follow.communicate(timeout=60)
     finally:
@@ -610,7 +614,7 @@ def test_a_follow_ends_in_one_line_when_dagster_storage_stays_away_then_the_next
     env = {"PGCDC_FOLLOW_RETRY": "3s", "DAGSTER_POSTGRES_URL": url}  # trust: any password
     follow = site.start("follow", env=env)
     try:
-        _wait_for(lambda: _follow_run_started(site), "the follow run to start", 120)
+        _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
         with site.writer(seed=83):
             before = _ranges_stored(site)
             _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
