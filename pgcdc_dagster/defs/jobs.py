@@ -37,7 +37,7 @@ from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .keys import DECODED_CHANGES_KEY
 from .metadata import prune_metadata
-from .range_events import drop_unstored_partitions
+from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .runner import keep_storage_connections
 from .runs import RANGE_LOCK_TAG
@@ -129,7 +129,7 @@ def build_prune_job() -> JobDefinition:
             raise as_failure(exc) from None
         if result.skipped:
             raise Failure(description=f"nothing pruned: {result.skipped}")
-        dropped = [] if config.dry_run else drop_unstored_partitions(context.instance, settings)
+        dropped = [] if config.dry_run else trim_partitions(context.instance, settings)
         metadata = prune_metadata(result, retention_s, origin, config.dry_run, len(dropped))
         yield AssetObservation(
             DECODED_CHANGES_KEY, description="the store's retention", metadata=metadata

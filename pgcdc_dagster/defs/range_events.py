@@ -3,7 +3,8 @@
 Partitions are a view of the store's chain, never a cursor: a range is registered (idempotently)
 right before a run is requested for it or its events are logged, and a registered range that
 is not stored (its run died first, or the store's retention removed it) is removed the next
-time a range at or after its place is registered, so the UI's partitions stay the chain.
+time a range at or after its place is registered, so the UI's partitions stay the chain, or
+its newest ``partitions_kept`` ranges (:func:`trim_partitions`).
 Deleting them all, or wiping Dagster's storage, changes nothing the engine does: the next
 ranges register again.
 """
@@ -37,7 +38,7 @@ NO_GAP = "no_gap"
 
 STALE_SCAN_S = 60.0
 """How often a run that registers range after range (a follow) still looks for registered
-ranges that were never stored."""
+ranges that were never stored, and for the oldest past ``partitions_kept``."""
 
 
 @dataclass
@@ -53,45 +54,63 @@ _REGISTERED: dict[Path, _Registered] = {}
 def register_range(
     instance: DagsterInstance, settings: pipeline.ReplicationSettings, rng: LsnRange
 ) -> None:
-    """Make ``rng`` a partition (``rng`` starts at the chain's end or is stored), and drop the
-    registered ranges that are not stored and start at or before it: the chain has passed their
-    start with other boundaries (a run requested for them died first), so none of them will
-    ever be stored, or the store's retention removed them.
+    """Make ``rng`` a partition (``rng`` starts at the chain's end or is stored), and trim the
+    registered ones before it (:func:`trim_partitions`): those not stored, and the oldest past
+    ``partitions_kept``.
 
     That look lists every partition and every stored range, which a follow (a range every few
     hundred milliseconds, for as long as it runs) cannot afford per range: measured with
     100,000 ranges, 0.21-0.29 s for the partitions alone. Nothing stale can appear at the start
     of a range that begins where this process's last registered range ended, except by another
-    process, so a follow's ranges look once a minute; any other registration (a sensor tick, a
-    run's first range) looks every time."""
+    process, so a follow's ranges look once a minute (the partitions may then pass the limit by
+    a minute's ranges); any other registration (a sensor tick, a run's first range) looks every
+    time."""
     if instance.has_dynamic_partition(LSN_RANGES, rng.key):
         return
     now = time.monotonic()
     last = _REGISTERED.get(settings.store_path)
     scanned_at = last.scanned_at if last is not None and last.end == rng.start else None
     if scanned_at is None or now - scanned_at >= STALE_SCAN_S:
-        drop_unstored_partitions(instance, settings, through=rng)
+        trim_partitions(instance, settings, through=rng)
         scanned_at = now
     instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
     _REGISTERED[settings.store_path] = _Registered(rng.end, scanned_at)
 
 
-def drop_unstored_partitions(
+def trim_partitions(
     instance: DagsterInstance,
     settings: pipeline.ReplicationSettings,
     through: LsnRange | None = None,
 ) -> list[str]:
-    """Delete the ``lsn_ranges`` partitions whose range is not in the store and starts at or
-    before ``through``'s start (any, without it), other than ``through``: ranges a dead run
-    never stored, and ranges the store's retention removed; with them, on PostgreSQL storage,
-    their history (:mod:`.partition_history`). Returns the keys deleted."""
+    """Delete, with their history on PostgreSQL storage (:mod:`.partition_history`), the
+    ``lsn_ranges`` partitions that start at or before ``through``'s start (any, without it),
+    other than ``through``, and are either
+
+    - not in the store: ranges a dead run registered and never stored (the chain has passed
+      their start with other boundaries, so none of them will ever be stored), and ranges the
+      store's retention removed; or
+    - the oldest beyond ``partitions_kept`` (counting ``through``): Dagster's UI slows past
+      about 100,000 partitions per asset, which a follow under steady load passes in under six
+      hours, while the store keeps a week of ranges. The ranges stay in the store, applied or
+      not: partitions are a view, and a range's run registers it again before it runs.
+
+    Returns the keys deleted."""
     stored = {r.key for r in pipeline.store_of(settings).ranges()}
-    dropped = []
-    for key in instance.get_dynamic_partitions(LSN_RANGES):
-        if key in stored or (through is not None and key == through.key):
-            continue
-        if through is None or LsnRange.from_key(key).start <= through.start:
-            dropped.append(key)
+    registered = instance.get_dynamic_partitions(LSN_RANGES)
+    if through is not None:
+        before = [k for k in registered if k != through.key]
+        eligible = [k for k in before if LsnRange.from_key(k).start <= through.start]
+    else:
+        before = eligible = list(registered)
+    dropped = [k for k in eligible if k not in stored]
+    cap = settings.partitions_kept
+    kept = len(before) - len(dropped) + (1 if through is not None else 0)
+    if cap is not None and kept > cap:
+        gone = set(dropped)
+        oldest = sorted(
+            (k for k in eligible if k not in gone), key=lambda k: LsnRange.from_key(k).start
+        )
+        dropped += oldest[: kept - cap]
     forget_partitions(instance, dropped)
     return dropped
 

@@ -12,6 +12,7 @@ from pydantic import PrivateAttr
 
 from ..engine.settings import (
     DEFAULT_FOLLOW_RETRY_S,
+    DEFAULT_PARTITIONS_KEPT,
     DEFAULT_SPARK_MIN_CHANGES,
     DEFAULT_STORE_RETENTION_S,
     ReplicationSettings,
@@ -46,6 +47,8 @@ class ReplicationResource(ConfigurableResource):
     """``all`` or ``changed``: which target tables a follow materialises per range."""
     follow_retry: float | None = DEFAULT_FOLLOW_RETRY_S
     """Seconds a follow retries a server that went away; ``None``: forever."""
+    partitions_kept: int | None = DEFAULT_PARTITIONS_KEPT
+    """At most about this many ``lsn_ranges`` partitions stay registered; ``None``: all."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -104,6 +107,7 @@ class PgcdcResource(ConfigurableResource):
             store_retention=self.replication.store_retention,
             follow_table_events=self.replication.follow_table_events,  # type: ignore[arg-type]
             follow_retry=self.replication.follow_retry,
+            partitions_kept=self.replication.partitions_kept,
         )
 
 
@@ -165,6 +169,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             store_retention=settings.store_retention,
             follow_table_events=settings.follow_table_events,
             follow_retry=settings.follow_retry,
+            partitions_kept=settings.partitions_kept,
         ),
         store=OutputStoreResource(path=settings.store),
     )

@@ -56,6 +56,8 @@ MiB = 1024 * 1024
 DAY = 86400.0
 DEFAULT_STORE_RETENTION_S = 7 * DAY
 DEFAULT_FOLLOW_RETRY_S = 600.0
+DEFAULT_PARTITIONS_KEPT = 50_000
+"""Half of the 100,000 partitions per asset Dagster recommends at most."""
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
 
 
@@ -126,6 +128,13 @@ class ReplicationSettings(BaseModel):
     ``12h``, ``7d`` or plain seconds. The last applied range always stays (see
     :mod:`.retention`)."""
 
+    partitions_kept: PositiveInt | None = DEFAULT_PARTITIONS_KEPT
+    """At most about this many ``lsn_ranges`` partitions stay registered in Dagster (``all``:
+    no limit): past it, the oldest go, with their materialisations and checks, while the
+    store keeps the ranges themselves for ``store_retention``. Dagster recommends 100,000
+    partitions or fewer per asset (its UI slows beyond), and a follow under steady load cuts
+    about 5 ranges a second, 432,000 a day; see :mod:`pgcdc_dagster.defs.range_events`."""
+
     follow_retry: NonNegativeFloat | None = DEFAULT_FOLLOW_RETRY_S
     """How long a follow without an endpos rides through a source or target that went away
     (a restart, a failover, a network failure) before it fails: it retries with growing
@@ -162,6 +171,11 @@ class ReplicationSettings(BaseModel):
     @classmethod
     def _parse_retention(cls, value: Any) -> Any:
         return parse_duration(value) if isinstance(value, str) else value
+
+    @field_validator("partitions_kept", mode="before")
+    @classmethod
+    def _all_is_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value.strip().lower() == "all" else value
 
     @field_validator("spark_master", "spark_remote", mode="before")
     @classmethod

@@ -51,3 +51,40 @@ def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute
         register_range(instance, settings, chain[-1])
         assert listings.count == 1
         assert sorted(instance.get_dynamic_partitions(LSN_RANGES)) == [r.key for r in chain]
+
+
+def test_past_partitions_kept_the_oldest_partitions_go_and_the_store_keeps_their_ranges(
+    tmp_path, monkeypatch
+):
+    """Dagster's UI slows past about 100,000 partitions per asset, which a follow passes in
+    hours: past ``partitions_kept``, registering a range deletes the oldest partitions (never
+    the one registered), and the store keeps every range."""
+    store = store_ranges(OutputStore(tmp_path / "store"), [], "0/1000")
+    settings = ReplicationSettings(store=str(tmp_path / "store"), partitions_kept=3)
+    range_events._REGISTERED.clear()
+    monkeypatch.setattr(range_events, "STALE_SCAN_S", 0.0)
+    chain = []
+    with instance_for_test() as instance:
+        for n in range(1, 7):
+            rng = LsnRange(f"0/{n}000", f"0/{n + 1}000")
+            with store.writer(rng) as writer:
+                writer.commit(range_manifest(rng.start, rng.end, None))
+            chain.append(rng)
+            register_range(instance, settings, rng)
+            assert len(instance.get_dynamic_partitions(LSN_RANGES)) == min(n, 3)
+        assert instance.get_dynamic_partitions(LSN_RANGES) == [r.key for r in chain[-3:]]
+        assert [r.key for r in store.ranges()] == [r.key for r in chain]
+
+        # "all": no limit.
+        unlimited = ReplicationSettings.from_env(
+            {"PGCDC_STORE": str(tmp_path / "store"), "PGCDC_PARTITIONS_KEPT": "all"},
+            require_servers=False,
+        )
+        assert unlimited.partitions_kept is None
+        for rng in chain[:3]:
+            instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+        nxt = LsnRange("0/7000", "0/8000")
+        with store.writer(nxt) as writer:
+            writer.commit(range_manifest(nxt.start, nxt.end, None))
+        register_range(instance, unlimited, nxt)
+        assert len(instance.get_dynamic_partitions(LSN_RANGES)) == 7
