@@ -94,15 +94,18 @@ def trim_partitions(
       hours, while the store keeps a week of ranges. The ranges stay in the store, applied or
       not: partitions are a view, and a range's run registers it again before it runs.
 
-    Returns the keys deleted."""
-    stored = {r.key for r in pipeline.store_of(settings).ranges()}
+    Each registered key is looked up in the store on its own (:meth:`~.store.OutputStore.holds`)
+    rather than against a listing of the store, which holds a week of ranges (about 3 million
+    at 5 a second) against at most about ``partitions_kept`` partitions. Returns the keys
+    deleted."""
+    store = pipeline.store_of(settings)
     registered = instance.get_dynamic_partitions(LSN_RANGES)
     if through is not None:
         before = [k for k in registered if k != through.key]
         eligible = [k for k in before if LsnRange.from_key(k).start <= through.start]
     else:
         before = eligible = list(registered)
-    dropped = [k for k in eligible if k not in stored]
+    dropped = [k for k in eligible if not store.holds(LsnRange.from_key(k))]
     cap = settings.partitions_kept
     kept = len(before) - len(dropped) + (1 if through is not None else 0)
     if cap is not None and kept > cap:

@@ -343,6 +343,13 @@ class OutputStore:
             return None
         return self._keep(StoredRange(rng, path, manifest))
 
+    def holds(self, rng: LsnRange) -> bool:
+        """Whether ``rng`` is stored: one ``stat``, whatever the store's size (a folder appears
+        only by the atomic rename of a complete one, and a pruned one is renamed away first).
+        For a caller asking about a few ranges of a store that may hold millions (a week of a
+        follow's): :meth:`ranges` lists them all."""
+        return self.range_path(rng).is_dir()
+
     def _keep(self, stored: StoredRange) -> StoredRange:
         self._manifests[stored.range] = stored
         self._manifests.move_to_end(stored.range)
