@@ -308,10 +308,19 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
     """Not-finished range-lock runs as ``run id (job): verdict``; empty without an instance;
     a line saying why when Dagster's storage cannot be reached."""
     from .defs.runs import judge, pgcdc_runs_not_finished
-    from .defs.storage_outage import storage_name, storage_problem, storage_unreachable
+    from .defs.storage_outage import (
+        storage_name,
+        storage_problem,
+        storage_unreachable,
+        unreachable_now,
+    )
     from .engine.range_lock import lock_holders
 
     holders = lock_holders(settings.target_dsn, settings.slot)
+    held = "; ".join(h.holder for h in holders) or "nobody"
+    problem = unreachable_now()
+    if problem is not None:
+        return f"unknown: {storage_name()} cannot be reached: {problem} (range lock: {held})"
     try:
         instance = dagster_instance()
         verdicts = judge(
@@ -321,10 +330,9 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
         if not storage_unreachable(exc):
             raise
         # The replication's state above needs no Dagster; only its runs are not known.
-        held = "; ".join(h.holder for h in holders) or "nobody"
         return (
             f"unknown: {storage_name()} cannot be reached: {storage_problem(exc)} "
-            f"(the range lock is held by {held})"
+            f"(range lock: {held})"
         )
     return [f"{v.run.run_id} ({v.run.job_name}): {v.state}, {v.reason}" for v in verdicts]
 

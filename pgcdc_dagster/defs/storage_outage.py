@@ -82,6 +82,34 @@ def storage_name() -> str:
     )
 
 
+def unreachable_now(timeout_s: float = 3.0) -> str | None:
+    """One try at Dagster's PostgreSQL storage, without dagster-postgres' retries (about 6 s
+    each time it connects): libpq's first line when it cannot be reached, else ``None``
+    (reached, or not PostgreSQL). For a command that reports on things when they are broken
+    (``pgcdc status``) and must not wait on the storage to say so."""
+    import os
+
+    url = os.environ.get("DAGSTER_POSTGRES_URL")
+    if not url:
+        return None
+    try:
+        import psycopg
+        from sqlalchemy.engine import make_url
+
+        parsed = make_url(url)
+        with psycopg.connect(
+            host=parsed.host or "localhost",
+            port=parsed.port or 5432,
+            user=parsed.username or "",
+            password=parsed.password or "",
+            dbname=parsed.database or "",
+            connect_timeout=max(1, round(timeout_s)),
+        ):
+            return None
+    except Exception as exc:  # any failure: named by libpq's line, never the URL
+        return _first_line(str(exc))
+
+
 def storage_problem(exc: BaseException) -> str:
     """libpq's first line of what went wrong (``connection refused``, ``the database system is
     shutting down``), from ``exc`` or the errors it was raised from."""

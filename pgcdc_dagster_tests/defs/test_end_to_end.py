@@ -7,6 +7,7 @@ the target need a password here, so the test can prove it never reaches metadata
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 import subprocess
 import uuid
@@ -90,11 +91,13 @@ class Replication:
         store = pipeline.store_of(self.settings)
         return store.chain_end()
 
-    def sensor(self):
+    def sensor(self, cursor: str | None = None):
         sensor = self.defs.resolve_sensor_def("slot_progress_sensor")
         # Only what the sensor requires, as the daemon does (the range lock is a run's).
         resources = {"pgcdc": self.defs.resources["pgcdc"]}
-        with build_sensor_context(instance=self.instance, resources=resources) as ctx:
+        with build_sensor_context(
+            instance=self.instance, resources=resources, cursor=cursor
+        ) as ctx:
             return sensor(ctx)
 
 
@@ -197,6 +200,17 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert observation.asset_key == AssetKey("replication_slot")
     assert int(observation.metadata["lag_bytes"].value) > 0
     r.register(first)
+    # The slot is observed at most once a minute (the cursor says when it last was), and at
+    # once when its state changes; the tick's decision is the same either way.
+    quiet = r.sensor(cursor=tick.cursor)
+    assert quiet.asset_events == [] and quiet.cursor == tick.cursor
+    assert [q.partition_key for q in quiet.run_requests] == [first.key]
+    aged = json.loads(tick.cursor)
+    aged["observed_at"] -= 61
+    assert len(r.sensor(cursor=json.dumps(aged)).asset_events) == 1
+    aged["observed_at"] += 61
+    aged["state"]["active"] = "True" if aged["state"]["active"] == "False" else "False"
+    assert len(r.sensor(cursor=json.dumps(aged)).asset_events) == 1
 
     # A range that is not done is requested again (how a failed run is retried): from the same
     # start, and it is the only range registered. Its end may have moved on: the source's
