@@ -591,6 +591,43 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
     _follow_succeeded_then_a_catchup_converges(site)
 
 
+def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converges(
+    site: Site, tmp_path: Path
+):
+    """The store's file system fills up under a catch-up: the command fails in one line naming
+    the store and the fix, leaves no half-written range behind, and once space is freed the
+    next plain catch-up stores the range whole and converges. (A small tmpfs holds a copy of
+    the store, which then replaces the site's, so the next tests go on from it.)"""
+    if os.geteuid() != 0:
+        pytest.skip("a small file system to fill needs root to mount a tmpfs")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)], check=True)
+    try:
+        store = small / "store"
+        shutil.copytree(site.env["PGCDC_STORE"], store)
+        filler = small / "filler"
+        with open(filler, "wb") as out, contextlib.suppress(OSError):  # until 40 KB are left
+            out.write(b"\0" * max(0, shutil.disk_usage(small).free - 40 * 1024))
+        env = {"PGCDC_STORE": str(store)}
+        with site.writer(seed=85):
+            time.sleep(3.0)
+        full = site.pgcdc("catchup", "--endpos", "current", env=env)
+        assert full.returncode == 1, full.stderr
+        last = full.stderr.strip().splitlines()[-1]
+        assert f"the output store at {store} is out of space storing range" in last, last
+        assert "PGCDC_STORE_RETENTION" in last and "Traceback" not in full.stderr, last
+        assert not list((store / "changes").glob(".tmp-*"))
+        filler.unlink()
+        done = site.pgcdc("catchup", "--endpos", "current", env=env)
+        assert done.returncode == 0, done.stderr
+        shutil.rmtree(site.env["PGCDC_STORE"])
+        shutil.copytree(store, site.env["PGCDC_STORE"])
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    site.assert_converged()
+
+
 def _started(cluster: LocalCluster) -> None:
     """Start ``cluster`` unless it runs (a test's way out, whether or not it got there)."""
     if not (cluster.datadir / "postmaster.pid").exists():

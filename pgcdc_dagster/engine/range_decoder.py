@@ -11,6 +11,7 @@ Which transactions a range holds, straddlers and the safe point are argued in :m
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -56,6 +57,11 @@ class RowSink(Protocol):
 
     def spill_path(self) -> Path:
         """A scratch file for the rows of a transaction too big to hold in memory."""
+        ...
+
+    def space_checked(self) -> AbstractContextManager[None]:
+        """Around a write of a scratch file: a full file system becomes the sink's one-line
+        error (:meth:`~.store.RangeWriter.space_checked`)."""
         ...
 
 
@@ -414,7 +420,11 @@ class RangeDecoder:
         if sum(b.num_rows for b in self.pending) >= self.spill_rows:
             path = self.writer.spill_path()
             table = pa.Table.from_batches(self.pending)
-            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as ipc:
+            with (
+                self.writer.space_checked(),
+                pa.OSFile(str(path), "wb") as sink,
+                pa.ipc.new_file(sink, table.schema) as ipc,
+            ):
                 ipc.write_table(table)
             self.spills.append(path)
             self.pending.clear()

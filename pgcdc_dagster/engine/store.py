@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -81,6 +82,15 @@ _PARTITIONING_HINT = "changes/<range key>/part-*.parquet"
 
 class StoreError(PgcdcError):
     """The output store is missing, unreadable or inconsistent."""
+
+
+class StoreFullError(StoreError):
+    """The store's file system has no room for the range being written; nothing of it was
+    stored (its temporary folder goes with the writer), so freeing space and running the
+    command again stores it whole."""
+
+
+_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class EndposOutcome(StrEnum):
@@ -615,7 +625,30 @@ class RangeWriter:
         self.rows = 0
         self._spill_seq = 0
 
+    @contextlib.contextmanager
+    def space_checked(self) -> Iterator[None]:
+        """Writes of this range's files: a full file system (``ENOSPC``, a quota) is named in
+        one line, :class:`StoreFullError`, with the store's path and the fix, instead of the
+        file library's words (measured: pyarrow's ``OSError: [Errno 28] Error writing bytes
+        to file``)."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in _OUT_OF_SPACE and "No space left on device" not in str(exc):
+                raise
+            raise StoreFullError(
+                f"the output store at {self.store.root} is out of space storing range "
+                f"{self.range.key} ({os.strerror(exc.errno or errno.ENOSPC)}): free space "
+                "there, or keep applied ranges for less time (pgcdc prune --retention 1d now; "
+                "PGCDC_STORE_RETENTION); nothing of the range was stored, and the next command "
+                "receives it again"
+            ) from exc
+
     def write(self, batch: pa.RecordBatch | pa.Table) -> None:
+        with self.space_checked():
+            self._write(batch)
+
+    def _write(self, batch: pa.RecordBatch | pa.Table) -> None:
         if batch.num_rows == 0:
             return
         if self._writer is None:
@@ -642,6 +675,10 @@ class RangeWriter:
         The range stored is the manifest's: it may end before the one the writer was opened
         for (a receive that cuts one peek into several ranges knows a range's end only once its
         rows are written), never start elsewhere."""
+        with self.space_checked():
+            return self._commit(manifest)
+
+    def _commit(self, manifest: RangeManifest) -> StoredRange:
         stored_range = LsnRange.from_key(manifest.result.range_key)
         if stored_range.start != self.range.start or stored_range.end > self.range.end:
             raise StoreError(

@@ -3,6 +3,7 @@ point, and a transaction spilled across batches. No database: pgoutput messages 
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from pathlib import Path
 
@@ -72,6 +73,9 @@ class ListSink:
     def spill_path(self) -> Path:
         self.spills += 1
         return self.folder / f"spill-{self.spills}.arrow"
+
+    def space_checked(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def table(self) -> pa.Table:
         return pa.concat_tables(self.tables)
