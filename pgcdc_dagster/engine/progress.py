@@ -146,19 +146,37 @@ def publish(progress: Progress) -> None:
             listener(progress)
 
 
+STEADY_EVERY_S = 60.0
+"""How often a plain log shows a follow that keeps up (see :func:`throttled`)."""
+STEADY_LAG_BYTES = 1024 * 1024
+"""A follow keeps up while less WAL than this waits unreceived when it cuts a range."""
+
+
 def throttled(emit: Callable[[str], None], every_s: float) -> Listener:
     """A listener that hands ``emit`` a report's line at most every ``every_s`` seconds, and at
-    once whenever the phase changes (a snapshot's ``schema``/``copy``/``keys``/``done``): what
-    a plain log wants, whether a terminal without a live display or a Dagster run's log."""
+    once whenever the phase changes (a snapshot's ``schema``/``copy``/``keys``/``done``, an
+    outage and the end of it): what a plain log wants, whether a terminal without a live
+    display or a Dagster run's log.
+
+    A follow that keeps up (:data:`STEADY_LAG_BYTES`) is shown every :data:`STEADY_EVERY_S`
+    instead: it runs for weeks, and a line every 5 s is 17,280 a day in the run's event log
+    (nothing prunes it) or in the command's log file, saying the same thing; a backlog being
+    caught up is shown every ``every_s``."""
     last_phase, last_at = "", 0.0
     lock = threading.Lock()
 
     def listener(report: Progress) -> None:
         nonlocal last_phase, last_at
         phase = getattr(report, "phase", "follow")
+        steady = (
+            isinstance(report, FollowProgress)
+            and report.lag_bytes is not None
+            and report.lag_bytes < STEADY_LAG_BYTES
+        )
+        interval = max(every_s, STEADY_EVERY_S) if steady else every_s
         now = time.monotonic()
         with lock:
-            if phase == last_phase and now - last_at < every_s:
+            if phase == last_phase and now - last_at < interval:
                 return
             last_phase, last_at = phase, now
         emit(report.line())
