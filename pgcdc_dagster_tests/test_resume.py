@@ -591,6 +591,58 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
     _follow_succeeded_then_a_catchup_converges(site)
 
 
+def test_follow_rides_through_a_crash_of_a_target_that_also_holds_dagsters_storage(site: Site):
+    """A small set-up keeps Dagster's storage on the target server: a crash of it takes the
+    apply and the run's event log away at once. The follower waits for the target while the
+    run's recording waits for the storage; both come back in the same run, which ends with
+    exit 0 on SIGTERM, and the next catch-up converges."""
+    clusters = site.clusters
+    database = f"dagster_on_target_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(clusters.target.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(database)))
+    own_storage = site.env["DAGSTER_POSTGRES_URL"]
+    site.env["DAGSTER_POSTGRES_URL"] = (
+        f"postgresql+psycopg2://postgres@127.0.0.1:{clusters.target.port}/{database}"
+    )
+    try:
+        follow = site.start("follow", "--json")
+        try:
+            _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
+            with site.writer(seed=87):
+                before = _ranges_stored(site)
+                _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+                clusters.target.crash()
+                time.sleep(STORAGE_DOWN_S)
+                clusters.target.start()
+                stored = pipeline.store_of(site.settings).chain_end()
+                time.sleep(1.0)
+            _wait_for(
+                lambda: (
+                    pipeline.store_of(site.settings).chain_end() > stored
+                    and (pipeline.origin_progress(site.settings) or 0)
+                    >= (pipeline.expected_origin_progress(site.settings) or 0)
+                ),
+                "the follow to apply what was written after the crash",
+                120,
+            )
+            follow.send_signal(signal.SIGTERM)
+            out, err = follow.communicate(timeout=90)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(follow.pid, signal.SIGKILL)
+            if follow.returncode is None:  # failed before it ended: show what it said
+                print(f"pgcdc follow's stderr:\n{follow.communicate(timeout=30)[1][-4000:]}")
+        assert follow.returncode == 0, err
+        totals = json.loads(out)["follow"]
+        assert totals["outages"] == 1 and totals["outage_s"] > 5.0, totals
+        # The storage's outage shows only if the recording wrote during it (a range applied
+        # just before the crash); the follower's outage shows always.
+        assert totals["storage_outages"] <= 1, totals
+        _follow_succeeded_then_a_catchup_converges(site)
+    finally:
+        site.env["DAGSTER_POSTGRES_URL"] = own_storage
+
+
 def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converges(
     site: Site, tmp_path: Path
 ):

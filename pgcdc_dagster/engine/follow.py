@@ -423,6 +423,10 @@ class Follower:
                     continue  # already stopping: finish the boundary
         self._relocked.close()
         untrack(self)
+        if self._outage_since is not None:  # stopped while it waited: the outage counts too
+            away = time.monotonic() - self._outage_since
+            self.summary.outage_s = round(self.summary.outage_s + away, 3)
+            self._outage_since = None
         if not self.summary.stopped_by:
             self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
             self.summary.close(self._started)
