@@ -540,6 +540,16 @@ def _run_started(site: Site, command: subprocess.Popen[str]) -> bool:
         return run is not None and run.status == DagsterRunStatus.STARTED
 
 
+@contextlib.contextmanager
+def _following_under_writes(site: Site, follow: subprocess.Popen[str], seed: int) -> Iterator[None]:
+    """Once ``follow``'s run has started: writes on the source, and two ranges followed."""
+    _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
+    with site.writer(seed=seed):
+        before = _ranges_stored(site)
+        _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+        yield
+
+
 STORAGE_DOWN_S = 12.0
 """Past dagster-postgres' own retries of a connection (about 6 s), so what carries a follow
 through is :mod:`pgcdc_dagster.defs.storage_outage`."""
@@ -552,11 +562,8 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
     clusters = site.clusters
     follow = site.start("follow", "--json")
     try:
-        _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
         earlier = {r.key for r in pipeline.store_of(site.settings).chain_ranges()}
-        with site.writer(seed=81):
-            before = _ranges_stored(site)
-            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+        with _following_under_writes(site, follow, seed=81):
             clusters.storage.stop()
             applied_before = pipeline.origin_progress(site.settings) or 0
             time.sleep(STORAGE_DOWN_S)
@@ -607,10 +614,7 @@ def test_follow_rides_through_a_crash_of_a_target_that_also_holds_dagsters_stora
     try:
         follow = site.start("follow", "--json")
         try:
-            _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
-            with site.writer(seed=87):
-                before = _ranges_stored(site)
-                _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+            with _following_under_writes(site, follow, seed=87):
                 clusters.target.crash()
                 time.sleep(STORAGE_DOWN_S)
                 clusters.target.start()
@@ -704,10 +708,7 @@ def test_a_follow_ends_in_one_line_when_dagster_storage_stays_away_then_the_next
     env = {"PGCDC_FOLLOW_RETRY": "3s", "DAGSTER_POSTGRES_URL": url}  # trust: any password
     follow = site.start("follow", env=env)
     try:
-        _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
-        with site.writer(seed=83):
-            before = _ranges_stored(site)
-            _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+        with _following_under_writes(site, follow, seed=83):
             clusters.storage.stop()
             stopped_at = time.monotonic()
             _, err = follow.communicate(timeout=90)
