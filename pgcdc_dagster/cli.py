@@ -317,23 +317,21 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
     from .engine.range_lock import lock_holders
 
     holders = lock_holders(settings.target_dsn, settings.slot)
-    held = "; ".join(h.holder for h in holders) or "nobody"
+    # The replication's state needs no Dagster; only its runs are not known without it.
     problem = unreachable_now()
+    if problem is None:
+        try:
+            instance = dagster_instance()
+            verdicts = judge(
+                instance, pgcdc_runs_not_finished(instance), holders, settings.dead_run_grace
+            )
+        except Exception as exc:
+            if not storage_unreachable(exc):
+                raise
+            problem = storage_problem(exc)
     if problem is not None:
+        held = "; ".join(h.holder for h in holders) or "nobody"
         return f"unknown: {storage_name()} cannot be reached: {problem} (range lock: {held})"
-    try:
-        instance = dagster_instance()
-        verdicts = judge(
-            instance, pgcdc_runs_not_finished(instance), holders, settings.dead_run_grace
-        )
-    except Exception as exc:
-        if not storage_unreachable(exc):
-            raise
-        # The replication's state above needs no Dagster; only its runs are not known.
-        return (
-            f"unknown: {storage_name()} cannot be reached: {storage_problem(exc)} "
-            f"(range lock: {held})"
-        )
     return [f"{v.run.run_id} ({v.run.job_name}): {v.state}, {v.reason}" for v in verdicts]
 
 
@@ -526,23 +524,16 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, SettingsError) as exc:
         print(f"pgcdc: {exc}", file=sys.stderr)
         return 2
-    except PgcdcError as exc:
-        if args.debug:
-            raise
-        from .defs.storage_outage import as_storage_error
-
-        print(f"pgcdc: {as_storage_error(exc)}", file=sys.stderr)
-        return 1
     except Exception as exc:
         if args.debug:
             raise
         from .defs.storage_outage import as_storage_error
 
-        shown = as_storage_error(exc)
-        if shown is not exc:
+        shown = as_storage_error(exc)  # Dagster's storage away: one line whatever raised it
+        if isinstance(shown, PgcdcError):
             print(f"pgcdc: {shown}", file=sys.stderr)
-            return 1
-        print(f"pgcdc: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            print(f"pgcdc: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 

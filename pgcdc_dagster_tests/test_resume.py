@@ -647,6 +647,37 @@ def test_follow_rides_through_a_crash_of_a_target_that_also_holds_dagsters_stora
         site.env["DAGSTER_POSTGRES_URL"] = own_storage
 
 
+def test_kill_while_dagster_forgets_partitions_then_the_next_command_finishes_the_trim(
+    site: Site,
+):
+    """A command killed between two batches of partitions it deletes from Dagster's storage
+    (the stale ones of dead runs and the oldest past ``PGCDC_PARTITIONS_KEPT``): partitions are
+    a view, so the next plain catch-up trims the rest, the store keeps every range, and the
+    target converges."""
+    stale = [LsnRange(0x100 + 8 * n, 0x108 + 8 * n).key for n in range(2500)]  # never stored
+    with site.instance() as instance:
+        instance.add_dynamic_partitions(LSN_RANGES, stale)
+    stored_before = _ranges_stored(site)
+    env = {"PGCDC_PARTITIONS_KEPT": "2"}
+    with site.writer(seed=89):
+        time.sleep(0.5)
+    killed = site.pgcdc(
+        "catchup", "--endpos", "current", env=env, failpoint="partitions.forgetting=kill-group@1"
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = _registered(site)
+    assert 2 < len(left) < 2500  # one batch of a thousand went, the rest did not
+    with site.writer(seed=90):
+        time.sleep(0.5)
+    done = site.pgcdc("catchup", "--endpos", "current", env=env)
+    assert done.returncode == 0, done.stderr
+    registered = _registered(site)
+    store = pipeline.store_of(site.settings)
+    assert len(registered) <= 2 and all(store.holds(LsnRange.from_key(k)) for k in registered)
+    assert _ranges_stored(site) > stored_before  # the store keeps every range
+    site.assert_converged()
+
+
 def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converges(
     site: Site, tmp_path: Path
 ):

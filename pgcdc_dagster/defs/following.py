@@ -93,9 +93,9 @@ def follow_events(
             else ""
         )
         + (
-            f"; recorded through {storage.outages} outage(s) of Dagster's storage, "
-            f"{storage.outage_s} s in all"
-            if storage.outages
+            f"; recorded through {storage.outages.count} outage(s) of Dagster's storage, "
+            f"{storage.outages.total_s} s in all"
+            if storage.outages.count
             else ""
         )
     )
@@ -120,8 +120,8 @@ def follow_summary_metadata(
         "apply_cpu_s": summary.apply_cpu_s,
         "outages": summary.outages,
         "outage_s": summary.outage_s,
-        "storage_outages": storage.outages if storage else 0,
-        "storage_outage_s": storage.outage_s if storage else 0.0,
+        "storage_outages": storage.outages.count if storage else 0,
+        "storage_outage_s": storage.outages.total_s if storage else 0.0,
     }
 
 

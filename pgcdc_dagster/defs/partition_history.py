@@ -25,6 +25,7 @@ from typing import Any
 
 from dagster import DagsterInstance
 
+from ..engine.failpoints import failpoint
 from .keys import DECODED_CHANGES_KEY
 from .partitions import LSN_RANGES
 
@@ -86,6 +87,7 @@ def forget_partitions(instance: DagsterInstance, keys: Sequence[str]) -> None:
                 .where(partitions.c.partitions_def_name == LSN_RANGES)
                 .where(partitions.c.partition.in_(batch))
             )
+        failpoint("partitions.forgetting")
 
 
 def _our_asset_keys(conn: Any, table: Any) -> list[str]:

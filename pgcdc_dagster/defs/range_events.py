@@ -99,21 +99,20 @@ def trim_partitions(
     at 5 a second) against at most about ``partitions_kept`` partitions. Returns the keys
     deleted."""
     store = pipeline.store_of(settings)
-    registered = instance.get_dynamic_partitions(LSN_RANGES)
-    if through is not None:
-        before = [k for k in registered if k != through.key]
-        eligible = [k for k in before if LsnRange.from_key(k).start <= through.start]
-    else:
-        before = eligible = list(registered)
-    dropped = [k for k in eligible if not store.holds(LsnRange.from_key(k))]
-    cap = settings.partitions_kept
-    kept = len(before) - len(dropped) + (1 if through is not None else 0)
-    if cap is not None and kept > cap:
-        gone = set(dropped)
-        oldest = sorted(
-            (k for k in eligible if k not in gone), key=lambda k: LsnRange.from_key(k).start
-        )
-        dropped += oldest[: kept - cap]
+    others = [
+        LsnRange.from_key(k)
+        for k in instance.get_dynamic_partitions(LSN_RANGES)
+        if through is None or k != through.key
+    ]
+    eligible = [r for r in others if through is None or r.start <= through.start]
+    unstored = [r for r in eligible if not store.holds(r)]
+    kept = len(others) - len(unstored) + (1 if through is not None else 0)
+    oldest: list[LsnRange] = []
+    if settings.partitions_kept is not None and kept > settings.partitions_kept:
+        gone = set(unstored)
+        oldest = sorted((r for r in eligible if r not in gone), key=lambda r: r.start)
+        oldest = oldest[: kept - settings.partitions_kept]
+    dropped = [r.key for r in unstored + oldest]
     forget_partitions(instance, dropped)
     return dropped
 

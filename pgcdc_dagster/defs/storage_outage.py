@@ -25,17 +25,16 @@ What must hold:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..engine.errors import PgcdcError
+from ..engine.outage import OutageClock
 
 T = TypeVar("T")
-
-RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 10.0
 
 
 class StorageUnavailableError(PgcdcError):
@@ -47,34 +46,41 @@ def storage_unreachable(exc: BaseException) -> bool:
     reached or dropped the connection: dagster-postgres giving up its own retries, or
     SQLAlchemy's operational and interface errors (a refused, reset or closed connection).
     Errors of the statements themselves (a missing table, a constraint) are not."""
-    try:
-        from sqlalchemy import exc as sa
-    except ImportError:  # pragma: no cover - Dagster always brings SQLAlchemy
-        return False
+    from sqlalchemy import exc as sa
+
+    return any(
+        type(seen).__name__ == "DagsterPostgresException"
+        or isinstance(seen, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError)
+        or (isinstance(seen, sa.DBAPIError) and seen.connection_invalidated)
+        for seen in _raised_from(exc)
+    )
+
+
+def _raised_from(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then the error it was raised from or while handling, and so on."""
     seen: BaseException | None = exc
     while seen is not None:
-        if type(seen).__name__ == "DagsterPostgresException":
-            return True
-        if isinstance(seen, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError):
-            return True
-        if isinstance(seen, sa.DBAPIError) and seen.connection_invalidated:
-            return True
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    return False
+
+
+def _storage_url() -> Any:
+    """``DAGSTER_POSTGRES_URL`` parsed (SQLAlchemy's URL), ``None`` when unset or unreadable."""
+    url = os.environ.get("DAGSTER_POSTGRES_URL")
+    if not url:
+        return None
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url)
+    except Exception:
+        return None
 
 
 def storage_name() -> str:
     """Dagster's storage as a message may name it: ``postgresql at host:port/database``."""
-    import os
-
-    url = os.environ.get("DAGSTER_POSTGRES_URL")
-    if not url:
-        return "Dagster's storage (DAGSTER_POSTGRES_URL is not set)"
-    try:
-        from sqlalchemy.engine import make_url
-
-        parsed = make_url(url)
-    except Exception:
+    parsed = _storage_url()
+    if parsed is None:
         return "Dagster's storage (DAGSTER_POSTGRES_URL)"
     return (
         f"Dagster's storage (postgresql at {parsed.host or 'localhost'}:{parsed.port or 5432}"
@@ -87,16 +93,12 @@ def unreachable_now(timeout_s: float = 3.0) -> str | None:
     each time it connects): libpq's first line when it cannot be reached, else ``None``
     (reached, or not PostgreSQL). For a command that reports on things when they are broken
     (``pgcdc status``) and must not wait on the storage to say so."""
-    import os
-
-    url = os.environ.get("DAGSTER_POSTGRES_URL")
-    if not url:
+    parsed = _storage_url()
+    if parsed is None:
         return None
     try:
         import psycopg
-        from sqlalchemy.engine import make_url
 
-        parsed = make_url(url)
         with psycopg.connect(
             host=parsed.host or "localhost",
             port=parsed.port or 5432,
@@ -113,14 +115,12 @@ def unreachable_now(timeout_s: float = 3.0) -> str | None:
 def storage_problem(exc: BaseException) -> str:
     """libpq's first line of what went wrong (``connection refused``, ``the database system is
     shutting down``), from ``exc`` or the errors it was raised from."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in _raised_from(exc):
         original = getattr(seen, "orig", None)
         if original is not None:
             return _first_line(str(original))
         if type(seen).__module__.startswith("psycopg2"):
             return _first_line(str(seen))
-        seen = seen.__cause__ or seen.__context__
     return _first_line(str(exc))
 
 
@@ -152,13 +152,9 @@ class StorageRide:
         note: Callable[[str], None] | None = None,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.budget_s = budget_s
+        self.outages = OutageClock(budget_s)
         self.note = note or _to_stderr
         self.stopping = stopping
-        self.outages = 0
-        self.outage_s = 0.0
-        self._since: float | None = None
-        self._pause = RETRY_FIRST_S
         self.back_notes: list[str] = []
         """What to write in the run's log once it takes writes again (the outages it missed)."""
 
@@ -173,28 +169,25 @@ class StorageRide:
                     raise
                 self._wait(exc, tried_at)
                 continue
-            self._back()
+            away = self.outages.ended()
+            if away is not None:
+                line = f"{storage_name()} is back after {away:.1f} s"
+                self.note(line)
+                self.back_notes.append(line)
             return result
 
     def _wait(self, exc: BaseException, tried_at: float) -> None:
         """Wait before the next try; an outage counts from the start of its first failed try
         (dagster-postgres retried for seconds before giving up)."""
-        now = time.monotonic()
         if self.stopping():
             raise StorageUnavailableError(
                 f"{storage_name()} cannot be reached: {storage_problem(exc)}; the follow "
                 "stopped as asked while it was away, so the ranges it applied meanwhile are on "
                 "the target and in its origin but not in Dagster (the next run's ranges are)"
             ) from exc
-        if self._since is None:
-            self._since = tried_at
-            self._pause = RETRY_FIRST_S
-            self.outages += 1
-        away = now - self._since
-        if self.budget_s is not None and away >= self.budget_s:
+        away, pause = self.outages.failed(began=tried_at)
+        if self.outages.spent(away):
             raise unreachable_error(exc, away) from exc
-        pause = self._pause
-        self._pause = min(RETRY_MAX_S, pause * 2)
         self.note(
             f"{storage_name()} cannot be reached: {storage_problem(exc)}; the follow goes on "
             f"applying, and records its ranges' events when it is back (trying again in "
@@ -203,16 +196,6 @@ class StorageRide:
         deadline = time.monotonic() + pause
         while time.monotonic() < deadline and not self.stopping():
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-    def _back(self) -> None:
-        if self._since is None:
-            return
-        away = time.monotonic() - self._since
-        self._since = None
-        self.outage_s = round(self.outage_s + away, 3)
-        line = f"{storage_name()} is back after {away:.1f} s"
-        self.note(line)
-        self.back_notes.append(line)
 
 
 class QuietRetries(logging.Filter):
@@ -258,9 +241,7 @@ def as_storage_error(exc: BaseException) -> BaseException:
     """For a command's error line: the :class:`StorageUnavailableError` ``exc`` is or was
     raised from (a run that ended on it, then could not record its failure), or a new one when
     ``exc`` says the storage is away; otherwise ``exc`` itself."""
-    seen: BaseException | None = exc
-    while seen is not None:
+    for seen in _raised_from(exc):
         if isinstance(seen, StorageUnavailableError):
             return seen
-        seen = seen.__cause__ or seen.__context__
     return unreachable_error(exc) if storage_unreachable(exc) else exc

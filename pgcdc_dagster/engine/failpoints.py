@@ -51,6 +51,8 @@ POINTS: dict[str, str] = {
     "sensor.after_register": "the sensor registered a range partition; no run requested",
     "prune.recorded": "a prune recorded where the chain now begins; no range removed yet",
     "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
+    "partitions.forgetting": "a batch of partitions and their history deleted from Dagster's "
+    "storage; the next batches not yet",
 }
 """Every crash point of the engine and what is durable when it fires."""
 

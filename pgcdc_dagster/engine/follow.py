@@ -76,6 +76,7 @@ from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp
+from .outage import OutageClock
 from .pipeline import (
     CatchUpStalledError,
     RangeDone,
@@ -113,9 +114,6 @@ PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
 a second at a time."""
-RETRY_FIRST_S = 0.5
-RETRY_MAX_S = 10.0
-"""A follow that lost a server tries again after 0.5 s, then 1, 2, 4, 8, and every 10 s."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
@@ -357,8 +355,8 @@ class Follower:
         self._errors: list[BaseException] = []
         self._session_errors: list[BaseException] = []
         self._reached_servers = False
-        self._outage_since: float | None = None
-        self._retry_s = RETRY_FIRST_S
+        self._outages = OutageClock(settings.follow_retry)
+        """The source's and target's outages; :attr:`summary` reports them."""
         self._relocked = contextlib.ExitStack()
         """A range lock taken again after an outage, held until the follower ends."""
         self._reached_endpos = False
@@ -423,10 +421,8 @@ class Follower:
                     continue  # already stopping: finish the boundary
         self._relocked.close()
         untrack(self)
-        if self._outage_since is not None:  # stopped while it waited: the outage counts too
-            away = time.monotonic() - self._outage_since
-            self.summary.outage_s = round(self.summary.outage_s + away, 3)
-            self._outage_since = None
+        if self._outages.ended() is not None:  # stopped while it waited: that counts too
+            self.summary.outage_s = self._outages.total_s
         if not self.summary.stopped_by:
             self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
             self.summary.close(self._started)
@@ -458,7 +454,7 @@ class Follower:
         self._reset_stop()
         self._session_errors = []
         self._to_apply = queue.Queue(QUEUE_RANGES)
-        if self._outage_since is not None:
+        if self._outages.under_way:
             self._hold_lock_again()
         for followed in self._finish_stored():
             self._done.put(followed)
@@ -486,27 +482,20 @@ class Follower:
         stopped, and the outage is younger than ``follow_retry``. Then it waits (growing
         pauses, cut short by a stop) and returns True. A spent budget raises ``exc`` again,
         saying so."""
-        budget = self.settings.follow_retry
         if (
             not unavailable(exc)
             or self.endpos is not None
             or not self._reached_servers
-            or budget == 0
+            or self.settings.follow_retry == 0
             or self._stop_requested
         ):
             return False
-        now = time.monotonic()
-        if self._outage_since is None:
-            self._outage_since = now
-            self._retry_s = RETRY_FIRST_S
-            self.summary.outages += 1
-        away = now - self._outage_since
-        if budget is not None and away >= budget:
+        away, pause = self._outages.failed()
+        self.summary.outages = self._outages.count
+        if self._outages.spent(away):
             raise type(exc)(
                 f"{exc} (a follow retried for {away:.0f} s: PGCDC_FOLLOW_RETRY)"
             ) from exc
-        pause = self._retry_s
-        self._retry_s = min(RETRY_MAX_S, pause * 2)
         what = str(exc).split(": check that", 1)[0]
         note = f"{what}; trying again in {pause:g} s ({away:.0f} s away)"
         self._report(None, note=note, retrying=True)
@@ -517,10 +506,9 @@ class Follower:
     def _servers_reached(self) -> None:
         """The receiver is connected again: both servers answered this session."""
         self._reached_servers = True
-        if self._outage_since is not None:
-            away = time.monotonic() - self._outage_since
-            self.summary.outage_s = round(self.summary.outage_s + away, 3)
-            self._outage_since = None
+        away = self._outages.ended()
+        if away is not None:
+            self.summary.outage_s = self._outages.total_s
             self._report(None, note=f"the servers are back after {away:.1f} s")
 
     def _hold_lock_again(self) -> None:

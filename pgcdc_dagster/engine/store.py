@@ -439,7 +439,7 @@ class OutputStore:
         cursor = end
         while True:
             rng = None if listed is not None else self._seen.by_end.get(cursor)
-            if rng is None or not self.range_path(rng).is_dir():
+            if rng is None or not self.holds(rng):
                 if listed is None:
                     listed = {r.end: r for r in self.ranges()}  # in LSN order: last start wins
                 rng = listed.get(cursor)
