@@ -63,6 +63,7 @@ from pgcdc_dagster.demo.run import (
 )
 from pgcdc_dagster.engine import pipeline, verify
 from pgcdc_dagster.engine.connect import libpq_tool_environment
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
@@ -267,6 +268,46 @@ def recorded_events(storage_url: str) -> dict[str, int]:
     return {"ranges": ranges, "ranges_changed_tables_only": trailing, "table_events": tables}
 
 
+def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str, Any]:
+    """Write ``count`` ranges of an earlier chain into the store, stored now (so the retention
+    keeps them), spread evenly below the current chain's consistent point, each a manifest
+    alone, in the layout of the code under test: the folders a store that ran for a while
+    holds, for the paths that look at them."""
+    if not count:
+        return {}
+    from pgcdc_dagster.engine.store import (
+        MANIFEST,
+        EndposOutcome,
+        OutputStore,
+        RangeManifest,
+        RangeResult,
+    )
+
+    store = OutputStore(settings.store)
+    point = store.consistent_point()
+    step = max(1, (int(point) - 0x100) // count)
+    began = time.monotonic()
+    for i in range(count):
+        start, end = Lsn(0x100 + i * step), Lsn(0x100 + (i + 1) * step)
+        folder = store.range_path(LsnRange(start, end))
+        folder.mkdir(parents=True)
+        result = RangeResult(
+            range_key=LsnRange(start, end).key,
+            start_lsn=str(start),
+            endpos=str(end),
+            endpos_outcome=EndposOutcome.AT_COMMIT_BOUNDARY,
+            transform_lsn=str(Lsn(int(end) - 1)),
+            safe_point=str(end),
+            last_xid=None,
+            last_commit_ts_us=None,
+            transactions=1,
+            changes=1,
+        )
+        manifest = RangeManifest(result=result, relations=[], types={})
+        (folder / MANIFEST).write_text(manifest.to_json())
+    return {"count": count, "step": step, "write_s": round(time.monotonic() - began, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tps", type=int, default=1000)
@@ -281,6 +322,13 @@ def main() -> None:
         type=int,
         default=0,
         help="that many more (idle) published tables: each is an asset every range records",
+    )
+    parser.add_argument(
+        "--stored-ranges",
+        type=int,
+        default=0,
+        help="that many ranges of an earlier chain in the store before the follow starts (a "
+        "store that has run for a while; 432,000 are a day of a follow at 5 ranges a second)",
     )
     parser.add_argument(
         "--storage-outage",
@@ -308,6 +356,7 @@ def main() -> None:
                     conn.execute(f"CREATE TABLE extra_{n:03d} (id int PRIMARY KEY, v text)")
         settings = ReplicationSettings.from_env()
         subprocess.run([PGCDC, "snapshot"], env=env, check=True, capture_output=True, cwd=base)
+        prefilled = store_earlier_ranges(settings, args.stored_ranges)
         launched = time.monotonic()
         follow = subprocess.Popen(
             [PGCDC, "follow", "--json"],
@@ -364,6 +413,7 @@ def main() -> None:
         chain = store.chain()
         ours["store"] = {  # what the retention (PGCDC_STORE_RETENTION) left
             "ranges": len(store.ranges()),
+            "earlier_ranges": prefilled,
             "pruned_through": str(chain.pruned_through) if chain and chain.pruned_through else None,
         }
         report: dict[str, Any] = {

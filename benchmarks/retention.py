@@ -52,7 +52,6 @@ def write_store(root: Path, ranges: int, age_s: float) -> Lsn:
     """``ranges`` ranges of one transaction each; returns the last one's commit."""
     store = OutputStore(root)
     store.record_chain("bench", Lsn(START), "snap")
-    store.changes_dir.mkdir(parents=True, exist_ok=True)
     sample = root / "sample.parquet"
     rows = {f.name: [None] * 20 for f in CHANGE_SCHEMA}
     rows.update(commit_end_lsn=[1] * 20, commit_lsn=[1] * 20, lsn=[1] * 20, xid=[1] * 20)
@@ -73,8 +72,8 @@ def write_store(root: Path, ranges: int, age_s: float) -> Lsn:
             bytes=sample.stat().st_size,
             chain_last_commit=str(last),
         )
-        folder = store.changes_dir / LsnRange(Lsn(start), Lsn(end)).key
-        folder.mkdir()
+        folder = store.range_path(LsnRange(Lsn(start), Lsn(end)))  # in the store's layout
+        folder.mkdir(parents=True)
         shutil.copyfile(sample, folder / "part-00000.parquet")
         (folder / MANIFEST).write_text(manifest.to_json())
         os.utime(folder / MANIFEST, (when, when))

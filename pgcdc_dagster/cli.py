@@ -270,7 +270,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     positions = pipeline.source_positions(settings)
     store = pipeline.store_of(settings)
     chain_record = store.chain()
-    chain = store.chain_ranges() if chain_record and chain_record.complete else []
+    complete = chain_record is not None and chain_record.complete
+    last_range = store.last_chain_range() if complete else None
     pruned = chain_record.pruned_through if chain_record else None
     replay = pipeline.origin_progress(settings)
     try:
@@ -288,9 +289,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         "retained_wal_bytes": positions.slot.retained_wal_bytes,
         "consistent_point": str(chain_record.consistent_point) if chain_record else None,
         "snapshot_state": chain_record.state if chain_record else None,
-        "ranges_stored": len(chain),
+        "ranges_stored": store.chain_count() if complete else 0,
         "pruned_through": str(pruned) if pruned else None,
-        "last_range": chain[-1].key if chain else None,
+        "last_range": last_range.key if last_range else None,
         "replay_lsn": str(replay) if replay else None,
         "next_step": next_step,
         "runs_in_flight": _runs_in_flight(settings),

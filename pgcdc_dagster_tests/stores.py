@@ -49,3 +49,19 @@ def assert_chain_records(store: OutputStore, origin: Lsn | None) -> None:
         last = stored.transform_lsn or last
         assert stored.chain_last_commit == last, rng.key
     assert origin == last
+
+
+def on_disk(store: OutputStore) -> list[str]:
+    """The names of every folder the store's ``changes/`` holds, ranges and hidden leftovers
+    (``.tmp-``, ``.pruned-``), wherever they lie: directly there or in the buckets (whose own
+    names are left out), sorted."""
+    names: list[str] = []
+    if not store.changes_dir.is_dir():
+        return names
+    for top in store.changes_dir.iterdir():
+        if len(top.name) != 8 or top.name.startswith("."):
+            names.append(top.name)
+            continue
+        for mid in top.iterdir():
+            names.extend(p.name for p in mid.iterdir())
+    return sorted(names)

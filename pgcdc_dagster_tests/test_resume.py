@@ -45,8 +45,9 @@ from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.range_lock import RangeLock, lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.procs import descendants, gone
-from pgcdc_dagster_tests.stores import assert_chain_records
+from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -711,7 +712,7 @@ def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converg
         last = full.stderr.strip().splitlines()[-1]
         assert f"the output store at {store} is out of space storing range" in last, last
         assert "PGCDC_STORE_RETENTION" in last and "Traceback" not in full.stderr, last
-        assert not list((store / "changes").glob(".tmp-*"))
+        assert not [n for n in on_disk(OutputStore(store)) if n.startswith(".tmp-")]
         filler.unlink()
         done = site.pgcdc("catchup", "--endpos", "current", env=env)
         assert done.returncode == 0, done.stderr

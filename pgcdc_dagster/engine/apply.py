@@ -203,7 +203,7 @@ def apply_range(
         result.previous_lsn = result.replay_lsn = str(progress)
         # Before any outcome, the empty one included: a range is never reported applied or
         # empty while an earlier range's transactions are missing on the target.
-        check_no_gap(store or OutputStore(stored.path.parent.parent), stored, progress, origin_name)
+        check_no_gap(store or OutputStore(stored.store_root), stored, progress, origin_name)
         if transform is None:
             result.status = ApplyStatus.EMPTY
         elif progress >= transform:

@@ -25,8 +25,10 @@ and the requested endpos. The answer is one of:
 
 Why this is exact: ranges tile the WAL from the consistent point, or from where the store's
 retention removed applied ranges up to (the chain record's ``pruned_through``; each starts where
-the previous ended, checked here), a range holds exactly the transactions whose COMMIT ends in it,
-and the apply advances the origin to a range's last commit in the range's own transaction. So
+the previous ended, checked here from the range the origin falls in: the ones before it are
+applied, and the gap check before each apply walks back from its own range), a range holds
+exactly the transactions whose COMMIT ends in it, and the apply advances the origin to a range's
+last commit in the range's own transaction. So
 "origin >= transform_lsn" is "that range is applied", and the first range failing it is where
 the target stands. Dagster's partitions may be deleted or wiped without changing any answer.
 """
@@ -109,8 +111,10 @@ def decide(
             "restore?) and those changes are gone from the store; re-take the base snapshot "
             "(pgcdc snapshot --resnapshot)"
         )
-    chain = store.chain_ranges()
-    chain_end = store.chain_start()
+    # The ranges from the one the origin falls in: those before it are applied, and a walk of
+    # the whole chain (a week of a follow's holds millions) is not needed to go on from here.
+    chain = store.chain_from(origin)
+    chain_end = chain[0].start if chain and chain[0].start <= origin else store.chain_start()
     for rng in chain:
         if rng.start != chain_end:
             raise CatchUpStateError(
@@ -150,14 +154,13 @@ def plan_next_range(
 
 def _first_unapplied(store: OutputStore, chain: list[LsnRange], origin: Lsn) -> StoredRange | None:
     """The first range whose last commit is past ``origin``. Only ranges ending after the
-    origin can hold one, so the walk reads the manifests of those alone (a long chain costs
-    one directory listing, not one file per range)."""
+    origin can hold one, so the walk reads the manifests of those alone."""
     start = len(chain)
     while start > 0 and chain[start - 1].end > origin:
         start -= 1
     for rng in chain[start:]:
         stored = store.get(rng)
-        if stored is None:  # removed since the listing: pruned (applied), or a hole
+        if stored is None:  # removed since the walk: pruned (applied), or a hole
             if store.chain_start() >= rng.end:
                 continue
             raise CatchUpStateError(f"range {rng.key} vanished from the output store {store.root}")

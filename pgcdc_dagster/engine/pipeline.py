@@ -256,11 +256,14 @@ def expected_origin_progress(
         return chain.pruned_last_commit if through.end == chain.pruned_through else None
     latest = None if through is None or point is None else store.get(through)
     if latest is not None and point is not None and latest.range.start >= point:
-        # A follow asks this for every range it applies: one step back, not a listing.
+        # A follow asks this for every range it applies: one step back, not a walk.
         last = store.last_commit_through(latest)
         if last is not None:
             return last
-    for rng in reversed(store.chain_ranges()):
+    chain_start = store.chain_start()
+    for rng in store.walk(None if through is None else through.start, reverse=True):
+        if rng.start < chain_start:
+            break
         if through is not None and rng.end > through.end:
             continue
         stored = store.get(rng)

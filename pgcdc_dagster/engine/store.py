@@ -2,11 +2,19 @@
 
 Layout under the store root::
 
-    changes/<range key>/part-00000.parquet ...   one row per change, commit order
-    changes/<range key>/_RANGE.json              the manifest: watermarks, counts, relations
+    changes/<hi>/<mid>/<range key>/part-00000.parquet ...   one row per change, commit order
+    changes/<hi>/<mid>/<range key>/_RANGE.json              the manifest: watermarks, counts,
+                                                            relations
+    _CHAIN.json          where the current chain of ranges begins, and how much was pruned
 
-    _CHAIN.json                                  where the current chain of ranges begins,
-                                                 and how much of it was pruned
+``<hi>/<mid>`` is the range's start LSN cut to 4 GiB and 16 MiB of WAL (``00000002/24`` for a
+range starting at ``2/24F7C000``): a follow stores a range every few hundred milliseconds, and
+a week of them is millions of folders. In one folder, every range written listed them all (to
+sweep a crashed write's leftovers: 0.24-0.42 s a range at 300,000 ranges) and every decision
+of what to do next listed and parsed them all (1.5-1.7 s at 300,000); in buckets, each walks
+only the buckets it needs (:meth:`OutputStore.walk`). Ranges stored directly under
+``changes/`` (the layout before buckets) are still read, and leave as the retention removes
+them.
 
 The manifest is the store's single source of truth for "what each LSN range holds"; a range
 exists exactly when its folder (with manifest) exists. A range is written into a hidden
@@ -26,6 +34,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import heapq
 import json
 import os
 import shutil
@@ -77,7 +86,6 @@ columns, or every column under REPLICA IDENTITY FULL. ``new_row`` is the row aft
 (NULL for deletes and truncates). ``unchanged_toast`` names the columns whose value was not
 sent because it did not change. ``flags`` carries TRUNCATE's CASCADE (1) / RESTART IDENTITY (2).
 """
-_PARTITIONING_HINT = "changes/<range key>/part-*.parquet"
 
 
 class StoreError(PgcdcError):
@@ -236,6 +244,15 @@ class StoredRange:
     manifest: RangeManifest
 
     @property
+    def store_root(self) -> Path:
+        """The root of the store the range lies in (in its bucket, or directly under
+        ``changes/`` when stored before buckets)."""
+        folder = self.path.parent
+        if folder.name != "changes":  # a bucket: changes/<hi>/<mid>
+            folder = folder.parent.parent
+        return folder.parent
+
+    @property
     def transform_lsn(self) -> Lsn | None:
         """End of the range's last COMMIT; ``None`` when it holds no transaction."""
         value = self.manifest.result.transform_lsn
@@ -305,13 +322,12 @@ class _Seen:
     :class:`OutputStore` on it. A follow stores a range every few hundred milliseconds for as
     long as it runs, so a store may hold hundreds of thousands of ranges: the per-range paths
     (the gap check before an apply, the origin a range must leave) look a range up by its end
-    and must not list them all each time (measured, 100,000 ranges: a listing 0.35-0.4 s).
+    and must not walk the store each time.
     Bounded (:data:`ENDS_SEEN`, the oldest forgotten first): those paths ask for recent ends;
-    an end forgotten, or never seen, is found by a listing."""
+    an end forgotten, or never seen, is found by a walk back (:meth:`OutputStore.walk`)."""
 
     by_end: dict[Lsn, LsnRange] = field(default_factory=dict)
-    """For equal ends (ranges of two chains) the one that starts last, as a listing in LSN
-    order gives it."""
+    """For equal ends (ranges of two chains) the one that starts last."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     """A prune lists the store in a thread of its own while a receiver stores ranges."""
@@ -333,12 +349,22 @@ class OutputStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.changes_dir = self.root / "changes"
-        self._listing: tuple[int, list[LsnRange]] | None = None
         self._manifests: OrderedDict[LsnRange, StoredRange] = OrderedDict()
         self._seen = _SEEN.setdefault(self.changes_dir.absolute(), _Seen())
 
+    def bucket_of(self, start: Lsn) -> Path:
+        """The folder of the ranges starting in ``start``'s 16 MiB of WAL."""
+        hi, mid = bucket_names(start)
+        return self.changes_dir / hi / mid
+
     def range_path(self, rng: LsnRange) -> Path:
-        return self.changes_dir / rng.key
+        """Where ``rng`` is stored: in its bucket, or directly under ``changes/`` when it was
+        stored before buckets (one more ``stat``, paid by those and by ranges not stored)."""
+        path = self.bucket_of(rng.start) / rng.key
+        if path.is_dir():
+            return path
+        flat = self.changes_dir / rng.key
+        return flat if flat.is_dir() else path
 
     def get(self, rng: LsnRange) -> StoredRange | None:
         """The stored range, or ``None``. A stored range never changes, so it is read once."""
@@ -354,10 +380,9 @@ class OutputStore:
         return self._keep(StoredRange(rng, path, manifest))
 
     def holds(self, rng: LsnRange) -> bool:
-        """Whether ``rng`` is stored: one ``stat``, whatever the store's size (a folder appears
-        only by the atomic rename of a complete one, and a pruned one is renamed away first).
-        For a caller asking about a few ranges of a store that may hold millions (a week of a
-        follow's): :meth:`ranges` lists them all."""
+        """Whether ``rng`` is stored: a ``stat`` or two, whatever the store's size (a folder
+        appears only by the atomic rename of a complete one, and a pruned one is renamed away
+        first)."""
         return self.range_path(rng).is_dir()
 
     def _keep(self, stored: StoredRange) -> StoredRange:
@@ -368,29 +393,41 @@ class OutputStore:
         return stored
 
     def ranges(self) -> list[LsnRange]:
-        """Every stored range, in LSN order.
+        """Every stored range, in LSN order: a walk of the whole store, for the few callers
+        that need it all (a person's ``pgcdc status``, tests); the others :meth:`walk` as far
+        as they need."""
+        return list(self.walk())
 
-        A folder appears only by an atomic rename of a complete one, so a listing is the truth;
-        it is reused while the folder's mtime is unchanged and more than a second old (an
-        mtime is coarser than the time between two renames: a fresh one may hide a second).
-        """
-        try:
-            stat = self.changes_dir.stat()
-        except FileNotFoundError:
-            return []
-        if (
-            self._listing is not None
-            and self._listing[0] == stat.st_mtime_ns
-            and time.time_ns() - stat.st_mtime_ns > 1_000_000_000
-        ):
-            return list(self._listing[1])
-        with os.scandir(self.changes_dir) as entries:
-            keys = sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
-        ranges = [LsnRange.from_key(k) for k in keys]
-        self._listing = (stat.st_mtime_ns, ranges)
-        for rng in ranges[-ENDS_SEEN:]:
-            self._seen.stored(rng)
-        return list(ranges)
+    def walk(self, start: Lsn | None = None, *, reverse: bool = False) -> Iterator[LsnRange]:
+        """Stored ranges in LSN order from ``start`` (those starting at or after it; ``None``:
+        from the first), or with ``reverse`` backwards from it (those starting at or before
+        it; ``None``: from the last). Lazy: a bucket is listed when the walk reaches it, so a
+        walk that stops after a few ranges costs a few small listings, whatever the store
+        holds. A folder appears only by the atomic rename of a complete range, so what a
+        listing shows is stored."""
+        top = _listed(self.changes_dir, reverse)
+        flat = (LsnRange.from_key(n) for n in top if len(n) == RANGE_KEY_LENGTH)
+        tree = self._walk_buckets([n for n in top if len(n) == 8], start, reverse)
+        if start is not None:
+            flat = (r for r in flat if (r.start <= start if reverse else r.start >= start))
+        yield from heapq.merge(flat, tree, key=_order, reverse=reverse)
+
+    def _walk_buckets(self, his: list[str], start: Lsn | None, reverse: bool) -> Iterator[LsnRange]:
+        first_hi, first_mid = bucket_names(start) if start is not None else ("", "")
+
+        def before(name: str, first: str) -> bool:  # not yet reached by the walk
+            return bool(first) and (name > first if reverse else name < first)
+
+        for hi in his:
+            if before(hi, first_hi):
+                continue
+            for mid in _listed(self.changes_dir / hi, reverse):
+                if hi == first_hi and before(mid, first_mid):
+                    continue
+                for key in _listed(self.changes_dir / hi / mid, reverse):
+                    rng = LsnRange.from_key(key)
+                    if start is None or (rng.start <= start if reverse else rng.start >= start):
+                        yield rng
 
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
         """The stored range that ends at ``end`` (the one that starts last, if several do)."""
@@ -434,15 +471,19 @@ class OutputStore:
         """The stored range that ends at ``end``, then the one that ends where it starts, and
         so on back, until no stored range ends there. Each step is a range this process saw
         stored, checked by its folder alone, while it knows them; from the first it does not,
-        the rest come from one listing."""
-        listed: dict[Lsn, LsnRange] | None = None
+        the rest come from one walk back (:meth:`walk`) from there.
+
+        Of ranges ending alike (only ranges of two chains can), the one that starts last is
+        taken; the walk back stops at the first range ending before ``end``: in a chain, the
+        range before another ends where it starts."""
+        walked: Iterator[LsnRange] | None = None
         cursor = end
         while True:
-            rng = None if listed is not None else self._seen.by_end.get(cursor)
+            rng = None if walked is not None else self._seen.by_end.get(cursor)
             if rng is None or not self.holds(rng):
-                if listed is None:
-                    listed = {r.end: r for r in self.ranges()}  # in LSN order: last start wins
-                rng = listed.get(cursor)
+                if walked is None:
+                    walked = self.walk(Lsn(cursor - 1), reverse=True) if cursor > 0 else iter(())
+                rng = _ending_at(walked, cursor)
             if rng is None or rng.start >= cursor:
                 return
             stored = self.get(rng)
@@ -522,21 +563,45 @@ class OutputStore:
     def hide_range(self, rng: LsnRange) -> str | None:
         """Take a stored range out of the store (a prune's, whose chain record already says
         so) by renaming it to a hidden folder: it vanishes from every reader at once. Returns
-        that folder, for :func:`remove_folder`; ``None`` when another prune took it first."""
+        that folder, for :func:`remove_folder`; ``None`` when another prune took it first.
+        Its bucket goes too once empty (a writer that finds its bucket gone makes it again,
+        see :meth:`make_bucket`)."""
         hidden = os.path.join(self.changes_dir, PRUNED_PREFIX + rng.key)
         try:
-            os.rename(os.path.join(self.changes_dir, rng.key), hidden)
+            os.rename(self.range_path(rng), hidden)
         except FileNotFoundError:
             return None
         self._manifests.pop(rng, None)
-        self._listing = None
+        bucket = self.bucket_of(rng.start)
+        for folder in (bucket, bucket.parent):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty, or gone
+                break
         return hidden
 
+    def make_bucket(self, start: Lsn) -> Path:
+        """The bucket of ranges starting at ``start``, made (and its making made durable) if
+        it was not there."""
+        bucket = self.bucket_of(start)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for folder in (self.changes_dir, bucket.parent, bucket):
+            try:
+                folder.mkdir()  # FileNotFoundError: a prune removed the one above meanwhile
+            except FileExistsError:
+                continue
+            _fsync_path(folder.parent)
+        return bucket
+
     def sweep_removed(self) -> None:
-        """Delete what a prune killed mid-removal left hidden."""
+        """Delete what a prune killed mid-removal left hidden, and what a writer of the layout
+        before buckets, killed mid-write, left (a writer now sweeps its own, in its bucket)."""
         if self.changes_dir.is_dir():
-            for left in self.changes_dir.glob(f"{PRUNED_PREFIX}*"):
-                remove_folder(str(left))
+            for left in self.changes_dir.glob(".*"):
+                if left.name.startswith(PRUNED_PREFIX):
+                    remove_folder(str(left))
+                elif left.name.startswith(".tmp-") and left.is_dir():
+                    shutil.rmtree(left, ignore_errors=True)
 
     def _write_chain(self, chain: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -593,18 +658,51 @@ class OutputStore:
     def chain_end(self) -> Lsn:
         """Where the next range of the current chain starts: the end of its last stored range,
         or the chain's start when none is stored (yet, or since a prune)."""
-        chain = self.chain_ranges()
-        return chain[-1].end if chain else self.chain_start()
+        last = self.last_chain_range()
+        return last.end if last is not None else self.chain_start()
 
     def last_stored(self) -> StoredRange | None:
         """The last stored range of the current chain."""
-        chain = self.chain_ranges()
-        return self.get(chain[-1]) if chain else None
+        last = self.last_chain_range()
+        return self.get(last) if last is not None else None
+
+    def last_chain_range(self) -> LsnRange | None:
+        """The current chain's last stored range: one step of a walk back from the end."""
+        start = self.chain_start()
+        last = next(self.walk(reverse=True), None)
+        return last if last is not None and last.start >= start else None
 
     def chain_ranges(self) -> list[LsnRange]:
-        """Stored ranges of the current chain past its pruned start, in LSN order."""
+        """Stored ranges of the current chain past its pruned start, in LSN order: all of them
+        (a week of a follow's is millions); :meth:`chain_from` takes the part a decision
+        needs."""
+        return list(self.walk(self.chain_start()))
+
+    def chain_count(self) -> int:
+        """How many ranges the current chain stores past its pruned start: folder names
+        counted, not parsed (a person's figure; a week of a follow's is millions)."""
+        first = self.chain_start().hex16
+        first_hi, first_mid = bucket_names(self.chain_start())
+        top = _listed(self.changes_dir, False)
+        count = sum(1 for n in top if len(n) == RANGE_KEY_LENGTH and n >= first)
+        for hi in (n for n in top if len(n) == 8 and n >= first_hi):
+            for mid in _listed(self.changes_dir / hi, False):
+                if hi != first_hi or mid >= first_mid:
+                    names = _listed(self.changes_dir / hi / mid, False)
+                    count += sum(1 for n in names if n >= first)
+        return count
+
+    def chain_from(self, lsn: Lsn) -> list[LsnRange]:
+        """The current chain's stored ranges from the one ``lsn`` falls in (the last starting
+        at or before it) on, in LSN order; from the chain's start when ``lsn`` lies before its
+        first range. What a decision past ``lsn`` (the target's origin) needs: the ranges it
+        may still have to apply, and where the chain ends, without the applied ones before."""
         start = self.chain_start()
-        return [r for r in self.ranges() if r.start >= start]
+        if lsn > start:
+            holding = next(self.walk(lsn, reverse=True), None)
+            if holding is not None and holding.start > start:
+                start = holding.start
+        return list(self.walk(start))
 
 
 class RangeWriter:
@@ -614,13 +712,23 @@ class RangeWriter:
         self.store = store
         self.range = rng
         self.row_group_rows = row_group_rows
-        store.changes_dir.mkdir(parents=True, exist_ok=True)
-        # Left by a crash: any range from this start (a receive cut in several ends where it
-        # chose, see receive.receive_in_cuts). One receiver at a time holds the range lock.
-        for stale in store.changes_dir.glob(f".tmp-{rng.start.hex16}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        self.tmp = store.changes_dir / f".tmp-{rng.key}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir()
+        # Written in a folder of its own start's, in the range's bucket: the rename into place
+        # stays in one folder, and what a crash left of a write from this start (a receive
+        # cut in several ends where it chose, see receive.receive_in_cuts) is that one folder,
+        # swept without listing anything. One receiver at a time holds the range lock.
+        self.tmp = Path()
+        for attempt in range(3):
+            try:
+                bucket = store.make_bucket(rng.start)
+                self._scratch = bucket / f".tmp-{rng.start.hex16}"
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch.mkdir()
+                self.tmp = self._scratch / uuid.uuid4().hex[:8]
+                self.tmp.mkdir()
+                break
+            except FileNotFoundError:  # a prune removed the bucket, empty, meanwhile
+                if attempt == 2:
+                    raise
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
         self._spill_seq = 0
@@ -703,13 +811,14 @@ class RangeWriter:
         for f in self.tmp.iterdir():
             _fsync_path(f)
         _fsync_path(self.tmp)
-        final = self.store.range_path(self.range)
-        if final.exists():
-            raise StoreError(f"range {self.range.key} is already stored at {final}")
+        if self.store.holds(self.range):
+            where = self.store.range_path(self.range)
+            raise StoreError(f"range {self.range.key} is already stored at {where}")
+        final = self._scratch.parent / self.range.key
         os.rename(self.tmp, final)
-        _fsync_path(self.store.changes_dir)
+        _fsync_path(final.parent)
+        self._scratch.rmdir()
         stored = self.store._keep(StoredRange(self.range, final, manifest))
-        self.store._listing = None
         self.store._seen.stored(self.range)
         return stored
 
@@ -717,7 +826,7 @@ class RangeWriter:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def __enter__(self) -> RangeWriter:
         return self
@@ -750,6 +859,44 @@ def remove_folder(path: str) -> int:
     except FileNotFoundError:
         pass  # another prune got there first
     return removed
+
+
+RANGE_KEY_LENGTH = 33
+"""``<16 hex digits>-<16 hex digits>``: the name of a range's folder."""
+
+
+def bucket_names(start: Lsn) -> tuple[str, str]:
+    """The two folders a range starting at ``start`` is stored under: its 4 GiB of WAL (the
+    ``X`` of ``X/Y``) and its 16 MiB within those, in fixed-width upper-case hex, so names sort
+    as the LSNs do."""
+    value = int(start)
+    return f"{value >> 32:08X}", f"{(value >> 24) & 0xFF:02X}"
+
+
+def _listed(folder: Path, reverse: bool) -> list[str]:
+    """The visible subfolders of ``folder``, sorted (none when it is gone: a bucket a prune
+    emptied and removed)."""
+    try:
+        with os.scandir(folder) as entries:
+            names = [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
+    except FileNotFoundError:
+        return []
+    return sorted(names, reverse=reverse)
+
+
+def _order(rng: LsnRange) -> tuple[int, int]:
+    return int(rng.start), int(rng.end)
+
+
+def _ending_at(walked: Iterator[LsnRange], end: Lsn) -> LsnRange | None:
+    """The first range of a walk back that ends at ``end``; ``None`` once one ends before it
+    (ranges ending after it, of another chain, are passed)."""
+    for rng in walked:
+        if rng.end == end:
+            return rng
+        if rng.end < end:
+            return None
+    return None
 
 
 def _fsync_path(path: Path) -> None:

@@ -81,7 +81,7 @@ def test_the_range_before_a_range_is_found_by_its_end_without_listing_the_store(
     store_ranges(OutputStore(tmp_path / "store"), chain, "0/1000")
     settings = ReplicationSettings(store=str(tmp_path / "store"))
     last = LsnRange("0/3000", "0/4000")
-    listings = CallCount(monkeypatch, OutputStore, "ranges")  # a full listing of a store
+    listings = CallCount(monkeypatch, OutputStore, "walk")  # a walk of the store
 
     store = OutputStore(tmp_path / "store")  # another instance, as the applier's is
     previous = store.range_ending_at(Lsn("0/3000"))
@@ -130,7 +130,7 @@ def test_a_long_lived_store_keeps_a_bounded_number_of_ranges_in_memory(tmp_path,
         ends[0],
     )
     assert len(store._manifests) == 3 and len(store._seen.by_end) == 3
-    listings = CallCount(monkeypatch, OutputStore, "ranges")
+    listings = CallCount(monkeypatch, OutputStore, "walk")
     assert store.range_ending_at(Lsn(ends[-1])).range == LsnRange(ends[-2], ends[-1])
     assert listings.count == 0
     oldest = store.range_ending_at(Lsn(ends[1]))  # forgotten: one listing finds it
@@ -153,7 +153,7 @@ def test_an_idle_sources_empty_ranges_are_walked_back_in_one_step(tmp_path, monk
 
     def check(root, *, listed: int) -> None:
         settings = ReplicationSettings(store=str(root))
-        listings = CallCount(monkeypatch, OutputStore, "ranges")
+        listings = CallCount(monkeypatch, OutputStore, "walk")
         reads = CallCount(monkeypatch, OutputStore, "get")
         store = OutputStore(root)
         check_no_gap(store, store.get(last), Lsn("0/2F00"))

@@ -28,7 +28,7 @@ from pgcdc_dagster.engine.retention import (
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import MANIFEST, OutputStore
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
-from pgcdc_dagster_tests.stores import assert_chain_records, store_ranges
+from pgcdc_dagster_tests.stores import assert_chain_records, on_disk, store_ranges
 
 CAP = 0x1000
 HOUR = 3600.0
@@ -65,7 +65,7 @@ def test_a_prune_removes_applied_ranges_keeping_the_last_applied_and_every_unapp
     assert result.kept == LsnRange("0/3800", "0/4000")  # the last applied: walks end there
     assert result.pruned_through == Lsn("0/3800")
     assert [r.key for r in store.chain_ranges()] == keys(RANGES[3:])
-    assert sorted(p.name for p in store.changes_dir.iterdir()) == keys(RANGES[3:])
+    assert on_disk(store) == keys(RANGES[3:])
     chain = store.chain()
     assert chain is not None and chain.pruned_last_commit == Lsn("0/2E00")
     # Every decision still stands on the durable facts alone.
@@ -123,7 +123,7 @@ def test_prunes_are_spaced_across_processes_and_never_without_a_retention(tmp_pa
     first = prune_if_due(store, ORIGIN, HOUR)  # in a thread of its own
     assert first is not None
     first.join()
-    assert sorted(p.name for p in store.changes_dir.iterdir()) == keys(RANGES[3:])
+    assert on_disk(store) == keys(RANGES[3:])
     assert prune_if_due(OutputStore(store.root), ORIGIN, HOUR) is None  # within the interval
     later = time.time() + prune_interval(HOUR)
     again = prune_if_due(OutputStore(store.root), ORIGIN, HOUR, now=later)
@@ -189,7 +189,7 @@ def test_a_prune_killed_after_its_record_leaves_ranges_the_chain_skips_and_the_n
     with fresh.chain_lock():  # the dead prune's lock went with it (a holder would block this)
         pass
     assert prune(fresh, ORIGIN, HOUR).removed == []
-    assert sorted(p.name for p in fresh.changes_dir.iterdir()) == keys(RANGES[3:])
+    assert on_disk(fresh) == keys(RANGES[3:])
 
 
 def test_a_snapshot_beginning_waits_for_a_prune_holding_the_chain(tmp_path):

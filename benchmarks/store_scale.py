@@ -1,0 +1,107 @@
+"""What the output store's size costs the paths a follow and a command take (engine only).
+
+A follow stores a range every few hundred milliseconds and the retention keeps a week of them:
+millions of folders. This writes a chain of ``--ranges`` ranges by hand (``--step`` bytes of WAL
+each, one transaction each, as :mod:`retention`'s benchmark does, in the layout of the code
+under test), then times, each from a fresh :class:`OutputStore` (nothing cached), median of
+``--repeat``:
+
+* ``write_next_s``: storing the next range (a writer, one manifest, the fsyncs, the rename):
+  what a follow pays per range;
+* ``decide_s``: what comes next (:func:`decide`, the target's origin at the last commit): what
+  every command and every follow session (after an outage of its servers) pays first;
+* ``last_stored_s``: the chain's last range (:meth:`last_stored`, the slot's confirmation at
+  each command's start);
+* ``prune_idle_s``: a prune that finds nothing old enough (every 10 minutes, in a follow);
+* ``count_s``: how many ranges the chain holds (``pgcdc status``).
+
+Run it against other code (for example the commit before a change) by running the copy of this
+file in that checkout. Usage: ``.venv/bin/python benchmarks/store_scale.py [--ranges 300000]
+[--step 16384] [--repeat 5] [--json F]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import retention as retention_bench  # noqa: E402
+
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
+from pgcdc_dagster.engine.next_step import decide  # noqa: E402
+from pgcdc_dagster.engine.retention import prune  # noqa: E402
+from pgcdc_dagster.engine.store import OutputStore  # noqa: E402
+from pgcdc_dagster_tests.stores import range_manifest  # noqa: E402
+
+
+def timed(repeat: int, call: Callable[[], Any]) -> float:
+    runs = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        call()
+        runs.append(time.perf_counter() - began)
+    return round(statistics.median(runs), 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranges", type=int, default=300_000)
+    parser.add_argument("--step", type=lambda v: int(v, 0), default=0x4000)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    retention_bench.STEP = args.step
+    work = Path(tempfile.mkdtemp(prefix="pgcdc-store-scale-"))
+    try:
+        root = work / "store"
+        began = time.perf_counter()
+        last = retention_bench.write_store(root, args.ranges, 3600)
+        report: dict[str, Any] = {
+            "ranges": args.ranges,
+            "step": args.step,
+            "write_store_s": round(time.perf_counter() - began, 1),
+        }
+        end = OutputStore(root).chain_end()
+
+        def write_next() -> None:
+            nonlocal end, last
+            nxt = Lsn(int(end) + args.step)
+            last = Lsn(int(nxt) - 0x100)
+            with OutputStore(root).writer(LsnRange(end, nxt)) as writer:
+                writer.commit(range_manifest(str(end), str(nxt), str(last)))
+            end = nxt
+
+        report["write_next_s"] = timed(args.repeat, write_next)
+        beyond = Lsn(int(end) + 0x100_0000)
+        report["decide_s"] = timed(
+            args.repeat, lambda: decide(OutputStore(root), last, None, beyond, 0x100_0000)
+        )
+        report["last_stored_s"] = timed(args.repeat, lambda: OutputStore(root).last_stored())
+        report["prune_idle_s"] = timed(
+            args.repeat, lambda: prune(OutputStore(root), last, 10 * 86400.0)
+        )
+        store = OutputStore(root)
+        counted = getattr(store, "chain_count", lambda: len(store.chain_ranges()))
+        report["count_s"] = timed(args.repeat, counted)
+        report["counted"] = counted()
+        print(json.dumps(report, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
