@@ -10,7 +10,8 @@ connection``, a line that names neither the server nor the fix.
 What must hold:
 
 - A follow run goes on receiving and applying while the storage is away: its follower does not
-  wait for the run's events (the ranges it finishes queue up for :class:`StorageRide`), and
+  wait for the run's events (the ranges it finishes wait for :class:`StorageRide` in a
+  backlog whose memory is bounded, past which they wait on disk: ``engine/backlog.py``), and
   the run's progress log lines are written from a thread of their own
   (:mod:`.progress_log`), so a slow or absent storage never holds the follower.
 - Each write is tried again, with growing pauses, until the storage answers; a range's events

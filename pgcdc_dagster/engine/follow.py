@@ -70,6 +70,7 @@ import psycopg
 
 from . import head_start as head_starts
 from . import progress
+from .backlog import Backlog
 from .busy_time import BusyTime
 from .connect import ServerGoneError, connect, server_errors, unavailable
 from .errors import PgcdcError
@@ -235,12 +236,23 @@ class Following(Protocol):
     def close(self, reason: str) -> None: ...
 
 
-END = object()
+class _End:
+    """The type of :data:`END`: one object, pickled by name, so it stays itself through a
+    backlog's file (:mod:`.backlog`) and a forked follower's pipe."""
+
+    def __reduce__(self) -> str:
+        return "END"
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _End()
 """Ends a queue of done ranges (:func:`done_ranges`)."""
 
 
 def done_ranges(
-    done: queue.Queue[Any],
+    done: Backlog,
     interrupts: tuple[type[BaseException], ...],
     stop: Callable[[str], None],
 ) -> Iterator[Followed]:
@@ -351,7 +363,7 @@ class Follower:
         self._stop_requested = False
         self._stop_reason = ""
         self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
-        self._done: queue.Queue[Any] = queue.Queue()
+        self._done = Backlog()
         self._errors: list[BaseException] = []
         self._session_errors: list[BaseException] = []
         self._reached_servers = False
@@ -387,8 +399,10 @@ class Follower:
     def start(self) -> Follower:
         """Start working in the background (idempotent): ranges an earlier run stored are
         applied first, then receive and apply run on their own threads. :meth:`run` takes the
-        ranges as they are done; they wait for it in an unbounded queue, so a follower started
-        before its consumer exists (the CLI's head start, see :func:`head_start`) loses none."""
+        ranges as they are done; they wait for it in a :class:`~.backlog.Backlog` (on disk past
+        the first thousand), so a follower started before its consumer exists (the CLI's head
+        start, see :func:`head_start`) loses none, and one whose run cannot record (Dagster's
+        storage away) is not held back, in bounded memory."""
         with _active_lock:
             if self._lead is not None:
                 return self
@@ -407,6 +421,7 @@ class Follower:
             yield from done_ranges(self._done, self.interrupts, self.stop)
         finally:
             self.close(self._stop_reason or "closed")
+            self._done.close()
         if self._errors:
             raise self._errors[0]
 

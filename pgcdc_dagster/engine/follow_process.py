@@ -37,7 +37,6 @@ import contextlib
 import ctypes
 import os
 import pickle
-import queue
 import signal
 import struct
 import sys
@@ -47,6 +46,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import progress
+from .backlog import Backlog
 from .errors import PgcdcError
 from .follow import END, Followed, Follower, FollowSummary, done_ranges, track, untrack
 from .lsn import Lsn
@@ -73,7 +73,7 @@ class ProcessFollower:
         self.stopping = False
         self.pid = 0
         self._stop_fd = -1
-        self._done: queue.Queue[Any] = queue.Queue()
+        self._done = Backlog()
         self._errors: list[BaseException] = []
         self._reader: threading.Thread | None = None
 
@@ -122,6 +122,7 @@ class ProcessFollower:
             yield from done_ranges(self._done, self.interrupts, self.stop)
         finally:
             self.close(self.summary.stopped_by or "closed")
+            self._done.close()
         if self._errors:
             raise self._errors[0]
 

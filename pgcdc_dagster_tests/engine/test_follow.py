@@ -17,7 +17,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine import failpoints, follow, pipeline, verify
+from pgcdc_dagster.engine import backlog, failpoints, follow, pipeline, verify
 from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
@@ -314,6 +314,35 @@ def test_a_backlog_of_many_ranges_is_read_by_bounded_peeks_exactly_once(settings
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
     assert equal(settings)
     assert_chain_records(pipeline.store_of(settings), pipeline.origin_progress(settings))
+
+
+def test_ranges_waiting_for_their_run_past_the_backlogs_memory_wait_on_disk_in_order(
+    settings, monkeypatch
+):
+    """A follow's run that cannot record (Dagster's storage away) does not hold its follower
+    back: the ranges it applies meanwhile wait, past the first BACKLOG_KEPT in memory, in the
+    backlog's file, and reach the run in order, each once; the file goes with the follower."""
+    monkeypatch.setattr(backlog, "BACKLOG_KEPT", 2)
+    settings = settings.model_copy(update={"follow_range_bytes": 64 * 1024})
+    _, endpos = write_backlog(settings)
+    follower = Follower(settings, endpos)
+    with pipeline.range_lock(settings):
+        follower.start()  # nobody takes its ranges yet: a run held up by its storage
+        deadline = time.monotonic() + 60
+        while pipeline.origin_progress(settings) != endpos:
+            assert time.monotonic() < deadline, "the follower waited for its run"
+            time.sleep(0.1)
+        waiting = follower._done
+        assert waiting.in_memory == 2 and waiting.qsize() > 3 and waiting.spilled > 0
+        ranges = list(follower.run())
+    bounds = [(r.done.received.start_lsn, r.done.received.endpos) for r in ranges]
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    assert Lsn.parse(bounds[-1][1]) == endpos and follower.summary.stopped_by == "endpos"
+    assert len(ranges) == follower.summary.ranges > 3
+    assert sum(r.done.received.transactions for r in ranges) == 2000
+    assert waiting._file is None
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
 
 
 _KILLED_FOLLOWER = """
