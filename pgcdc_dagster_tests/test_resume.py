@@ -723,6 +723,34 @@ def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converg
     site.assert_converged()
 
 
+def test_a_store_in_the_one_folder_layout_is_continued_by_the_next_catchup(site: Site):
+    """A store written before ranges lay in buckets (every range directly under
+    ``changes/``, as the code before stored them): the next plain catch-up reads it, goes on
+    from the target's origin, stores its new ranges in buckets, and converges; ``pgcdc
+    status`` counts both."""
+    store = OutputStore(site.env["PGCDC_STORE"])
+    with site.writer(seed=86):
+        time.sleep(2.0)
+    assert site.pgcdc("catchup", "--endpos", "current").returncode == 0
+    before = store.ranges()
+    for rng in before:  # the layout before buckets
+        os.rename(store.range_path(rng), store.changes_dir / rng.key)
+    for bucket in [p for p in store.changes_dir.iterdir() if len(p.name) == 8]:
+        shutil.rmtree(bucket)
+    assert all(store.range_path(r).parent == store.changes_dir for r in before)
+    with site.writer(seed=87):
+        time.sleep(3.0)
+    done = site.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    after = OutputStore(store.root).ranges()
+    assert after[: len(before)] == before and len(after) > len(before)
+    assert all(store.range_path(r).parent == store.bucket_of(r.start) for r in after[len(before) :])
+    status = site.pgcdc("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["ranges_stored"] == len(OutputStore(store.root).chain_ranges())
+    site.assert_converged()
+
+
 def _started(cluster: LocalCluster) -> None:
     """Start ``cluster`` unless it runs (a test's way out, whether or not it got there)."""
     if not (cluster.datadir / "postmaster.pid").exists():
