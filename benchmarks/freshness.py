@@ -400,6 +400,10 @@ def main() -> None:
         if follow.returncode != 0:
             raise RuntimeError(f"pgcdc follow exited {follow.returncode}: {ferr[-2000:]}")
         totals = json.loads(out).get("follow", {})
+        ours["stderr"] = {  # what the user's terminal got: one line when the storage went away
+            "lines": len(ferr.splitlines()),  # and one when it came back, ours a try apart
+            "dagster_log_write_errors": ferr.count("Exception while writing logger call"),
+        }
         follow = None
         done = subprocess.run([PGCDC, "catchup"], env=env, capture_output=True, text=True, cwd=base)
         if done.returncode != 0:
