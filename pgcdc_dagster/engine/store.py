@@ -405,16 +405,29 @@ class OutputStore:
         walk that stops after a few ranges costs a few small listings, whatever the store
         holds. A folder appears only by the atomic rename of a complete range, so what a
         listing shows is stored."""
+        for name in self._names(None if start is None else start.hex16, reverse):
+            yield LsnRange.from_key(name)
+
+    def _names(self, bound: str | None, reverse: bool) -> Iterator[str]:
+        """The names of the stored ranges' folders in order (fixed-width hex: they sort as
+        their LSNs do), from the first whose start (16 hex digits) is at or past ``bound``, or
+        at or before it with ``reverse``: the ranges directly under ``changes/`` (the layout
+        before buckets) merged with those of the buckets, listed as they are reached."""
+
+        def reached(name: str, first: str) -> bool:
+            return name <= first if reverse else name >= first
+
         top = _listed(self.changes_dir, reverse)
-        flat = (LsnRange.from_key(n) for n in top if len(n) == RANGE_KEY_LENGTH)
-        tree = self._walk_buckets([n for n in top if len(n) == 8], start, reverse)
-        if start is not None:
-            flat = (r for r in flat if (r.start <= start if reverse else r.start >= start))
-        yield from heapq.merge(flat, tree, key=_order, reverse=reverse)
+        flat = [n for n in top if len(n) == RANGE_KEY_LENGTH]
+        first_hi, first_mid = (bound[:8], bound[8:10]) if bound else ("", "")  # bucket_names
+        tree = self._bucket_names([n for n in top if len(n) == 8], first_hi, first_mid, reverse)
+        for name in heapq.merge(flat, tree, reverse=reverse):
+            if bound is None or reached(name[:16], bound):
+                yield name
 
-    def _walk_buckets(self, his: list[str], start: Lsn | None, reverse: bool) -> Iterator[LsnRange]:
-        first_hi, first_mid = bucket_names(start) if start is not None else ("", "")
-
+    def _bucket_names(
+        self, his: list[str], first_hi: str, first_mid: str, reverse: bool
+    ) -> Iterator[str]:
         def before(name: str, first: str) -> bool:  # not yet reached by the walk
             return bool(first) and (name > first if reverse else name < first)
 
@@ -424,10 +437,7 @@ class OutputStore:
             for mid in _listed(self.changes_dir / hi, reverse):
                 if hi == first_hi and before(mid, first_mid):
                     continue
-                for key in _listed(self.changes_dir / hi / mid, reverse):
-                    rng = LsnRange.from_key(key)
-                    if start is None or (rng.start <= start if reverse else rng.start >= start):
-                        yield rng
+                yield from _listed(self.changes_dir / hi / mid, reverse)
 
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
         """The stored range that ends at ``end`` (the one that starts last, if several do)."""
@@ -681,16 +691,7 @@ class OutputStore:
     def chain_count(self) -> int:
         """How many ranges the current chain stores past its pruned start: folder names
         counted, not parsed (a person's figure; a week of a follow's is millions)."""
-        first = self.chain_start().hex16
-        first_hi, first_mid = bucket_names(self.chain_start())
-        top = _listed(self.changes_dir, False)
-        count = sum(1 for n in top if len(n) == RANGE_KEY_LENGTH and n >= first)
-        for hi in (n for n in top if len(n) == 8 and n >= first_hi):
-            for mid in _listed(self.changes_dir / hi, False):
-                if hi != first_hi or mid >= first_mid:
-                    names = _listed(self.changes_dir / hi / mid, False)
-                    count += sum(1 for n in names if n >= first)
-        return count
+        return sum(1 for _ in self._names(self.chain_start().hex16, reverse=False))
 
     def chain_from(self, lsn: Lsn) -> list[LsnRange]:
         """The current chain's stored ranges from the one ``lsn`` falls in (the last starting
@@ -882,10 +883,6 @@ def _listed(folder: Path, reverse: bool) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(names, reverse=reverse)
-
-
-def _order(rng: LsnRange) -> tuple[int, int]:
-    return int(rng.start), int(rng.end)
 
 
 def _ending_at(walked: Iterator[LsnRange], end: Lsn) -> LsnRange | None:
