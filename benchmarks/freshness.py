@@ -275,13 +275,10 @@ def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str,
     holds, for the paths that look at them."""
     if not count:
         return {}
-    from pgcdc_dagster.engine.store import (
-        MANIFEST,
-        EndposOutcome,
-        OutputStore,
-        RangeManifest,
-        RangeResult,
-    )
+    from pgcdc_dagster.engine.store import MANIFEST, OutputStore
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' store helpers
+    from pgcdc_dagster_tests.stores import range_manifest
 
     store = OutputStore(settings.store)
     point = store.consistent_point()
@@ -291,19 +288,7 @@ def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str,
         start, end = Lsn(0x100 + i * step), Lsn(0x100 + (i + 1) * step)
         folder = store.range_path(LsnRange(start, end))
         folder.mkdir(parents=True)
-        result = RangeResult(
-            range_key=LsnRange(start, end).key,
-            start_lsn=str(start),
-            endpos=str(end),
-            endpos_outcome=EndposOutcome.AT_COMMIT_BOUNDARY,
-            transform_lsn=str(Lsn(int(end) - 1)),
-            safe_point=str(end),
-            last_xid=None,
-            last_commit_ts_us=None,
-            transactions=1,
-            changes=1,
-        )
-        manifest = RangeManifest(result=result, relations=[], types={})
+        manifest = range_manifest(str(start), str(end), str(Lsn(int(end) - 1)))
         (folder / MANIFEST).write_text(manifest.to_json())
     return {"count": count, "step": step, "write_s": round(time.monotonic() - began, 1)}
 

@@ -49,6 +49,8 @@ POINTS: dict[str, str] = {
     "snapshot.after_post_data": "indexes and keys built; the origin not set",
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
+    "store.renamed": "a range renamed into its bucket and synced; its writer's emptied scratch "
+    "folder not yet removed, the slot not yet advanced",
     "prune.recorded": "a prune recorded where the chain now begins; no range removed yet",
     "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
     "partitions.forgetting": "a batch of partitions and their history deleted from Dagster's "

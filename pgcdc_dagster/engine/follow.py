@@ -368,7 +368,7 @@ class Follower:
         self._session_errors: list[BaseException] = []
         self._reached_servers = False
         self._outages = OutageClock(settings.follow_retry)
-        """The source's and target's outages; :attr:`summary` reports them."""
+        """The source's and target's outages; :attr:`summary` reports them once closed."""
         self._relocked = contextlib.ExitStack()
         """A range lock taken again after an outage, held until the follower ends."""
         self._reached_endpos = False
@@ -436,8 +436,8 @@ class Follower:
                     continue  # already stopping: finish the boundary
         self._relocked.close()
         untrack(self)
-        if self._outages.ended() is not None:  # stopped while it waited: that counts too
-            self.summary.outage_s = self._outages.total_s
+        self._outages.ended()  # stopped while it waited: that outage counts too
+        self.summary.outages, self.summary.outage_s = self._outages.count, self._outages.total_s
         if not self.summary.stopped_by:
             self.summary.stopped_by = "endpos" if self._reached_endpos else self._stop_reason
             self.summary.close(self._started)
@@ -506,7 +506,6 @@ class Follower:
         ):
             return False
         away, pause = self._outages.failed()
-        self.summary.outages = self._outages.count
         if self._outages.spent(away):
             raise type(exc)(
                 f"{exc} (a follow retried for {away:.0f} s: PGCDC_FOLLOW_RETRY)"
@@ -523,7 +522,6 @@ class Follower:
         self._reached_servers = True
         away = self._outages.ended()
         if away is not None:
-            self.summary.outage_s = self._outages.total_s
             self._report(None, note=f"the servers are back after {away:.1f} s")
 
     def _hold_lock_again(self) -> None:

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import PgcdcError
+from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
 
 MANIFEST = "_RANGE.json"
@@ -405,24 +406,21 @@ class OutputStore:
         walk that stops after a few ranges costs a few small listings, whatever the store
         holds. A folder appears only by the atomic rename of a complete range, so what a
         listing shows is stored."""
-        for name in self._names(None if start is None else start.hex16, reverse):
+        for name in self._names(start, reverse):
             yield LsnRange.from_key(name)
 
-    def _names(self, bound: str | None, reverse: bool) -> Iterator[str]:
+    def _names(self, start: Lsn | None, reverse: bool) -> Iterator[str]:
         """The names of the stored ranges' folders in order (fixed-width hex: they sort as
-        their LSNs do), from the first whose start (16 hex digits) is at or past ``bound``, or
-        at or before it with ``reverse``: the ranges directly under ``changes/`` (the layout
-        before buckets) merged with those of the buckets, listed as they are reached."""
-
-        def reached(name: str, first: str) -> bool:
-            return name <= first if reverse else name >= first
-
+        their LSNs do), from the first starting at or after ``start``, or at or before it with
+        ``reverse``: the ranges directly under ``changes/`` (the layout before buckets) merged
+        with those of the buckets, listed as they are reached."""
+        bound = None if start is None else start.hex16
+        first_hi, first_mid = ("", "") if start is None else bucket_names(start)
         top = _listed(self.changes_dir, reverse)
         flat = [n for n in top if len(n) == RANGE_KEY_LENGTH]
-        first_hi, first_mid = (bound[:8], bound[8:10]) if bound else ("", "")  # bucket_names
         tree = self._bucket_names([n for n in top if len(n) == 8], first_hi, first_mid, reverse)
         for name in heapq.merge(flat, tree, reverse=reverse):
-            if bound is None or reached(name[:16], bound):
+            if bound is None or (name[:16] <= bound if reverse else name[:16] >= bound):
                 yield name
 
     def _bucket_names(
@@ -691,7 +689,7 @@ class OutputStore:
     def chain_count(self) -> int:
         """How many ranges the current chain stores past its pruned start: folder names
         counted, not parsed (a person's figure; a week of a follow's is millions)."""
-        return sum(1 for _ in self._names(self.chain_start().hex16, reverse=False))
+        return sum(1 for _ in self._names(self.chain_start(), reverse=False))
 
     def chain_from(self, lsn: Lsn) -> list[LsnRange]:
         """The current chain's stored ranges from the one ``lsn`` falls in (the last starting
@@ -818,6 +816,7 @@ class RangeWriter:
         final = self._scratch.parent / self.range.key
         os.rename(self.tmp, final)
         _fsync_path(final.parent)
+        failpoint("store.renamed")
         self._scratch.rmdir()
         stored = self.store._keep(StoredRange(self.range, final, manifest))
         self.store._seen.stored(self.range)
@@ -870,8 +869,8 @@ def bucket_names(start: Lsn) -> tuple[str, str]:
     """The two folders a range starting at ``start`` is stored under: its 4 GiB of WAL (the
     ``X`` of ``X/Y``) and its 16 MiB within those, in fixed-width upper-case hex, so names sort
     as the LSNs do."""
-    value = int(start)
-    return f"{value >> 32:08X}", f"{(value >> 24) & 0xFF:02X}"
+    digits = start.hex16
+    return digits[:8], digits[8:10]
 
 
 def _listed(folder: Path, reverse: bool) -> list[str]:

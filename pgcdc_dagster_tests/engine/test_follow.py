@@ -395,6 +395,34 @@ def test_a_kill_between_the_cuts_of_one_peek_then_a_follow_converges_exactly_onc
     assert_chain_records(store, pipeline.origin_progress(settings))
 
 
+def test_a_kill_between_a_ranges_rename_and_its_scratch_folders_removal_then_a_follow_converges(
+    settings, monkeypatch
+):
+    """SIGKILL of a real follower process once a range is renamed into its bucket and synced,
+    before its writer's emptied scratch folder goes and before the slot moves: the range is
+    stored whole (it counts, and is not received again), the empty scratch folder stays
+    (no writer of that start comes again; it is hidden and holds nothing), and a new follow
+    finishes exactly once."""
+    settings, endpos = backlog_of_one_and_a_half_ranges(settings, monkeypatch)
+    kill_follower(settings, endpos, "store.renamed=kill@3")
+    store = pipeline.store_of(settings)
+    stored = store.chain_ranges()
+    assert len(stored) == 3 and stored[-1].end < endpos
+    third = store.get(stored[2])
+    assert third is not None and third.manifest.result.range_key == stored[2].key
+    left = [n for n in on_disk(store) if n.startswith(".tmp-")]
+    assert left == [f".tmp-{stored[2].start.hex16}"]
+    assert not any(store.bucket_of(stored[2].start).joinpath(left[0]).iterdir())
+    follower, ranges = follow_to(settings, endpos)
+    assert follower.summary.stopped_by == "endpos"
+    received = [r.done.received.range_key for r in ranges if r.lag_bytes is not None]
+    assert received and stored[2].key not in received  # found stored, not received again
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") == 2000
+    assert equal(settings)
+    assert [n for n in on_disk(store) if n.startswith(".tmp-")] == left
+    assert_chain_records(store, pipeline.origin_progress(settings))
+
+
 def kill_follower(
     settings: ReplicationSettings, endpos: Lsn, point: str, peek_max_ranges: int = 4
 ) -> None:
