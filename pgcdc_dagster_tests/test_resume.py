@@ -43,7 +43,13 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
-from pgcdc_dagster.engine.range_lock import RangeLock, lock_holders, range_lock
+from pgcdc_dagster.engine.range_lock import (
+    APPLICATION_PREFIX,
+    RangeLock,
+    lock_holders,
+    lock_key,
+    range_lock,
+)
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.procs import descendants, gone
@@ -884,15 +890,7 @@ def test_a_follower_whose_range_lock_another_catchup_took_ends_naming_it(site: S
     with run_follower(settings, "run lock-test") as running:
         with site.writer(seed=74):
             _wait_for(lambda: len(running.followed) >= 2, "two ranges followed", 60)
-        with psycopg.connect(settings.target_dsn, autocommit=True) as conn:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND application_name LIKE 'pgcdc%'"
-            )
-        with (
-            range_lock(settings.target_dsn, settings.slot, "run intruder", own=True),
-            site.writer(seed=75),
-        ):
+        with _lock_taken_from_the_follower(settings, "run intruder"), site.writer(seed=75):
             running.consumer.join(60)
     errors = running.errors
     assert len(errors) == 1 and isinstance(errors[0], RangeTakenError), errors
@@ -900,6 +898,49 @@ def test_a_follower_whose_range_lock_another_catchup_took_ends_naming_it(site: S
     done = site.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
     site.assert_converged()
+
+
+@contextlib.contextmanager
+def _lock_taken_from_the_follower(settings: ReplicationSettings, holder: str) -> Iterator[None]:
+    """Hold the range lock of ``settings.slot`` as ``holder`` (named as a catch-up names it),
+    taken from the follower that holds it: this session waits for the lock first, then the
+    target ends every other pgcdc session, the lock's among them. PostgreSQL grants a released
+    lock to the session waiting for it, so this one has it before the follower can try again
+    (``pg_terminate_backend`` only signals: a try right after it raced the lock's release, and
+    failed on CI naming "a session that just ended")."""
+    with (
+        psycopg.connect(
+            settings.target_dsn, autocommit=True, application_name=APPLICATION_PREFIX + holder
+        ) as intruder,
+        psycopg.connect(settings.target_dsn, autocommit=True) as admin,
+    ):
+        me = intruder.info.backend_pid
+        waiting = threading.Thread(
+            target=intruder.execute,
+            args=("SELECT pg_advisory_lock(%s)", (lock_key(settings.slot),)),
+        )
+        waiting.start()
+        _wait_for(
+            lambda: (
+                admin.execute(
+                    "SELECT count(*) FROM pg_locks WHERE pid = %s AND NOT granted", (me,)
+                ).fetchone()
+                == (1,)
+            ),
+            "the intruder waiting for the range lock",
+            10,
+        )
+        admin.execute(
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE 'pgcdc%%' "
+            "AND pid <> %s",
+            (me,),
+        )
+        waiting.join(10)
+        assert not waiting.is_alive(), "the intruder did not get the range lock"
+        (taken,) = lock_holders(settings.target_dsn, settings.slot)
+        assert taken.backend_pid == me, taken
+        yield
 
 
 def _follower_pid(command: subprocess.Popen[str]) -> int:
