@@ -19,6 +19,7 @@ two writers of one range by the store's atomic rename.
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,7 +88,8 @@ def range_lock(
     target_dsn: str, slot: str, holder: str, *, lend: bool = False, own: bool = False
 ) -> Iterator[RangeLock]:
     """Hold the range lock of ``slot`` as ``holder``, or raise :class:`RangeBusyError` naming
-    who holds it. Never waits: a run that cannot run now fails at once and says why.
+    who holds it. Never waits on a live holder: a run that cannot run now fails at once and
+    says why (it waits only for a holder that is ending, see :func:`_try_lock`).
 
     ``lend``: a run started by this process while the lock is held takes it over
     (:func:`lent_lock`) instead of failing on it: the CLI's head start (see :mod:`.head_start`)
@@ -107,9 +109,8 @@ def range_lock(
         options=_KEEPALIVES,
     )
     try:
-        (taken,) = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()  # type: ignore[misc]
-        if not taken:
-            others = _holders(conn, key)
+        others = _try_lock(conn, key)
+        if others is not None:
             who = ", ".join(h.holder for h in others) or "a session that just ended"
             raise RangeBusyError(
                 f"another catch-up of slot {slot} is running ({who}): wait for it to finish "
@@ -126,6 +127,28 @@ def range_lock(
                 _lent.pop((target_dsn, slot), None)
         # Closing the session releases the lock; no unlock round trip needed.
         conn.close()
+
+
+_ENDING_HOLDER_WAIT = 1.0
+"""Seconds to try again while the lock is held by no session in ``pg_stat_activity``: a
+holder whose session is ending (terminated, or its client gone) still holds it for a moment."""
+
+
+def _try_lock(conn: psycopg.Connection[Any], key: int) -> list[LockHolder] | None:
+    """Take the lock on ``conn``: ``None`` once taken, else who holds it. A holder that is
+    ending (``pg_terminate_backend`` only signals it) is waited for, up to
+    :data:`_ENDING_HOLDER_WAIT`, instead of being reported as "a session that just ended": a
+    follower whose lock session was ended would otherwise take its own dying session for
+    another catch-up and stop."""
+    deadline = time.monotonic() + _ENDING_HOLDER_WAIT
+    while True:
+        (taken,) = conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()  # type: ignore[misc]
+        if taken:
+            return None
+        others = _holders(conn, key)
+        if others or time.monotonic() >= deadline:
+            return others
+        time.sleep(0.05)
 
 
 def lent_lock(target_dsn: str, slot: str) -> RangeLock | None:
