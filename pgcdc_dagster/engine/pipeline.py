@@ -301,10 +301,13 @@ def next_step(settings: ReplicationSettings, endpos: Lsn, *, timeout_s: int = 10
 def confirm_stored(settings: ReplicationSettings) -> Lsn | None:
     """Advance the slot to the last stored range's safe point if it is behind it (a process
     killed between storing a range and advancing the slot, or a source that crashed and came
-    back with an older slot position). Idempotent; never moves the slot backwards."""
-    last = store_of(settings).last_stored()
+    back with an older slot position). Idempotent; never moves the slot backwards. A writer
+    killed in that window may also have left its emptied scratch folder: removed here too."""
+    store = store_of(settings)
+    last = store.last_stored()
     if last is None:
         return None
+    store.drop_scratch(last.range.start)
     with connect(settings.source_dsn, role="source") as conn:
         confirmed = advance_slot(conn, settings.slot, last.safe_point)
         conn.commit()

@@ -358,6 +358,19 @@ class OutputStore:
         hi, mid = bucket_names(start)
         return self.changes_dir / hi / mid
 
+    def scratch_of(self, start: Lsn) -> Path:
+        """The folder a writer of a range starting at ``start`` writes in, inside its bucket
+        (see :class:`RangeWriter`)."""
+        return self.bucket_of(start) / f".tmp-{start.hex16}"
+
+    def drop_scratch(self, start: Lsn) -> None:
+        """Remove the scratch folder of the stored range starting at ``start`` if its writer,
+        killed after the range's rename and before its own ``rmdir``, left it there, empty: no
+        writer of that start comes again to sweep it, and it would keep its bucket from going
+        once a prune empties it. One ``rmdir``; a scratch that holds anything is left alone."""
+        with contextlib.suppress(OSError):  # none there, or it holds a write
+            os.rmdir(self.scratch_of(start))
+
     def range_path(self, rng: LsnRange) -> Path:
         """Where ``rng`` is stored: in its bucket, or directly under ``changes/`` when it was
         stored before buckets (one more ``stat``, paid by those and by ranges not stored)."""
@@ -718,8 +731,8 @@ class RangeWriter:
         self.tmp = Path()
         for attempt in range(3):
             try:
-                bucket = store.make_bucket(rng.start)
-                self._scratch = bucket / f".tmp-{rng.start.hex16}"
+                store.make_bucket(rng.start)
+                self._scratch = store.scratch_of(rng.start)
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch.mkdir()
                 self.tmp = self._scratch / uuid.uuid4().hex[:8]
