@@ -43,15 +43,10 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.engine import pipeline, staging, verify
 from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
-from pgcdc_dagster.engine.range_lock import (
-    APPLICATION_PREFIX,
-    RangeLock,
-    lock_holders,
-    lock_key,
-    range_lock,
-)
+from pgcdc_dagster.engine.range_lock import RangeLock, lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster_tests.locks import holder_session, take_lock
 from pgcdc_dagster_tests.procs import descendants, gone
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
 
@@ -909,16 +904,11 @@ def _lock_taken_from_the_follower(settings: ReplicationSettings, holder: str) ->
     (``pg_terminate_backend`` only signals: a try right after it raced the lock's release, and
     failed on CI naming "a session that just ended")."""
     with (
-        psycopg.connect(
-            settings.target_dsn, autocommit=True, application_name=APPLICATION_PREFIX + holder
-        ) as intruder,
+        holder_session(settings.target_dsn, holder) as intruder,
         psycopg.connect(settings.target_dsn, autocommit=True) as admin,
     ):
         me = intruder.info.backend_pid
-        waiting = threading.Thread(
-            target=intruder.execute,
-            args=("SELECT pg_advisory_lock(%s)", (lock_key(settings.slot),)),
-        )
+        waiting = threading.Thread(target=take_lock, args=(intruder, settings.slot))
         waiting.start()
         _wait_for(
             lambda: (

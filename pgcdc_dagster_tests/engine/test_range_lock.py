@@ -7,22 +7,14 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.engine import range_lock as range_lock_module
-from pgcdc_dagster.engine.range_lock import (
-    APPLICATION_PREFIX,
-    LockHolder,
-    RangeBusyError,
-    lock_holders,
-    lock_key,
-    range_lock,
-)
+from pgcdc_dagster.engine.range_lock import LockHolder, RangeBusyError, lock_holders, range_lock
+from pgcdc_dagster_tests.locks import holder_session, take_lock
 
 
 def _holding(target_dsn: str, slot: str, holder: str) -> psycopg.Connection:
-    """A session holding the range lock of ``slot`` as ``holder`` names itself."""
-    conn = psycopg.connect(
-        target_dsn, autocommit=True, application_name=APPLICATION_PREFIX + holder
-    )
-    conn.execute("SELECT pg_advisory_lock(%s)", (lock_key(slot),))
+    """A session holding the range lock of ``slot`` as ``holder``."""
+    conn = holder_session(target_dsn, holder)
+    take_lock(conn, slot)
     return conn
 
 
