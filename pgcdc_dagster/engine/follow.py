@@ -87,7 +87,7 @@ from .pipeline import (
     next_step,
     store_of,
 )
-from .range_lock import RangeBusyError, lent_lock, lock_holders, range_lock
+from .range_lock import RangeBusyError, lent_lock, lock_holders, range_lock, who_holds
 from .receive import receive, receive_in_cuts
 from .settings import MiB, ReplicationSettings
 from .slot import current_flush_lsn
@@ -547,16 +547,15 @@ class Follower:
                         own=True,
                     )
                 )
-            except RangeBusyError:
-                holders = lock_holders(settings.target_dsn, settings.slot)
+            except RangeBusyError as busy:
+                holders = busy.holders
             else:
                 self.lock_session = lock.session_pid
                 return
-        who = ", ".join(h.holder for h in holders) or "a session that just ended"
         raise RangeTakenError(
             f"while its servers were away, another catch-up of slot {settings.slot} took the "
-            f"range lock ({who}): this follow ends here and that one goes on (pgcdc status "
-            "shows it)"
+            f"range lock ({who_holds(holders)}): this follow ends here and that one goes on "
+            "(pgcdc status shows it)"
         )
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +36,12 @@ _KEEPALIVES = "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_kee
 
 
 class RangeBusyError(PgcdcError):
-    """Another catch-up of the same slot holds the range lock."""
+    """Another catch-up of the same slot holds the range lock: :attr:`holders` (as the failed
+    try found them, so a caller names them without asking the server again)."""
+
+    def __init__(self, message: str, holders: Sequence[LockHolder] = ()) -> None:
+        super().__init__(message)
+        self.holders = list(holders)
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,10 @@ def range_lock(
     try:
         others = _try_lock(conn, key)
         if others is not None:
-            who = ", ".join(h.holder for h in others) or "a session that just ended"
             raise RangeBusyError(
-                f"another catch-up of slot {slot} is running ({who}): wait for it to finish "
-                "(pgcdc status shows it); ranges of one slot run one at a time"
+                f"another catch-up of slot {slot} is running ({who_holds(others)}): wait for "
+                "it to finish (pgcdc status shows it); ranges of one slot run one at a time",
+                others,
             )
         lock = RangeLock(conn, slot, holder, target_dsn)
         if lend:
@@ -127,6 +132,11 @@ def range_lock(
                 _lent.pop((target_dsn, slot), None)
         # Closing the session releases the lock; no unlock round trip needed.
         conn.close()
+
+
+def who_holds(holders: Sequence[LockHolder]) -> str:
+    """The holders' names for a message (none listed: the holder's session had just ended)."""
+    return ", ".join(h.holder for h in holders) or "a session that just ended"
 
 
 _ENDING_HOLDER_WAIT = 1.0
