@@ -347,7 +347,8 @@ def run_ours(
         conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
     rows = _verify(target_dsn, expected, "ours")
     _drop_database(target, database)
-    busy = sum(t.seconds for t in result.tables)
+    # A table copied in a bundle (the small ones) has no bytes or seconds of its own.
+    busy = sum(t.seconds or 0.0 for t in result.tables)
     fixed = result.seconds - result.copy_seconds
     return {
         "seconds": result.seconds,
@@ -361,13 +362,18 @@ def run_ours(
             ),
         },
         "rows": rows,
-        "copy_bytes": sum(t.bytes for t in result.tables),
+        "copy_bytes": sum(t.bytes or 0 for t in result.tables),
         "copy_tasks": sum(t.tasks for t in result.tables),
         "copy_task_busy_seconds": busy,
         "copy_parallelism": busy / result.copy_seconds if result.copy_seconds > 0 else 0.0,
         "copy_formats": sorted({f for t in result.tables for f in t.copy_formats}),
         "per_table": {
-            str(t.table): {"rows": t.rows, "tasks": t.tasks, "busy_seconds": round(t.seconds, 3)}
+            str(t.table): {
+                "rows": t.rows,
+                "tasks": t.tasks,
+                "busy_seconds": None if t.seconds is None else round(t.seconds, 3),
+                "bundled_with": t.bundled_with,
+            }
             for t in result.tables
         },
         **measured.report(),

@@ -141,12 +141,20 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
                 "table": str(t.table),
                 "rows": t.rows,
                 "bytes": t.bytes,
-                "seconds": round(float(t.seconds), 3),
+                "seconds": None if t.seconds is None else round(float(t.seconds), 3),
                 "frozen": t.frozen,
+                "bundled_with": t.bundled_with,
             }
             for t in result.tables
         ],
-        {"table": "string", "rows": "int", "bytes": "int", "seconds": "float", "frozen": "bool"},
+        {
+            "table": "string",
+            "rows": "int",
+            "bytes": "int",
+            "seconds": "float",
+            "frozen": "bool",
+            "bundled_with": "int",
+        },
     )
     return {
         "slot": text(result.slot_name),

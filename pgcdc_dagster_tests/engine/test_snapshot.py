@@ -770,3 +770,153 @@ def test_a_piped_copy_whose_process_is_killed_lands_nothing(
     finally:
         child.kill()
         child.wait()
+
+
+def _small_tables(dsn: str, count: int) -> list[TableName]:
+    """``count`` small tables whose values test the text format: NULLs, tabs, newlines,
+    backslashes, a value that reads ``\\.`` (the bundle's end-of-data line), odd names; the
+    last one empty."""
+    tables = [
+        TableName("Odd Schema" if i % 3 == 0 else "public", f"Small {i}") for i in range(count)
+    ]
+    run(dsn, 'CREATE SCHEMA IF NOT EXISTS "Odd Schema"')
+    for i, table in enumerate(tables):
+        name = table.sql.as_string(None)
+        run(dsn, f"CREATE TABLE {name} (id int PRIMARY KEY, v text, n numeric)")
+        if i < count - 1:
+            run(
+                dsn,
+                f"INSERT INTO {name} SELECT g, CASE g % 5 "
+                "WHEN 0 THEN NULL WHEN 1 THEN E'tab\\there' WHEN 2 THEN E'line\\nbreak' "
+                "WHEN 3 THEN '\\.' ELSE E'back\\\\slash \\\\.' END, g / 3.0 "
+                f"FROM generate_series(1, {10 + 7 * i}) g",
+            )
+    return tables
+
+
+def test_small_tables_are_copied_in_bundles_exactly_while_a_writer_runs(
+    source_dsn: str, target_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small whole tables go through one pair per bundle (here bundles of at most 4 tables):
+    every table holds exactly the rows of the exported snapshot while a writer changes them
+    all during the copy, new tables are loaded frozen, and each reports its own row count."""
+    from pgcdc_dagster.engine.snapshot import copy as copy_module
+
+    monkeypatch.setattr(copy_module, "BUNDLE_TABLES", 4)
+    tables = _small_tables(source_dsn, 10)
+    copy_schema_pre_data(source_dsn, target_dsn, tables, None)
+    stop = threading.Event()
+    writes = [0]
+
+    def writer() -> None:
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                with conn.transaction():
+                    for table in tables:
+                        name = table.sql.as_string(None)
+                        conn.execute(f"UPDATE {name} SET n = n + 1 WHERE id = 1")
+                        conn.execute(
+                            f"INSERT INTO {name} SELECT coalesce(max(id), 0) + 1, 'new', 0 "
+                            f"FROM {name}"
+                        )
+                writes[0] += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        while writes[0] < 3:
+            time.sleep(0.01)
+        with create_slot_with_snapshot(source_dsn, "snap_bundles") as exported:
+            with psycopg.connect(source_dsn) as conn:
+                conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                conn.execute(f"SET TRANSACTION SNAPSHOT '{exported.slot.snapshot_name}'")
+                expected = {}
+                for t in tables:
+                    query = psycopg.sql.SQL("SELECT x::text FROM {} x ORDER BY 1").format(t.sql)
+                    expected[t] = [r[0] for r in conn.execute(query).fetchall()]
+            before = writes[0]
+            results = copy_tables(
+                None,
+                source_dsn,
+                target_dsn,
+                exported.slot.snapshot_name,
+                tables,
+                new_tables=tables,
+            )
+            assert writes[0] > before, "the writer must really have written during the copy"
+    finally:
+        stop.set()
+        thread.join(10)
+
+    by_table = {r.table: r for r in results}
+    for table in tables:
+        result = by_table[table]
+        assert rows_of(target_dsn, table) == expected[table], table
+        assert result.rows == len(expected[table])
+        assert result.bundled_with in (1, 3)  # bundles of 4, 4 and 2 tables
+        assert result.bytes is None and result.seconds is None
+        assert result.frozen and result.copy_formats == ("text",)
+    assert sum(1 for r in results if r.bundled_with == 3) == 8
+    frozen, pages = frozen_pages(target_dsn, tables[0])
+    assert pages > 0 and frozen == pages
+    assert any("\\." in row for row in rows_of(target_dsn, tables[3]))  # the marker, as a value
+
+
+def test_a_bundle_that_fails_commits_nothing_and_the_error_names_the_table(
+    source_dsn: str, target_dsn: str
+) -> None:
+    """A value the target's column does not take, in the bundle's first table: the bundle's
+    one transaction commits nothing of any table, and the tables copied on their own after it
+    stop at that table, named."""
+    tables = _small_tables(source_dsn, 3)
+    copy_schema_pre_data(source_dsn, target_dsn, tables, None)
+    run(target_dsn, f"ALTER TABLE {tables[0].sql.as_string(None)} ALTER COLUMN v TYPE varchar(3)")
+
+    with pytest.raises(SnapshotError, match=r"Small 0.*value too long"):
+        copy_tables(None, source_dsn, target_dsn, None, tables)
+
+    for table in tables:
+        assert rows_of(target_dsn, table) == []
+
+
+def test_a_bundle_whose_source_side_is_killed_mid_stream_commits_no_table(
+    source_dsn: str, target_dsn: str
+) -> None:
+    """SIGKILL of the source ``psql`` of a bundle once its first tables have crossed and its
+    last one is streaming: the target side has taken their rows in its one transaction, and
+    never gets its COMMIT."""
+    import os
+    import signal
+
+    from pgcdc_dagster.engine.snapshot.common import CopyTask
+    from pgcdc_dagster.engine.snapshot.copy import _copy_bundle_piped
+
+    small = _small_tables(source_dsn, 3)
+    last = _piped_task(source_dsn, target_dsn, 600_000)
+    copy_schema_pre_data(source_dsn, target_dsn, small, None)
+    with psycopg.connect(source_dsn) as conn:
+        plan = plan_table_ranges(conn, small, None)
+    tasks = [CopyTask(rng, source_dsn, target_dsn, None) for rng in plan] + [last]
+    outcome: list[Any] = []
+    copier = threading.Thread(target=lambda: outcome.append(_copy_bundle_piped(tasks)))
+    copier.start()
+    _wait_for_copy_rows(target_dsn)
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while (
+            conn.execute(  # the small tables have crossed: the big one's COPY is under way
+                "SELECT FROM pg_stat_progress_copy WHERE relid = 'piped'::regclass"
+            ).fetchone()
+            is None
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    sources = [pid for pid, cmd in descendants(os.getpid()).items() if "TO STDOUT" in cmd]
+    assert len(sources) == 1
+    os.kill(sources[0], signal.SIGKILL)
+    copier.join(30)
+
+    assert outcome == [None]
+    _copies_end(target_dsn, 10)
+    for table in [*small, last.range.table]:
+        assert rows_of(target_dsn, table) == []

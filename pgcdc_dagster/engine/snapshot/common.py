@@ -99,10 +99,16 @@ class RangeCopyResult:
     table: TableName
     start_block: int | None
     rows: int
-    bytes: int
-    seconds: float
+    bytes: int | None
+    """Wire bytes of this task; ``None`` for a table copied in a bundle (see ``bundled_with``),
+    whose stream carries every table of the bundle: only the bundle's total is measured."""
+    seconds: float | None
+    """This task's duration; ``None`` in a bundle, as ``bytes``."""
     copy_format: str
     parquet_file: str | None = None
+    bundled_with: int = 0
+    """How many other tables were copied in the same bundle (:func:`~.copy.copy_bundle`): one
+    pair of ``psql`` processes, one snapshot import and one target transaction for all."""
 
 
 DEFAULT_DRIVER_MAX_ROWS = SPARK_TABLE_ROWS
@@ -126,14 +132,17 @@ class TableCopyResult:
 
     table: TableName
     rows: int
-    bytes: int
-    seconds: float
+    bytes: int | None
+    """``None`` when the table was copied in a bundle (:attr:`RangeCopyResult.bytes`)."""
+    seconds: float | None
     tasks: int = 1
     copy_formats: tuple[str, ...] = ()
     copied_by: str = "spark"
     """``driver`` (a small table, copied by this process while Spark starts) or ``spark``."""
     frozen: bool = False
     """Loaded frozen (see :attr:`CopyTask.freeze`): its rows need no hint bits or freezing."""
+    bundled_with: int = 0
+    """See :attr:`RangeCopyResult.bundled_with`."""
 
 
 @dataclass(frozen=True)

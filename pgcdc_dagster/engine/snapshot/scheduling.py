@@ -38,7 +38,14 @@ from .common import (
     snapshot_transaction,
     tables_for_spark,
 )
-from .copy import copy_range, merge_ranges, piped_copy_available, plan_table_ranges
+from .copy import (
+    bundle_tasks,
+    copy_bundle,
+    copy_range,
+    merge_ranges,
+    piped_copy_available,
+    plan_table_ranges,
+)
 from .export import publish_export, snapshot_export_path
 
 if TYPE_CHECKING:
@@ -174,7 +181,8 @@ def copy_tables(
 
     Who copies: a table estimated at or below ``driver_max_rows`` rows is copied by this
     process (threads, one task per ctid range, as many at once as ``parallelism`` or the CPU
-    count), and the rest by Spark. The driver's copies start at once and run while Spark
+    count; small whole tables in bundles, see :func:`~.copy.copy_bundle`), and the rest by
+    Spark. The driver's copies start at once and run while Spark
     starts (``spark`` may be a callable that returns the session: it is called only when a
     table needs Spark, and the caller may have started it in the background); without any
     large table Spark is never asked for. ``spark=None`` copies everything from the driver.
@@ -245,15 +253,17 @@ def copy_tables(
     driver_tasks = [make_task(r) for r in driver_ranges]
     spark_tasks = [make_task(r) for r in ranges if r.table in for_spark]
     frozen = {t.range.table for t in (*driver_tasks, *spark_tasks) if t.freeze}
+    bundles, alone = bundle_tasks(driver_tasks) if piped_copy_available() else ([], driver_tasks)
     try:
         with _driver_pool(driver_tasks, workers) as pool:
-            futures = [pool.submit(copy_range, task) for task in driver_tasks]
+            futures = [pool.submit(copy_bundle, bundle) for bundle in bundles]
+            futures += [pool.submit(_one, task) for task in alone]
             results = []
             if spark_tasks:
                 session = spark() if callable(spark) else spark
                 assert session is not None
                 results += _run_on_spark(session, _groups(spark_tasks, parallelism), scheduler)
-            results += [future.result() for future in futures]
+            results += [r for future in futures for r in future.result()]
     except Exception as exc:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -268,12 +278,13 @@ def copy_tables(
         TableCopyResult(
             table=table,
             rows=sum(r.rows for r in parts),
-            bytes=sum(r.bytes for r in parts),
-            seconds=sum(r.seconds for r in parts),
+            bytes=_total([r.bytes for r in parts]),
+            seconds=_total([r.seconds for r in parts]),
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
             copied_by="spark" if table in for_spark else "driver",
             frozen=table in frozen,
+            bundled_with=max((r.bundled_with for r in parts), default=0),
         )
         for table, parts in by_table.items()
     ]
@@ -289,6 +300,15 @@ def copy_tables(
             consistent_point,
         )
     return summary
+
+
+def _one(task: CopyTask) -> list[RangeCopyResult]:
+    return [copy_range(task)]
+
+
+def _total(values: Sequence[int | float | None]) -> Any:
+    """The sum of a table's parts, ``None`` if one was measured only with its bundle."""
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:
