@@ -45,8 +45,9 @@ class TargetRowCounts:
         start = applied.previous_lsn
         stale = []
         counts: dict[TableName, int | None] = {}
+        recorded = self._recorded([t for t in self.tables if t not in self.known])
         for table in self.tables:
-            known = self.known.get(table) or self._recorded(table)
+            known = self.known.get(table) or recorded.get(table)
             if known is None or known[1] != start:
                 stale.append(table)
                 continue
@@ -70,14 +71,21 @@ class TargetRowCounts:
                 self.known.pop(table, None)
         return counts
 
-    def _recorded(self, table: TableName) -> tuple[int, str] | None:
-        """The count in the table's latest materialisation, with the progress it is exact at."""
-        event = self.instance.get_latest_materialization_event(target_key(table))
-        materialization = event.asset_materialization if event else None
-        if materialization is None:
-            return None
-        rows = materialization.metadata.get(ROW_COUNT)
-        through = materialization.metadata.get(APPLIED_THROUGH)
-        if rows is None or through is None:
-            return None
-        return int(rows.value), str(through.value)  # type: ignore[arg-type]
+    def _recorded(self, tables: Sequence[TableName]) -> dict[TableName, tuple[int, str]]:
+        """The counts in the tables' latest materialisations, with the progress each is exact
+        at; one read of Dagster's storage for all of them (measured through ``pgcdc catchup``
+        with 200 tables: a read per table took about 2 s of the first range's events)."""
+        if not tables:
+            return {}
+        events = self.instance.get_latest_materialization_events([target_key(t) for t in tables])
+        found: dict[TableName, tuple[int, str]] = {}
+        for table in tables:
+            event = events.get(target_key(table))
+            materialization = event.asset_materialization if event else None
+            if materialization is None:
+                continue
+            rows = materialization.metadata.get(ROW_COUNT)
+            through = materialization.metadata.get(APPLIED_THROUGH)
+            if rows is not None and through is not None:
+                found[table] = (int(rows.value), str(through.value))  # type: ignore[arg-type]
+        return found
