@@ -426,7 +426,12 @@ STDIN`` in ``psql`` stops reading (a data line never is that: COPY escapes a bac
 def bundle_tasks(tasks: Sequence[CopyTask]) -> tuple[list[list[CopyTask]], list[CopyTask]]:
     """The tasks to copy in bundles (whole tables of at most :data:`BUNDLE_MAX_ROWS` estimated
     rows, not exported: an export tees each range's own data), grouped, and the others. Fewer
-    than two such tasks make no bundle."""
+    than two such tasks make no bundle.
+
+    A bundled table is not loaded frozen (:attr:`~.common.CopyTask.freeze`): the truncate that
+    freezing needs costs a new file per table, and a small table gains nothing measurable from
+    it (measured: 200 tables of 200 rows in two bundles, 0.58-0.64 s frozen against
+    0.22-0.26 s not)."""
     small = [
         t
         for t in tasks
@@ -446,7 +451,7 @@ def bundle_tasks(tasks: Sequence[CopyTask]) -> tuple[list[list[CopyTask]], list[
         ):
             bundles.append([])
             rows = 0
-        bundles[-1].append(task)
+        bundles[-1].append(replace(task, freeze=False))
         rows += task.range.estimated_rows
     return bundles, [t for t in tasks if id(t) not in chosen]
 
