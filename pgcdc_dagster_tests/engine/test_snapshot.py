@@ -928,3 +928,36 @@ def test_a_bundle_whose_source_side_is_killed_mid_stream_commits_no_table(
     _copies_end(target_dsn, 10)
     for table in [*small, last.range.table]:
         assert rows_of(target_dsn, table) == []
+
+
+@pytest.mark.parametrize("plpgsql", [True, False])
+def test_object_lookups_on_the_target_answer_in_one_statement_or_one_by_one(
+    target_dsn: str, plpgsql: bool
+) -> None:
+    """Which of the pre-data's objects the target already has: asked in one ``DO`` block, or
+    one probe after the other where the target has no PL/pgSQL; the same answers."""
+    from pgcdc_dagster.engine.snapshot.schema import _Address, _key, _present_all
+
+    run(
+        target_dsn,
+        'CREATE SCHEMA "Odd Schema"',
+        'CREATE TABLE "Odd Schema"."Mixed Case" (id int PRIMARY KEY)',
+        "CREATE FUNCTION public.twice(int) RETURNS int LANGUAGE sql AS 'SELECT $1 * 2'",
+    )
+    if not plpgsql:
+        run(target_dsn, "DROP EXTENSION plpgsql")
+    addresses = [
+        _Address("table", ["Odd Schema", "Mixed Case"], [], "a"),
+        _Address("table", ["Odd Schema", "missing"], [], "b"),
+        _Address("table", ["No Schema", "x"], [], "c"),
+        _Address("table constraint", ["Odd Schema", "Mixed Case", "Mixed Case_pkey"], [], "d"),
+        _Address("function", ["public", "twice"], ["integer"], "e"),
+        _Address("function", ["public", "twice"], ["text"], "f"),
+        _Address("schema", ["Odd Schema"], [], "g"),
+        _Address("type", ["public.nope"], [], "h"),
+    ]
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        found = _present_all(conn, addresses)
+    assert [found[_key(a)] for a in addresses] == [
+        True, False, False, True, True, False, True, False
+    ]  # fmt: skip

@@ -5,6 +5,7 @@ objects already on the target are never replaced."""
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ..connect import (
     connect,
@@ -305,14 +307,78 @@ def _split_by_presence(
     entries: Sequence[_TocEntry],
     addresses: dict[tuple[int, int], _Address],
 ) -> tuple[list[_TocEntry], list[_TocEntry]]:
+    known = [a for e in entries if (a := addresses.get((e.classid, e.objid))) is not None]
+    found = _present_all(tgt, known)
     missing, present = [], []
     for entry in entries:
         address = addresses.get((entry.classid, entry.objid))
-        if address is not None and _present_on_target(tgt, address):
+        if address is not None and found[_key(address)]:
             present.append(entry)
         else:
             missing.append(entry)
     return missing, present
+
+
+_PRESENT_SETTING = "pgcdc.present"
+
+_PRESENT_ALL = """
+DECLARE
+    e jsonb;
+    found text := '';
+BEGIN
+    FOR e IN SELECT * FROM jsonb_array_elements({addresses}::jsonb) LOOP
+        BEGIN
+            PERFORM pg_get_object_address(
+                e->>'type',
+                ARRAY(SELECT jsonb_array_elements_text(e->'names')),
+                ARRAY(SELECT jsonb_array_elements_text(e->'args')));
+            found := found || '1';
+        EXCEPTION WHEN others THEN
+            IF SQLSTATE LIKE '42%' OR SQLSTATE = '3F000' THEN
+                found := found || '0';
+            ELSE
+                RAISE;
+            END IF;
+        END;
+    END LOOP;
+    PERFORM set_config({setting}, found, false);
+END
+"""
+
+
+def _key(address: _Address) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    return address.type, tuple(address.names), tuple(address.args)
+
+
+def _present_all(
+    tgt: psycopg.Connection[Any], addresses: Sequence[_Address]
+) -> dict[tuple[str, tuple[str, ...], tuple[str, ...]], bool]:
+    """:func:`_present_on_target` for every address, in one statement: a
+    ``DO`` block that probes each in a subtransaction of its own and leaves the answers in a
+    session setting. Without PL/pgSQL on the target, one probe after the other.
+
+    Why: a probe is three round trips, and the snapshot runs beside the command's import of
+    Dagster, so every round trip also waits for Python's GIL: measured through ``pgcdc
+    snapshot`` with 200 tables (400 probes for pre-data and post-data), the probes took more
+    of the command than the copy of the rows."""
+    if not addresses:
+        return {}
+    listed = json.dumps([{"type": a.type, "names": a.names, "args": a.args} for a in addresses])
+    body = sql.SQL(_PRESENT_ALL).format(
+        addresses=sql.Literal(listed), setting=sql.Literal(_PRESENT_SETTING)
+    )
+    try:
+        with tgt.transaction():
+            tgt.execute(sql.SQL("DO {}").format(sql.Literal(body.as_string(tgt))))
+            row = tgt.execute("SELECT current_setting(%s)", (_PRESENT_SETTING,)).fetchone()
+    except psycopg.errors.UndefinedObject:  # no PL/pgSQL on the target
+        return {_key(a): _present_on_target(tgt, a) for a in addresses}
+    answers = str(row[0]) if row is not None else ""
+    if len(answers) != len(addresses):
+        raise SnapshotError(
+            f"the target answered {len(answers)} of {len(addresses)} object lookups"
+        )
+    return {_key(a): flag == "1" for a, flag in zip(addresses, answers, strict=True)}
 
 
 def copy_schema_post_data(
