@@ -16,6 +16,24 @@ from psycopg import errors, sql
 
 from .identifiers import TableName
 
+ASSUMED_VARLENA_WIDTH = 32
+"""Bytes assumed for a variable-width value where no statistics say better."""
+TUPLE_OVERHEAD = 24 + 4  # heap tuple header + line pointer
+
+
+def rows_per_block(
+    reltuples: float, relpages: int, block_size: int, typlens: Sequence[int]
+) -> float:
+    """How many rows a table's block holds: ``reltuples / relpages`` when the table was ever
+    analysed or vacuumed, else its column widths (``typlens``, ``-1``/``-2`` for a variable
+    width) filling 90 % of each block. An estimate for balancing work and for people's
+    progress, never for deciding what is copied; one place for the snapshot's planner and its
+    progress display."""
+    if reltuples > 0 and relpages > 0:
+        return reltuples / relpages
+    width = sum(t if t > 0 else ASSUMED_VARLENA_WIDTH for t in typlens)
+    return max(1.0, 0.9 * block_size / (width + TUPLE_OVERHEAD))
+
 
 @dataclass(frozen=True)
 class ColumnInfo:

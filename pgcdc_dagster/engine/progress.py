@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from .catalog import rows_per_block
 from .connect import connect
 from .identifiers import TableName
 
@@ -204,7 +205,12 @@ WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
 """
 
 _SOURCE_SIZES = """
-SELECT n.nspname, c.relname, greatest(c.reltuples, 0)::bigint, pg_table_size(c.oid)
+SELECT n.nspname, c.relname, c.reltuples, c.relpages,
+       pg_relation_size(c.oid) / current_setting('block_size')::int,
+       current_setting('block_size')::int,
+       ARRAY(SELECT t.typlen FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+             WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+       pg_table_size(c.oid)
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))
 """
@@ -230,8 +236,11 @@ class CopyWatcher:
         self._last: tuple[float, int] | None = None
         if active():
             with connect(source_dsn, role="source", autocommit=True) as src:
-                for schema, name, rows, size in src.execute(_SOURCE_SIZES, self.names):
-                    self.estimates[str(TableName(schema, name))] = (int(rows), int(size))
+                for schema, name, tuples, pages, blocks, block, typlens, size in src.execute(
+                    _SOURCE_SIZES, self.names
+                ):
+                    rows = int(blocks * rows_per_block(tuples, pages, block, typlens))
+                    self.estimates[str(TableName(schema, name))] = (rows, int(size))
 
     def phase(self, phase: str) -> None:
         if active():

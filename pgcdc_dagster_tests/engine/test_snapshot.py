@@ -961,3 +961,65 @@ def test_object_lookups_on_the_target_answer_in_one_statement_or_one_by_one(
     assert [found[_key(a)] for a in addresses] == [
         True, False, False, True, True, False, True, False
     ]  # fmt: skip
+
+
+def test_progress_estimates_a_never_analysed_table_as_the_planner_does(
+    source_dsn: str, target_dsn: str
+) -> None:
+    """A table fresh from a restore has no statistics (``reltuples`` is -1): its row estimate
+    comes from its size and column widths, the planner's, not 0 (which showed as ``~0 rows``)."""
+    from pgcdc_dagster.engine.progress import CopyWatcher, listening
+
+    run(
+        source_dsn,
+        "CREATE TABLE big (id int, note text)",
+        "INSERT INTO big SELECT i, md5(i::text) FROM generate_series(1, 20000) i",
+    )
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        (reltuples,) = conn.execute(  # type: ignore[misc]
+            "SELECT reltuples FROM pg_class WHERE oid = 'big'::regclass"
+        ).fetchone()
+        (planned,) = plan_table_ranges(conn, [BIG], None)
+    assert reltuples < 0  # never analysed
+    run(target_dsn, "CREATE TABLE big (id int, note text)")
+    with listening(lambda progress: None):
+        watcher = CopyWatcher(source_dsn, target_dsn, [BIG], time.monotonic())
+    assert watcher.estimates[str(BIG)][0] == planned.estimated_rows
+    assert 5000 < planned.estimated_rows < 80000
+
+
+def test_bundles_take_small_whole_tables_within_their_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which tasks share a bundle: whole tables of at most BUNDLE_MAX_ROWS estimated rows, not
+    exported, cut by table count, rows and command-line characters; one alone is no bundle."""
+    from dataclasses import replace
+
+    from pgcdc_dagster.engine.snapshot import copy as copy_module
+    from pgcdc_dagster.engine.snapshot.common import CopyTask
+
+    def task(name: str, rows: int, columns: int = 1, **blocks: Any) -> CopyTask:
+        table = TableName("public", name)
+        rng = TableRange(table, table, tuple(f"c{i}" for i in range(columns)), None, None, rows)
+        return CopyTask(replace(rng, **blocks), "src", "tgt", None, freeze=True)
+
+    def names(bundles: list[list[CopyTask]]) -> list[list[str]]:
+        return [[t.range.table.name for t in b] for b in bundles]
+
+    monkeypatch.setattr(copy_module, "BUNDLE_TABLES", 3)
+    monkeypatch.setattr(copy_module, "BUNDLE_ROWS", 1000)
+    small = [task(f"s{i}", 100) for i in range(5)]
+    big = task("big", copy_module.BUNDLE_MAX_ROWS + 1)
+    part = task("part", 10, start_block=0, end_block=8)
+    exported = CopyTask(small[0].range, "src", "tgt", None, export_dir="/x")
+    bundles, alone = copy_module.bundle_tasks([big, *small, part, exported])
+    assert names(bundles) == [["s0", "s1", "s2"], ["s3", "s4"]]
+    assert [t.range.table.name for t in alone] == ["big", "part", "s0"]
+    assert not any(t.freeze for b in bundles for t in b)
+
+    heavy = [task(f"h{i}", 400) for i in range(4)]
+    assert names(copy_module.bundle_tasks(heavy)[0]) == [["h0", "h1"], ["h2", "h3"]]
+    monkeypatch.setattr(copy_module, "BUNDLE_COMMAND_CHARS", 1000)
+    wide = [task(f"w{i}", 10, columns=100) for i in range(3)]  # about 700 characters each
+    assert names(copy_module.bundle_tasks(wide)[0]) == [["w0"], ["w1"], ["w2"]]
+    assert copy_module.bundle_tasks([small[0], big]) == ([], [small[0], big])

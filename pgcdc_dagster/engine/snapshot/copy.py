@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import errors, pq, sql
 
+from ..catalog import rows_per_block
 from ..connect import (
     ConnectError,
     connect,
@@ -55,9 +56,6 @@ JOIN pg_namespace ln ON ln.oid = leaf.relnamespace
 ORDER BY u.position, leaf.oid
 """
 
-_ASSUMED_VARLENA_WIDTH = 32
-_TUPLE_OVERHEAD = 24 + 4  # heap tuple header + line pointer
-
 
 def plan_table_ranges(
     conn: psycopg.Connection[Any],
@@ -93,12 +91,8 @@ def plan_table_ranges(
                 "only tables (and partitioned tables) can be copied"
             )
         cols = columns.get(root_oid, [])
-        if reltuples > 0 and relpages > 0:
-            rows_per_block = reltuples / relpages
-        else:
-            width = sum(t[3] if t[3] > 0 else _ASSUMED_VARLENA_WIDTH for t in cols)
-            rows_per_block = max(1.0, 0.9 * block_size / (width + _TUPLE_OVERHEAD))
-        estimated = int(blocks * rows_per_block)
+        per_block = rows_per_block(reltuples, relpages, block_size, [c[3] for c in cols])
+        estimated = int(blocks * per_block)
         pieces = min(int(blocks), math.ceil(estimated / target_rows_per_task))
         source = TableName(schema, name)
         column_names = tuple(c[0] for c in cols)
@@ -117,7 +111,7 @@ def plan_table_ranges(
                     column_names,
                     start if i else None,
                     end,
-                    int(span * rows_per_block),
+                    int(span * per_block),
                 )
             )
     return ranges
@@ -416,7 +410,10 @@ BUNDLE_MAX_ROWS = 20_000
 BUNDLE_ROWS = 200_000
 """At most about this many estimated rows in one bundle..."""
 BUNDLE_TABLES = 100
-"""...and at most this many tables (each is two arguments on each side's command line)."""
+"""...and at most this many tables (each is two arguments on each side's command line)..."""
+BUNDLE_COMMAND_CHARS = 256 * 1024
+"""...whose column lists take at most about this many characters: the statements are the
+``psql`` processes' arguments, which the kernel bounds (``ARG_MAX``, often 2 MiB in all)."""
 
 _END_OF_DATA = "\\echo '\\\\.'"
 """The source side's line between two tables' data: ``\\.``, where text-format ``COPY FROM
@@ -444,15 +441,19 @@ def bundle_tasks(tasks: Sequence[CopyTask]) -> tuple[list[list[CopyTask]], list[
         return [], list(tasks)
     chosen = set(map(id, small))
     bundles: list[list[CopyTask]] = [[]]
-    rows = 0
+    rows = chars = 0
     for task in small:
+        width = len(str(task.range.table)) + sum(len(c) + 4 for c in task.range.columns)
         if bundles[-1] and (
-            len(bundles[-1]) >= BUNDLE_TABLES or rows + task.range.estimated_rows > BUNDLE_ROWS
+            len(bundles[-1]) >= BUNDLE_TABLES
+            or rows + task.range.estimated_rows > BUNDLE_ROWS
+            or chars + width > BUNDLE_COMMAND_CHARS
         ):
             bundles.append([])
-            rows = 0
+            rows = chars = 0
         bundles[-1].append(replace(task, freeze=False))
         rows += task.range.estimated_rows
+        chars += width
     return bundles, [t for t in tasks if id(t) not in chosen]
 
 
