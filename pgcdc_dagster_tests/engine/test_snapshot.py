@@ -930,12 +930,13 @@ def test_a_bundle_whose_source_side_is_killed_mid_stream_commits_no_table(
         assert rows_of(target_dsn, table) == []
 
 
-@pytest.mark.parametrize("plpgsql", [True, False])
+@pytest.mark.parametrize("plpgsql", ["usable", "absent", "not granted"])
 def test_object_lookups_on_the_target_answer_in_one_statement_or_one_by_one(
-    target_dsn: str, plpgsql: bool
+    target_dsn: str, plpgsql: str
 ) -> None:
     """Which of the pre-data's objects the target already has: asked in one ``DO`` block, or
-    one probe after the other where the target has no PL/pgSQL; the same answers."""
+    one probe after the other where the target has no PL/pgSQL or the role may not use it;
+    the same answers."""
     from pgcdc_dagster.engine.snapshot.schema import _Address, _key, _present_all
 
     run(
@@ -944,8 +945,18 @@ def test_object_lookups_on_the_target_answer_in_one_statement_or_one_by_one(
         'CREATE TABLE "Odd Schema"."Mixed Case" (id int PRIMARY KEY)',
         "CREATE FUNCTION public.twice(int) RETURNS int LANGUAGE sql AS 'SELECT $1 * 2'",
     )
-    if not plpgsql:
+    dsn = target_dsn
+    if plpgsql == "absent":
         run(target_dsn, "DROP EXTENSION plpgsql")
+    elif plpgsql == "not granted":
+        run(
+            target_dsn,
+            "DROP ROLE IF EXISTS pgcdc_no_plpgsql",
+            "CREATE ROLE pgcdc_no_plpgsql LOGIN",
+            "REVOKE USAGE ON LANGUAGE plpgsql FROM PUBLIC",
+            'GRANT USAGE ON SCHEMA "Odd Schema" TO pgcdc_no_plpgsql',
+        )
+        dsn = f"{target_dsn} user=pgcdc_no_plpgsql"
     addresses = [
         _Address("table", ["Odd Schema", "Mixed Case"], [], "a"),
         _Address("table", ["Odd Schema", "missing"], [], "b"),
@@ -956,7 +967,7 @@ def test_object_lookups_on_the_target_answer_in_one_statement_or_one_by_one(
         _Address("schema", ["Odd Schema"], [], "g"),
         _Address("type", ["public.nope"], [], "h"),
     ]
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True) as conn:
         found = _present_all(conn, addresses)
     assert [found[_key(a)] for a in addresses] == [
         True, False, False, True, True, False, True, False

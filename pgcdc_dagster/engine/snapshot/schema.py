@@ -355,7 +355,8 @@ def _present_all(
 ) -> dict[tuple[str, tuple[str, ...], tuple[str, ...]], bool]:
     """:func:`_present_on_target` for every address, in one statement: a
     ``DO`` block that probes each in a subtransaction of its own and leaves the answers in a
-    session setting. Without PL/pgSQL on the target, one probe after the other.
+    session setting. Without PL/pgSQL on the target (or the right to use it), one probe after
+    the other.
 
     Why: a probe is three round trips, and the snapshot runs beside the command's import of
     Dagster, so every round trip also waits for Python's GIL: measured through ``pgcdc
@@ -371,7 +372,8 @@ def _present_all(
         with tgt.transaction():
             tgt.execute(sql.SQL("DO {}").format(sql.Literal(body.as_string(tgt))))
             row = tgt.execute("SELECT current_setting(%s)", (_PRESENT_SETTING,)).fetchone()
-    except psycopg.errors.UndefinedObject:  # no PL/pgSQL on the target
+    except (psycopg.errors.UndefinedObject, psycopg.errors.InsufficientPrivilege):
+        # no PL/pgSQL on the target, or no USAGE on it for this role
         return {_key(a): _present_on_target(tgt, a) for a in addresses}
     answers = str(row[0]) if row is not None else ""
     if len(answers) != len(addresses):
