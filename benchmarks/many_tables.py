@@ -126,9 +126,14 @@ def native_initial_sync(source_dsn: str, target: LocalCluster, run: int) -> tupl
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     dsn = target.dsn(name)
+    schema = subprocess.run(
+        [libpq_tool("pg_dump"), "--schema-only", "-d", source_dsn],
+        check=True,
+        capture_output=True,
+    ).stdout
     subprocess.run(
-        f"{libpq_tool('pg_dump')} -s -d '{source_dsn}' | {libpq_tool('psql')} -q -X -d '{dsn}'",
-        shell=True,
+        [libpq_tool("psql"), "-q", "-X", "-v", "ON_ERROR_STOP=0", "-d", dsn],
+        input=schema,
         check=True,
         capture_output=True,
     )

@@ -100,8 +100,8 @@ class RangeCopyResult:
     start_block: int | None
     rows: int
     bytes: int | None
-    """Wire bytes of this task; ``None`` for a table copied in a bundle (see ``bundled_with``),
-    whose stream carries every table of the bundle: only the bundle's total is measured."""
+    """Wire bytes of this task; ``None`` for a table copied in a bundle (see ``bundled_with``):
+    one stream carries every table of the bundle, so no table's own bytes are known."""
     seconds: float | None
     """This task's duration; ``None`` in a bundle, as ``bytes``."""
     copy_format: str

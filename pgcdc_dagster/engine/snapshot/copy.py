@@ -487,8 +487,8 @@ def copy_bundle(tasks: Sequence[CopyTask]) -> list[RangeCopyResult]:
     ``pgcdc snapshot``, 200 tables of 200 rows took 7 s to copy one pair after the other, where
     native logical replication's initial sync of the same tables took 3.6-4.4 s.
 
-    Rows are counted per table (each COPY's own count); bytes and seconds only for the bundle,
-    since one stream carries all its tables (:attr:`RangeCopyResult.bytes`). Without ``psql``,
+    Rows are counted per table (each COPY's own count); bytes and seconds are not, since one
+    stream carries all its tables (:attr:`RangeCopyResult.bytes`). Without ``psql``,
     or if the bundle fails (nothing of it is committed then), each table is copied on its own,
     which also names the table an error belongs to."""
     counts = _copy_bundle_piped(tasks)

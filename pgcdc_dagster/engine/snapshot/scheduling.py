@@ -279,8 +279,13 @@ def copy_tables(
         TableCopyResult(
             table=table,
             rows=sum(r.rows for r in parts),
-            bytes=_total([r.bytes for r in parts]),
-            seconds=_total([r.seconds for r in parts]),
+            # None: a bundle's table, whose bytes and seconds are not its own to measure
+            bytes=None if any(r.bytes is None for r in parts) else sum(r.bytes or 0 for r in parts),
+            seconds=(
+                None
+                if any(r.seconds is None for r in parts)
+                else sum(r.seconds or 0.0 for r in parts)
+            ),
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
             copied_by="spark" if table in for_spark else "driver",
@@ -305,11 +310,6 @@ def copy_tables(
 
 def _one(task: CopyTask) -> list[RangeCopyResult]:
     return [copy_range(task)]
-
-
-def _total(values: Sequence[int | float | None]) -> Any:
-    """The sum of a table's parts, ``None`` if one was measured only with its bundle."""
-    return None if any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:
