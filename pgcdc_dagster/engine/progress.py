@@ -209,7 +209,8 @@ SELECT n.nspname, c.relname, c.reltuples, c.relpages,
        pg_relation_size(c.oid) / current_setting('block_size')::int,
        current_setting('block_size')::int,
        ARRAY(SELECT t.typlen FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
-             WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+             WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+               AND a.attgenerated = ''),  -- the columns the planner sizes: those copied
        pg_table_size(c.oid)
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE (n.nspname, c.relname) IN (SELECT * FROM unnest(%s::text[], %s::text[]))

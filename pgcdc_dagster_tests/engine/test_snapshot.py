@@ -978,12 +978,13 @@ def test_progress_estimates_a_never_analysed_table_as_the_planner_does(
     source_dsn: str, target_dsn: str
 ) -> None:
     """A table fresh from a restore has no statistics (``reltuples`` is -1): its row estimate
-    comes from its size and column widths, the planner's, not 0 (which showed as ``~0 rows``)."""
+    comes from its size and the widths of the columns copied (not the generated one), the
+    planner's, not 0 (which showed as ``~0 rows``)."""
     from pgcdc_dagster.engine.progress import CopyWatcher, listening
 
     run(
         source_dsn,
-        "CREATE TABLE big (id int, note text)",
+        "CREATE TABLE big (id int, note text, twice int8 GENERATED ALWAYS AS (id * 2) STORED)",
         "INSERT INTO big SELECT i, md5(i::text) FROM generate_series(1, 20000) i",
     )
     with psycopg.connect(source_dsn, autocommit=True) as conn:
@@ -1034,3 +1035,21 @@ def test_bundles_take_small_whole_tables_within_their_bounds(
     wide = [task(f"w{i}", 10, columns=100) for i in range(3)]  # about 700 characters each
     assert names(copy_module.bundle_tasks(wide)[0]) == [["w0"], ["w1"], ["w2"]]
     assert copy_module.bundle_tasks([small[0], big]) == ([], [small[0], big])
+
+
+def test_without_psql_a_bundle_is_copied_table_by_table_in_process(
+    source_dsn: str, target_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``psql`` on the machine: the bundle's pair cannot run, and each of its tables is
+    copied through libpq in this process instead, every row once."""
+    from pgcdc_dagster.engine.snapshot import copy as copy_module
+
+    monkeypatch.setattr(copy_module, "_psql", lambda: None)
+    tables = _small_tables(source_dsn, 4)
+    copy_schema_pre_data(source_dsn, target_dsn, tables, None)
+
+    results = copy_tables(None, source_dsn, target_dsn, None, tables)
+
+    for table in tables:
+        assert rows_of(target_dsn, table) == rows_of(source_dsn, table)
+    assert all(r.bundled_with == 0 and r.bytes is not None for r in results)

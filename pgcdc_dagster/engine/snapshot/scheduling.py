@@ -252,7 +252,7 @@ def copy_tables(
 
     driver_tasks = [make_task(r) for r in driver_ranges]
     spark_tasks = [make_task(r) for r in ranges if r.table in for_spark]
-    bundles, alone = bundle_tasks(driver_tasks) if piped_copy_available() else ([], driver_tasks)
+    bundles, alone = bundle_tasks(driver_tasks)
     bundled = [t for bundle in bundles for t in bundle]
     frozen = {t.range.table for t in (*bundled, *alone, *spark_tasks) if t.freeze}
     try:

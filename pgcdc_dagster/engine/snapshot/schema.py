@@ -432,10 +432,13 @@ def copy_schema_post_data(
                 ).fetchall()
             }
             missing, present = _split_by_presence(tgt, toc, addresses)
+            on_target = _present_all(
+                tgt, [references[e.objid] for e in missing if e.objid in references]
+            )
             selected, skipped = [], []
             for entry in missing:
                 referenced = references.get(entry.objid)
-                if referenced is not None and not _present_on_target(tgt, referenced):
+                if referenced is not None and not on_target[_key(referenced)]:
                     identity = _identity(addresses, entry)
                     skipped.append(
                         f"{identity}: references {referenced.identity}, which is not on the "
