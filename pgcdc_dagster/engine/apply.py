@@ -7,7 +7,8 @@ Data flow::
          ▼                                                        ▼
     origin progress ──checks──▶ BEGIN; session_replication_role = replica
                                 ALTER TABLE ... ADD COLUMN      (schema drift, if any)
-                                temp staging tables (typed like the target's columns)
+                                temp staging tables (typed like the target's columns),
+                                                                (few rows: inline in the merge)
                                 COPY into the target            (insert-only tables without
                                                                  identity: no staging table)
                                 TRUNCATE                        (tables the range truncated)
@@ -89,7 +90,16 @@ from .identifiers import TableName
 from .lsn import Lsn
 from .origin import mark_transaction, require_progress, reset_session, setup_session
 from .spark_staging import SharedStage, stage_on_spark
-from .staging import copy_into, copy_rows, create_stage, drop_shared, flag, typed_as
+from .staging import (
+    copy_into,
+    copy_rows,
+    create_stage,
+    drop_shared,
+    flag,
+    inline_fits,
+    inline_stage,
+    typed_as,
+)
 from .store import OutputStore, StoredRange
 
 if TYPE_CHECKING:
@@ -160,6 +170,9 @@ class TargetColumn:
     typmod: int
     type_sql: str
     """``format_type`` of the column on the target."""
+    type_name_sql: str
+    """The same without the type modifier (``format_type(type, -1)``: ``"bit"``, not ``bit``,
+    which a cast reads as ``bit(1)``): what inline staging casts the column's values to."""
     generated: bool
     has_equality: bool
     identity_always: bool
@@ -349,7 +362,8 @@ def _commit_time(us: int | None) -> dt.datetime:
 
 _TARGET_COLUMNS = """
 SELECT n.nspname, c.relname, a.attname, a.atttypid::int8, a.atttypmod,
-       format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
+       format_type(a.atttypid, a.atttypmod), format_type(a.atttypid, -1),
+       a.attgenerated <> '',
        EXISTS (SELECT FROM pg_operator o WHERE o.oprname = '=' AND o.oprleft = a.atttypid
                AND o.oprright = a.atttypid),
        a.attidentity = 'a',
@@ -386,13 +400,12 @@ def read_target_tables(
     columns: dict[TableName, dict[str, TargetColumn]] = {t: {} for t in tables}
     found: set[TableName] = set()
     pk: dict[TableName, list[tuple[int, str]]] = {t: [] for t in tables}
-    for schema, rel, name, oid, typmod, type_sql, generated, eq, always, pk_pos in conn.execute(
-        _TARGET_COLUMNS, params
-    ).fetchall():
+    for row in conn.execute(_TARGET_COLUMNS, params).fetchall():
+        schema, rel, name, oid, typmod, type_sql, type_name_sql, generated, eq, always, pk_pos = row
         table = TableName(schema, rel)
         found.add(table)
         columns[table][name] = TargetColumn(
-            name, int(oid), int(typmod), type_sql, generated, eq, always
+            name, int(oid), int(typmod), type_sql, type_name_sql, generated, eq, always
         )
         if pk_pos:
             pk[table].append((int(pk_pos), name))
@@ -613,8 +626,10 @@ def _writable(conn: psycopg.Connection[Any], stage: _Staged) -> Iterator[None]:
 class _Staged:
     net: NetChanges
     target: TargetTable
-    upserts: sql.Identifier | None = None
-    deletes: sql.Identifier | None = None
+    upserts: sql.Composable | None = None
+    """Where the merge reads the rows to upsert: a temporary table's name or, for few rows the
+    merge only reads, an inline subquery (:func:`.staging.inline_stage`)."""
+    deletes: sql.Composable | None = None
     ordered: sql.Identifier | None = None
     ordered_name: str = ""
     keep: list[int] = field(default_factory=list)
@@ -631,7 +646,9 @@ class _Staged:
 
 def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: TargetTable) -> _Staged:
     """COPY the table's net rows into temp tables typed like the target's columns (so the
-    server parses each value once, in COPY, and the SQL needs no casts). Dropped at COMMIT."""
+    server parses each value once, in COPY, and the SQL needs no casts; dropped at COMMIT),
+    or, when they are few and the merge only reads them, stage them inline in its statements
+    (:func:`.staging.inline_stage`)."""
     stage = _Staged(net, target, net_rows=net.net.num_rows)
     rel = net.relation
     names = rel.names
@@ -669,30 +686,50 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
         copy_rows(conn, stage.ordered, table.select(staged_names), rel.table)
         return stage
 
+    ident = rel.identity_positions
+
+    def type_of(j: int) -> sql.Composable:
+        return sql.SQL(target.columns[names[j]].type_name_sql)
+
     deletes = net.deletes
-    if deletes.num_rows:
-        stage.deletes = sql.Identifier(f"pgcdc_del_{i}")
-        ident = rel.identity_positions
+    if deletes.num_rows and inline_fits(deletes):
+        stage.deletes = inline_stage(deletes, [type_of(p) for p in ident])
+    elif deletes.num_rows:
+        stage.deletes = name = sql.Identifier(f"pgcdc_del_{i}")
         cols = [typed_as(rel, p, f"k{j}") for j, p in enumerate(ident)]
-        create_stage(conn, stage.deletes, rel.table, cols)
-        copy_rows(conn, stage.deletes, deletes, rel.table)
+        create_stage(conn, name, rel.table, cols)
+        copy_rows(conn, name, deletes, rel.table)
     upserts = net.upserts
     stage.upsert_rows = upserts.num_rows
     if upserts.num_rows:
-        stage.upserts = sql.Identifier(f"pgcdc_up_{i}")
         stage.keep = _flagged(upserts, "u", width)
         k = len(rel.identity)
         stage.has_origin = k > 0 and upserts.column("f0").null_count < upserts.num_rows
-        ident = rel.identity_positions
         cols = [typed_as(rel, j, f"c{j}") for j in range(width)]
         cols += [flag(f"u{j}") for j in stage.keep]
+        types = [type_of(j) for j in range(width)] + [_BOOLEAN] * len(stage.keep)
         staged_names = [f"c{j}" for j in range(width)] + [f"u{j}" for j in stage.keep]
         if stage.has_origin:
             cols += [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
+            types += [type_of(p) for p in ident]
             staged_names += [f"f{j}" for j in range(k)]
-        create_stage(conn, stage.upserts, rel.table, cols)
-        copy_rows(conn, stage.upserts, upserts.select(staged_names), rel.table)
+        rows = upserts.select(staged_names)
+        if inline_fits(rows) and not _fills_from_origin(stage):
+            stage.upserts = inline_stage(rows, types)
+        else:
+            stage.upserts = name = sql.Identifier(f"pgcdc_up_{i}")
+            create_stage(conn, name, rel.table, cols)
+            copy_rows(conn, name, rows, rel.table)
     return stage
+
+
+_BOOLEAN = sql.SQL("boolean")
+
+
+def _fills_from_origin(stage: _Staged) -> bool:
+    """Moved rows have values the range did not send, which the merge first copies into the
+    staged rows from their origin key (an UPDATE of the staging table: it must be one)."""
+    return stage.has_origin and bool(stage.keep)
 
 
 def _flagged(table: pa.Table, prefix: str, width: int) -> list[int]:
@@ -739,7 +776,7 @@ def _apply_collapsed(
     def staged(prefix: str, j: int) -> sql.Composable:
         return sql.SQL("s.{}").format(sql.Identifier(f"{prefix}{j}"))
 
-    if stage.upserts is not None and stage.has_origin and stage.keep:
+    if stage.upserts is not None and _fills_from_origin(stage):
         # A moved row's values never sent in the range are those of the row it came from.
         sets = [
             sql.SQL("{c} = CASE WHEN {u} THEN o.{n} ELSE {c2} END").format(

@@ -1,11 +1,19 @@
 """Staging tables: where a range's net rows wait on the target before the set-based merge.
 
-Two kinds, one layout (column ``c<j>`` typed like the target's column ``j``, ``u<j>`` keep
+Three kinds, one layout (column ``c<j>`` typed like the target's column ``j``, ``u<j>`` keep
 flags, ``f<j>``/``k<j>`` identity values, ``o<j>``/``m<j>`` old values of a table without
-identity), so the merge SQL of :mod:`.apply` reads either:
+identity), so the merge SQL of :mod:`.apply` reads any of them:
+
+* **inline** rows (:func:`inline_stage`): a subquery that unnests one text-array literal per
+  column, for a table whose net rows are few (:data:`INLINE_MAX_VALUES`) and which the merge
+  only reads. A temporary table costs its catalog rows, a COPY and a drop at COMMIT, about
+  2 ms on the server and as much again in this process, whatever its size: with hundreds of
+  tables changed a little each, the staging of a range took 0.9-1.6 s for 200 tables;
 
 * **temporary** tables (``ON COMMIT DROP``) filled by the driver inside the apply transaction,
-  for ranges compacted in this process;
+  for ranges compacted in this process: a table's net rows past that size, those the merge
+  updates in place (moved rows whose unsent values come from their origin key), and the
+  ordered replay of a table without identity;
 * **shared** tables, ordinary ``UNLOGGED`` tables in schema :data:`SCHEMA`, filled by Spark's
   workers before the apply transaction (:mod:`.spark_staging`): they must be visible to every
   worker's session. They hold no progress of their own: the apply transaction reads them and
@@ -21,6 +29,7 @@ from typing import Any
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from psycopg import sql
 
@@ -37,6 +46,14 @@ exactly its own rows."""
 
 _COPY_BATCH_ROWS = 65_536
 
+INLINE_MAX_VALUES = 2_000
+"""Net rows of a table with at most this many values (rows times staged columns) are staged
+inline (:func:`inline_stage`) rather than in a temporary table. Measured on 10 tables of
+3 columns, staging plus merge per range: 100 rows a table 0.02-0.03 s inline against
+0.08-0.09 s, 300 rows 0.05-0.07 s against 0.09-0.10 s, 1,000 rows even (0.15-0.16 s against
+0.17-0.18 s), 4,000 rows 0.51-0.58 s against 0.45-0.52 s: past a few thousand values the
+server's parsing of the literals costs more than a COPY."""
+
 
 def typed_as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
     """A staging column typed like the target column at ``position`` of the relation (read
@@ -46,6 +63,35 @@ def typed_as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
 
 def flag(alias: str) -> sql.Composable:
     return sql.SQL("false AS {}").format(sql.Identifier(alias))
+
+
+def inline_stage(rows: pa.Table, types: Sequence[sql.Composable]) -> sql.Composed:
+    """``rows`` as a subquery that the merge reads as it reads their staging table: the same
+    column names, each column its values' text as one ``text[]`` literal, unnested side by side
+    and cast to ``types`` (the target column's type without its modifier, or ``boolean`` for a
+    flag).
+
+    What must hold: the values are what COPY would have read. The cast from text runs the
+    type's input function, as COPY does; the modifier (a length, a precision) is left to the
+    assignment into the target's column, which enforces it as COPY into a column so typed
+    would (an explicit cast to ``varchar(10)`` would truncate instead). NULL stays NULL (an
+    unquoted NULL element); any other text, ``'NULL'`` included, is quoted by
+    :class:`psycopg.sql.Literal`."""
+    names = [sql.Identifier(name) for name in rows.column_names]
+    arrays = [
+        sql.SQL("{}::text[]").format(sql.Literal(pc.cast(column, pa.string()).to_pylist()))
+        for column in rows.columns
+    ]
+    casts = [
+        sql.SQL("v.{n}::{t} AS {n}").format(n=n, t=t) for n, t in zip(names, types, strict=True)
+    ]
+    return sql.SQL("(SELECT {} FROM unnest({}) AS v({}))").format(
+        sql.SQL(", ").join(casts), sql.SQL(", ").join(arrays), sql.SQL(", ").join(names)
+    )
+
+
+def inline_fits(rows: pa.Table) -> bool:
+    return rows.num_rows * rows.num_columns <= INLINE_MAX_VALUES
 
 
 def create_stage(

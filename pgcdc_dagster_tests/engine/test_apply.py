@@ -142,7 +142,17 @@ ALTER TABLE items ALTER COLUMN big SET STORAGE EXTERNAL;
 """
 
 
-def test_insert_update_delete_of_one_key_in_one_range_nets_out(make_replica):
+@pytest.fixture(params=["inline", "temp_tables"])
+def staged(request, monkeypatch) -> int:
+    """Both ways the merge reads a table's net rows: inline in its statements (few rows, the
+    default in these tests) and from temporary tables (past ``INLINE_MAX_VALUES``, here 0).
+    Returns the limit in force."""
+    if request.param == "temp_tables":
+        monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
+    return staging.INLINE_MAX_VALUES
+
+
+def test_insert_update_delete_of_one_key_in_one_range_nets_out(make_replica, staged):
     replica = make_replica(ITEMS, ["items"])
     replica.source("INSERT INTO items (id, name, n) VALUES (1, 'a', 1), (2, 'b', 2), (3, 'c', 3)")
     first = replica.sync()
@@ -189,7 +199,7 @@ def test_primary_key_update_moves_the_row_and_its_unsent_toast_value(make_replic
     assert result.tables["public.items"].deleted == 1  # key 1; 2 and 3 were re-used
 
 
-def test_update_of_toasted_row_leaves_the_toast_column_untouched(make_replica):
+def test_update_of_toasted_row_leaves_the_toast_column_untouched(make_replica, staged):
     replica = make_replica(ITEMS, ["items"])
     replica.source(f"INSERT INTO items VALUES (1, 'a', 1, {big('a')}), (2, 'b', 2, {big('b')})")
     replica.sync()
@@ -204,6 +214,73 @@ def test_update_of_toasted_row_leaves_the_toast_column_untouched(make_replica):
     result = replica.apply(stored)
     assert result.tables["public.items"].updated == 2
     replica.assert_in_sync()
+
+
+ODD_VALUES = """
+CREATE SCHEMA "Odd Schema";
+CREATE TYPE "Odd Schema"."Mood" AS ENUM ('ok', 'not ok', 'NULL');
+CREATE DOMAIN positive AS int CHECK (VALUE > 0);
+CREATE TYPE pair AS (a int, b text);
+CREATE TABLE odd (
+    id int, part text, short varchar(10), padded char(5), money numeric(6, 2),
+    grid int[], doc jsonb, raw bytea, at timestamptz(3), span interval, bits bit(3),
+    mood "Odd Schema"."Mood", pos positive, spot point, duo pair,
+    PRIMARY KEY (id, part)
+);
+"""
+
+ODD_ROW = (
+    "({id}, {part}, 'a,b{{c}}', 'ab', 123.456, '{{{{1,2}},{{3,NULL}}}}', "
+    """'{{"k": "v\\\\ \\"q\\""}}', '\\x00ff', '2026-11-26 12:00:00.123456+00', """
+    "'1 day 02:03:04', B'101', {mood}, 7, '(1.5,2)', ROW(1, 'x,\"y\"'))"
+)
+
+
+def test_values_of_every_kind_arrive_exactly_however_they_are_staged(make_replica, staged):
+    """Inline staging casts each value's text to its column's type and leaves the typmod to the
+    assignment, so the target gets what COPY into a staging table gave it: quotes, commas,
+    braces, backslashes, the string 'NULL', empty strings and NULLs, 2-D arrays, a padded
+    char, a rounded numeric, a typmod'd timestamp, a bit(3) (which ``::bit`` would cut to
+    one bit), an enum in a schema off the search path, a
+    domain, a type without equality and a composite, in a composite key."""
+    replica = make_replica(ODD_VALUES, ["odd"])
+    keys = [("'NULL'", "'NULL'"), ("''", "'not ok'"), ("'x\\y'", "NULL"), ("'\"'", "'ok'")]
+    rows = [ODD_ROW.format(id=i, part=part, mood=mood) for i, (part, mood) in enumerate(keys)]
+    replica.source("INSERT INTO odd VALUES " + ", ".join(rows))
+    replica.sync()
+    replica.source(
+        "UPDATE odd SET short = NULL, padded = 'abcde', money = -1.005, grid = '{}' WHERE id = 0",
+        "UPDATE odd SET part = 'moved ''here''', doc = 'null', raw = '' WHERE id = 1",
+        "DELETE FROM odd WHERE id = 2",
+        "INSERT INTO odd (id, part, short, mood, duo) "
+        "VALUES (9, 'NULL', '', 'NULL', ROW(NULL, ''))",
+    )
+    result = replica.sync()
+    assert result.status == ApplyStatus.APPLIED
+    counts = result.tables["public.odd"]
+    assert (counts.inserted, counts.updated, counts.deleted) == (2, 1, 2)
+    replica.assert_in_sync()
+    assert len(replica.target_rows("odd")) == 4
+
+
+def test_a_keyed_row_the_target_refuses_stops_the_apply_however_it_is_staged(make_replica, staged):
+    """A value the target refuses fails the merge statement, inline or from a staging table:
+    the table and the server's reason named, nothing of the range applied, the origin where it
+    was."""
+    replica = make_replica(ITEMS, ["items"])
+    replica.target("ALTER TABLE items ADD CONSTRAINT short CHECK (length(name) <= 3)")
+    replica.source("INSERT INTO items (id, name) VALUES (1, 'ok')")
+    replica.sync()
+    progress = replica.progress()
+    replica.source("UPDATE items SET name = 'abc'", "INSERT INTO items VALUES (2, 'too long')")
+    with pytest.raises(
+        ApplyError,
+        match=r"applying the changes of table public.items failed: "
+        r'new row for relation "items" violates check constraint "short"',
+    ):
+        replica.sync()
+    assert replica.progress() == progress
+    assert replica.target_rows("items") == ["(1,ok,,)"]
 
 
 def test_truncate_mid_range_discards_earlier_changes_and_keeps_later_ones(make_replica):
@@ -291,7 +368,7 @@ def test_a_row_the_target_refuses_stops_the_apply_naming_the_table_and_reason(ma
     assert replica.target_rows("log") == ["(ok)"]
 
 
-def test_replica_identity_using_index_works_like_a_primary_key(make_replica):
+def test_replica_identity_using_index_works_like_a_primary_key(make_replica, staged):
     replica = make_replica(
         """
         CREATE TABLE coded (code text NOT NULL, v int, note text);
@@ -378,15 +455,26 @@ def test_missing_origin_is_a_clear_error(make_replica):
         apply_range(replica.target_dsn, stored, "pgcdc_no_such_slot")
 
 
-def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_replica):
-    replica = make_replica(ITEMS, ["items"])
-    replica.source("INSERT INTO items (id, name) SELECT g, 'v' || g FROM generate_series(1, 50) g")
+def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_replica, staged):
+    """SIGKILL of an apply whose transaction already wrote one table (``accounts``, applied
+    first) and waits for the lock of the next (``items``): neither table keeps anything of the
+    range, the origin stays, and applying again converges."""
+    replica = make_replica(
+        ITEMS + "CREATE TABLE accounts (id int PRIMARY KEY, balance int);", ["accounts", "items"]
+    )
+    replica.source(
+        "INSERT INTO items (id, name) SELECT g, 'v' || g FROM generate_series(1, 50) g",
+        "INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 10) g",
+    )
     replica.sync()
-    before, progress = replica.target_rows("items"), replica.progress()
+    before = {t: replica.target_rows(t) for t in replica.tables}
+    progress = replica.progress()
     replica.source(
         "UPDATE items SET n = id WHERE id <= 25",
         "DELETE FROM items WHERE id > 40",
         "INSERT INTO items (id, name) VALUES (100, 'new')",
+        "UPDATE accounts SET balance = balance + id",
+        "INSERT INTO accounts VALUES (11, 11)",
     )
     stored = replica.receive()
 
@@ -394,9 +482,11 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
         # SHARE lets the apply stage (it reads items' column types) but not write to items.
         blocker.execute("LOCK TABLE items IN SHARE MODE")
         script = (
-            "import sys; from pgcdc_dagster.engine.apply import apply_range; "
+            "import sys; from pgcdc_dagster.engine import staging; "
+            "from pgcdc_dagster.engine.apply import apply_range; "
             "from pgcdc_dagster.engine.store import OutputStore; "
             "from pgcdc_dagster.engine.lsn import LsnRange; "
+            "staging.INLINE_MAX_VALUES = int(sys.argv[5]); "
             "store = OutputStore(sys.argv[1]); "
             "apply_range(sys.argv[2], store.get(LsnRange.from_key(sys.argv[3])), sys.argv[4])"
         )
@@ -409,6 +499,7 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
                 replica.target_dsn,
                 stored.range.key,
                 ORIGIN,
+                str(staged),
             ],
             env={**os.environ, "PGAPPNAME": "pgcdc_killed_apply"},
         )
@@ -422,7 +513,7 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
     _wait_for_backend_exit(replica.target_dsn, backend, timeout=30)
 
     assert replica.progress() == progress
-    assert replica.target_rows("items") == before
+    assert {t: replica.target_rows(t) for t in replica.tables} == before
     result = replica.apply(stored)
     assert result.status == ApplyStatus.APPLIED
     replica.assert_in_sync()
