@@ -12,16 +12,19 @@ Per repeat, in the same run, on fresh target databases:
 2. with the native subscription disabled, ``--transactions`` transactions that each update
    one row of every table; then ``pgcdc catchup --endpos current`` from a fresh process,
    against the native subscription enabled again, timed until its slot confirms the same end.
+   ``--server warm``: the catch-up runs with the command server an earlier command left up
+   (started after the snapshot, outside the timing), as a user's second command does.
 
 Both targets are compared with the source, table by table (row counts and an aggregate).
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/many_tables.py [--tables 200]
-[--rows 200] [--transactions 5] [--repeat 1] [--json F]``.
+[--rows 200] [--transactions 5] [--repeat 1] [--server off|warm] [--json F]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import bench_clusters
+from apply import bench_clusters, warm_command_server
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
@@ -101,6 +104,7 @@ def pgcdc_env(work: Path, source_dsn: str, target: LocalCluster, run: int) -> di
             f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/dagster_{run}"
         ),
         "PGCDC_SERVER": "off",
+        "PGCDC_SERVER_DIR": str(work / f"srv_{run}"),
     }
     # A user's Dagster storage already has its schema: create it outside the timing.
     subprocess.run(
@@ -200,7 +204,11 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
         ours_snapshot = timed_command(env, work, "snapshot")
         native_dsn, native_snapshot = native_initial_sync(source_dsn, target, run)
         end = write_backlog(source_dsn, args.tables, args.transactions)
-        ours_catchup = timed_command(env, work, "catchup", "--endpos", str(end))
+        with contextlib.ExitStack() as stack:
+            if args.server == "warm":
+                env = {**env, "PGCDC_SERVER": "auto"}
+                stack.enter_context(warm_command_server(env))
+            ours_catchup = timed_command(env, work, "catchup", "--endpos", str(end))
         native_catchup_s = native_catchup(source_dsn, native_dsn, run, end)
         expected = fingerprint(source_dsn, args.tables)
         return {
@@ -221,6 +229,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--transactions", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--server",
+        choices=("off", "warm"),
+        default="off",
+        help="off: every command cold; warm: the catch-up with the command server up",
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     runs = [one_run(args, i) for i in range(args.repeat)]
@@ -228,6 +242,7 @@ def main() -> None:
         "tables": args.tables,
         "rows": args.rows,
         "transactions": args.transactions,
+        "catchup_command_server": args.server,
         "median_snapshot_ratio": statistics.median(r["snapshot_ratio"] for r in runs),
         "median_catchup_ratio": statistics.median(r["catchup_ratio"] for r in runs),
         "runs": runs,
