@@ -219,7 +219,6 @@ def _target_tables(
             pipeline.check_range_order(pipeline.store_of(settings), rng)
             received = pipeline.stored_range(settings, rng).manifest.result
             applied = pipeline.apply_stored_range(settings, rng, spark=lambda: spark.spark_session)
-            lag = _lag(settings)
             gap = no_gap_evaluation(
                 settings,
                 specs[0].key,
@@ -233,7 +232,7 @@ def _target_tables(
         for table in tables:
             yield MaterializeResult(
                 asset_key=target_key(table),
-                metadata=apply_metadata(table, received, applied, lag, rows.get(table)),
+                metadata=apply_metadata(table, received, applied, rows.get(table)),
             )
         yield AssetCheckResult(
             asset_key=gap.asset_key,

@@ -66,17 +66,25 @@ def table_metadata(table: TableName, columns: list[ColumnInfo] | None) -> dict[s
     return meta
 
 
-def receive_metadata(
-    result: RangeResult, lag_bytes: int | None, uri: str | None = None
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        PARTITION_ROW_COUNT: number(result.changes),
+def watermarks(result: RangeResult) -> dict[str, Any]:
+    """Where a range starts and ends and how its end fell: on every partition of the range."""
+    return {
         "start_lsn": text(result.start_lsn),
         "endpos": text(result.endpos),
         "transform_lsn": text(result.transform_lsn or "none (no transaction in range)"),
-        "safe_point": text(result.safe_point),
         "last_xid": number(result.last_xid) if result.last_xid is not None else text("none"),
         "endpos_outcome": text(result.endpos_outcome),
+    }
+
+
+def receive_metadata(
+    result: RangeResult, lag_bytes: int | None, uri: str | None = None
+) -> dict[str, Any]:
+    """A ``decoded_changes`` partition: the watermarks and what the range holds."""
+    meta: dict[str, Any] = {
+        PARTITION_ROW_COUNT: number(result.changes),
+        **watermarks(result),
+        "safe_point": text(result.safe_point),
         "transactions": number(result.transactions),
         "changes": number(result.changes),
         "inserts": number(result.inserts),
@@ -99,15 +107,20 @@ def apply_metadata(
     table: TableName,
     received: RangeResult,
     applied: ApplyResult,
-    lag_bytes: int | None,
     row_count: int | None = None,
 ) -> dict[str, Any]:
     """A target table's partition: the range's watermarks, what the apply did to this table,
-    and (when known exactly) how many rows the table holds afterwards."""
+    and (when known exactly) how many rows the table holds afterwards.
+
+    Not what the range holds as a whole (its transactions, changes by kind, bytes, receive
+    time, the source's lag): that is the ``decoded_changes`` partition's, said once. Every
+    materialisation is serialised and written about three times by Dagster's storage, and a
+    range records one per replicated table (measured, 200 tables: 7.3-8.3 ms an event with
+    those fields, 5.8-6.2 ms without)."""
     counts = applied.tables.get(str(table))
     meta = {
-        **receive_metadata(received, lag_bytes),
         PARTITION_ROW_COUNT: number(counts.changes if counts else 0),
+        **watermarks(received),
         "replay_lsn": text(applied.replay_lsn or "none"),
         "apply_status": text(applied.status),
         "table_changes": number(counts.changes if counts else 0),

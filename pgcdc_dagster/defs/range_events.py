@@ -184,7 +184,7 @@ def range_events(
         AssetMaterialization(
             target_key(table),
             partition=received.range_key,
-            metadata=apply_metadata(table, received, applied, lag_bytes, row_counts.get(table)),
+            metadata=apply_metadata(table, received, applied, row_counts.get(table)),
         )
         for table in tables
     ]
