@@ -74,14 +74,25 @@ def count_rows(
     conn: psycopg.Connection[Any], tables: Sequence[TableName], timeout_s: float
 ) -> dict[TableName, int | None]:
     """Exact row counts, each bounded by ``timeout_s`` (``None`` for a table that takes longer:
-    a count for the UI must never hold up replication)."""
+    a count for the UI must never hold up replication).
+
+    ``conn`` is in autocommit: each count is one statement and one round trip under the
+    session's ``statement_timeout``, set for the counts and put back after them (a
+    transaction with ``SET LOCAL`` around each count took four: 0.2-0.5 s for 200 small
+    tables)."""
     counts: dict[TableName, int | None] = {}
-    for table in tables:
-        try:
-            with conn.transaction():
-                conn.execute(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
+    (before,) = conn.execute("SELECT current_setting('statement_timeout')").fetchone()  # type: ignore[misc]
+    conn.execute(
+        "SELECT set_config('statement_timeout', %s, false)", (f"{int(timeout_s * 1000)}ms",)
+    )
+    try:
+        for table in tables:
+            try:
                 row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.sql)).fetchone()
-            counts[table] = int(row[0]) if row else None
-        except errors.QueryCanceled:
-            counts[table] = None
+                counts[table] = int(row[0]) if row else None
+            except errors.QueryCanceled:
+                counts[table] = None
+    finally:
+        if not conn.closed:
+            conn.execute("SELECT set_config('statement_timeout', %s, false)", (before,))
     return counts
