@@ -159,6 +159,13 @@ def load_defs() -> Any:
     return defs()
 
 
+def _definitions_of(job: str) -> Any:
+    from ..definitions import op_job_definitions
+    from .jobs import FOLLOW_JOB, PRUNE_JOB
+
+    return op_job_definitions() if job in (FOLLOW_JOB, PRUNE_JOB) else load_defs()
+
+
 def run_job(
     name: str,
     *,
@@ -172,7 +179,7 @@ def run_job(
     from ..engine import processes
     from .runs import PROCESS_TAG
 
-    job = load_defs().resolve_job_def(name)
+    job = _definitions_of(name).resolve_job_def(name)
     result = job.execute_in_process(
         instance=dagster_instance(),
         partition_key=partition_key,
