@@ -133,8 +133,7 @@ def build_definitions(
             tags={RANGE_LOCK_TAG: "snapshot"},
             description="Take the base snapshot (initial copy) of the source.",
         ),
-        build_follow_job(tables),
-        build_prune_job(),
+        *op_jobs(tables),
         define_asset_job(
             "slot_health",
             selection=AssetSelection.checks(slot_health, store_retention),
@@ -171,17 +170,19 @@ def build_definitions(
     )
 
 
+def op_jobs(tables: list[TableName]) -> list[Any]:
+    """The location's op jobs: they need the table list, not the asset graph."""
+    return [build_follow_job(tables), build_prune_job()]
+
+
 def op_job_definitions() -> Definitions:
-    """The location's op jobs (``follow``, ``prune``) with its resources, and nothing else: for
-    a command that runs one of them in its own process. They need the table list, not the
-    asset graph, whose specs cost every ``pgcdc catchup`` 0.3-0.7 s with 200 tables (three
-    assets a table) and a query for the columns; the daemon's runs load the whole location as
-    the UI shows it."""
+    """The location's op jobs with its resources, and nothing else: for a command that runs
+    one of them in its own process. The asset graph's specs cost every ``pgcdc catchup``
+    0.3-0.7 s with 200 tables (three assets a table) and a query for the columns; the daemon's
+    runs load the whole location as the UI shows it."""
     tables, _ = resolve_tables(os.environ)
     settings = ReplicationSettings.from_env(require_servers=False)
-    return Definitions(
-        jobs=[build_follow_job(tables), build_prune_job()], resources=default_resources(settings)
-    )
+    return Definitions(jobs=op_jobs(tables), resources=default_resources(settings))
 
 
 @definitions

@@ -44,6 +44,8 @@ from .runs import RANGE_LOCK_TAG
 
 FOLLOW_JOB = "follow"
 PRUNE_JOB = "prune"
+OP_JOBS = (FOLLOW_JOB, PRUNE_JOB)
+"""The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
 

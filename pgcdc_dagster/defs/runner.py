@@ -160,10 +160,12 @@ def load_defs() -> Any:
 
 
 def _definitions_of(job: str) -> Any:
+    """Where ``job`` is resolved: the op jobs alone (:func:`..definitions.op_job_definitions`)
+    or the whole location."""
     from ..definitions import op_job_definitions
-    from .jobs import FOLLOW_JOB, PRUNE_JOB
+    from .jobs import OP_JOBS
 
-    return op_job_definitions() if job in (FOLLOW_JOB, PRUNE_JOB) else load_defs()
+    return op_job_definitions() if job in OP_JOBS else load_defs()
 
 
 def run_job(

@@ -687,40 +687,48 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
         return stage
 
     ident = rel.identity_positions
-
-    def type_of(j: int) -> sql.Composable:
-        return sql.SQL(target.columns[names[j]].type_name_sql)
-
     deletes = net.deletes
-    if deletes.num_rows and inline_fits(deletes):
-        stage.deletes = inline_stage(deletes, [type_of(p) for p in ident])
-    elif deletes.num_rows:
-        stage.deletes = name = sql.Identifier(f"pgcdc_del_{i}")
-        cols = [typed_as(rel, p, f"k{j}") for j, p in enumerate(ident)]
-        create_stage(conn, name, rel.table, cols)
-        copy_rows(conn, name, deletes, rel.table)
+    if deletes.num_rows:
+        spec = [(f"k{j}", p) for j, p in enumerate(ident)]
+        stage.deletes = _stage_rows(conn, f"pgcdc_del_{i}", deletes, spec, target, rel)
     upserts = net.upserts
     stage.upsert_rows = upserts.num_rows
     if upserts.num_rows:
         stage.keep = _flagged(upserts, "u", width)
-        k = len(rel.identity)
-        stage.has_origin = k > 0 and upserts.column("f0").null_count < upserts.num_rows
-        cols = [typed_as(rel, j, f"c{j}") for j in range(width)]
-        cols += [flag(f"u{j}") for j in stage.keep]
-        types = [type_of(j) for j in range(width)] + [_BOOLEAN] * len(stage.keep)
-        staged_names = [f"c{j}" for j in range(width)] + [f"u{j}" for j in stage.keep]
+        stage.has_origin = bool(ident) and upserts.column("f0").null_count < upserts.num_rows
+        spec = [(f"c{j}", j) for j in range(width)] + [(f"u{j}", None) for j in stage.keep]
         if stage.has_origin:
-            cols += [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
-            types += [type_of(p) for p in ident]
-            staged_names += [f"f{j}" for j in range(k)]
-        rows = upserts.select(staged_names)
-        if inline_fits(rows) and not _fills_from_origin(stage):
-            stage.upserts = inline_stage(rows, types)
-        else:
-            stage.upserts = name = sql.Identifier(f"pgcdc_up_{i}")
-            create_stage(conn, name, rel.table, cols)
-            copy_rows(conn, name, rows, rel.table)
+            spec += [(f"f{j}", p) for j, p in enumerate(ident)]
+        rows = upserts.select([alias for alias, _ in spec])
+        inline = not _fills_from_origin(stage)
+        stage.upserts = _stage_rows(conn, f"pgcdc_up_{i}", rows, spec, target, rel, inline)
     return stage
+
+
+def _stage_rows(
+    conn: psycopg.Connection[Any],
+    name: str,
+    rows: pa.Table,
+    spec: Sequence[tuple[str, int | None]],
+    target: TargetTable,
+    rel: TableRelation,
+    inline: bool = True,
+) -> sql.Composable:
+    """Stage ``rows``, whose columns ``spec`` names with the position of the target column each
+    is typed like (``None``: a boolean flag), and say where the merge reads them: inline when
+    allowed and they are few (:func:`.staging.inline_stage`), else the temporary table
+    ``name``."""
+    if inline and inline_fits(rows):
+        types = [
+            _BOOLEAN if j is None else sql.SQL(target.columns[rel.names[j]].type_name_sql)
+            for _, j in spec
+        ]
+        return inline_stage(rows, types)
+    table = sql.Identifier(name)
+    columns = [flag(alias) if j is None else typed_as(rel, j, alias) for alias, j in spec]
+    create_stage(conn, table, rel.table, columns)
+    copy_rows(conn, table, rows, rel.table)
+    return table
 
 
 _BOOLEAN = sql.SQL("boolean")
