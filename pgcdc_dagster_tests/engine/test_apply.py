@@ -268,19 +268,33 @@ def test_a_keyed_row_the_target_refuses_stops_the_apply_however_it_is_staged(mak
     the table and the server's reason named, nothing of the range applied, the origin where it
     was."""
     replica = make_replica(ITEMS, ["items"])
-    replica.target("ALTER TABLE items ADD CONSTRAINT short CHECK (length(name) <= 3)")
-    replica.source("INSERT INTO items (id, name) VALUES (1, 'ok')")
+    _assert_refused(
+        replica,
+        "items",
+        "name",
+        ["INSERT INTO items (id, name) VALUES (1, 'ok')"],
+        ["UPDATE items SET name = 'abc'", "INSERT INTO items VALUES (2, 'too long')"],
+    )
+    assert replica.target_rows("items") == ["(1,ok,,)"]
+
+
+def _assert_refused(
+    replica: Replica, table: str, column: str, before: list[str], refused: list[str]
+) -> None:
+    """With a check on the target only (``column`` at most 3 characters), ``before`` applies
+    and the range of ``refused`` fails naming the table and the check, leaving the origin."""
+    replica.target(f"ALTER TABLE {table} ADD CONSTRAINT short CHECK (length({column}) <= 3)")
+    replica.source(*before)
     replica.sync()
     progress = replica.progress()
-    replica.source("UPDATE items SET name = 'abc'", "INSERT INTO items VALUES (2, 'too long')")
+    replica.source(*refused)
     with pytest.raises(
         ApplyError,
-        match=r"applying the changes of table public.items failed: "
-        r'new row for relation "items" violates check constraint "short"',
+        match=rf"applying the changes of table public.{table} failed: "
+        rf'new row for relation "{table}" violates check constraint "short"',
     ):
         replica.sync()
     assert replica.progress() == progress
-    assert replica.target_rows("items") == ["(1,ok,,)"]
 
 
 def test_truncate_mid_range_discards_earlier_changes_and_keeps_later_ones(make_replica):
@@ -353,18 +367,13 @@ def test_a_row_the_target_refuses_stops_the_apply_naming_the_table_and_reason(ma
     """The COPY straight into the target fails as any apply statement does: the table and the
     server's reason named, nothing of the range applied, the origin where it was."""
     replica = make_replica("CREATE TABLE log (note text)", ["log"])
-    replica.target("ALTER TABLE log ADD CONSTRAINT short CHECK (length(note) <= 3)")
-    replica.source("INSERT INTO log VALUES ('ok')")
-    replica.sync()
-    progress = replica.progress()
-    replica.source("INSERT INTO log VALUES ('abc'), ('too long')")
-    with pytest.raises(
-        ApplyError,
-        match=r"applying the changes of table public.log failed: "
-        r'new row for relation "log" violates check constraint "short"',
-    ):
-        replica.sync()
-    assert replica.progress() == progress
+    _assert_refused(
+        replica,
+        "log",
+        "note",
+        ["INSERT INTO log VALUES ('ok')"],
+        ["INSERT INTO log VALUES ('abc'), ('too long')"],
+    )
     assert replica.target_rows("log") == ["(ok)"]
 
 
