@@ -230,7 +230,7 @@ CREATE TABLE odd (
 """
 
 ODD_ROW = (
-    "({id}, {part}, 'a,b{{c}}', 'ab', 123.456, '{{{{1,2}},{{3,NULL}}}}', "
+    "({id}, {part}, 'a,b{{c}}é€😀', 'ab', 123.456, '{{{{1,2}},{{3,NULL}}}}', "
     """'{{"k": "v\\\\ \\"q\\""}}', '\\x00ff', '2026-11-26 12:00:00.123456+00', """
     "'1 day 02:03:04', B'101', {mood}, 7, '(1.5,2)', ROW(1, 'x,\"y\"'))"
 )
@@ -239,10 +239,10 @@ ODD_ROW = (
 def test_values_of_every_kind_arrive_exactly_however_they_are_staged(make_replica, staged):
     """Inline staging casts each value's text to its column's type and leaves the typmod to the
     assignment, so the target gets what COPY into a staging table gave it: quotes, commas,
-    braces, backslashes, the string 'NULL', empty strings and NULLs, 2-D arrays, a padded
-    char, a rounded numeric, a typmod'd timestamp, a bit(3) (which ``::bit`` would cut to
-    one bit), an enum in a schema off the search path, a
-    domain, a type without equality and a composite, in a composite key."""
+    braces, backslashes, characters beyond ASCII, the string 'NULL', empty strings and NULLs,
+    2-D arrays, a padded char, a rounded numeric, a typmod'd timestamp, a bit(3) (which
+    ``::bit`` would cut to one bit), an enum in a schema off the search path, a domain, a type
+    without equality and a composite, in a composite key."""
     replica = make_replica(ODD_VALUES, ["odd"])
     keys = [("'NULL'", "'NULL'"), ("''", "'not ok'"), ("'x\\y'", "NULL"), ("'\"'", "'ok'")]
     rows = [ODD_ROW.format(id=i, part=part, mood=mood) for i, (part, mood) in enumerate(keys)]
