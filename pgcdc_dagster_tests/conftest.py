@@ -7,10 +7,11 @@ so slots, publications and tables of one test never leak into another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -49,10 +50,19 @@ def target_cluster() -> Iterator[LocalCluster]:
     cluster.destroy()
 
 
-def _fresh_database(cluster: LocalCluster, label: str) -> Iterator[str]:
+def _fresh_database(
+    cluster: LocalCluster, label: str, encoding: str | None = None
+) -> Iterator[str]:
+    """A database of its own on ``cluster`` (in ``encoding``, from template0, when given),
+    dropped with its slots afterwards."""
     name = f"{label}_{uuid.uuid4().hex[:10]}"
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if encoding is not None:
+        create += sql.SQL(" ENCODING {} TEMPLATE template0 LOCALE 'C'").format(
+            sql.Literal(encoding)
+        )
     with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        conn.execute(create)
     try:
         yield cluster.dsn(name)
     finally:
@@ -78,6 +88,21 @@ def source_dsn(source_cluster: LocalCluster) -> Iterator[str]:
 def target_dsn(target_cluster: LocalCluster) -> Iterator[str]:
     """A fresh database on the target cluster."""
     yield from _fresh_database(target_cluster, "tgt")
+
+
+@pytest.fixture
+def encoded_databases(source_cluster, target_cluster) -> Iterator[Callable[[str, str], str]]:
+    """``make(side, encoding)``: the DSN of a fresh database in ``encoding`` on the source
+    (``side="source"``) or target cluster, dropped after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def make(side: str, encoding: str) -> str:
+            cluster = source_cluster if side == "source" else target_cluster
+            made = _fresh_database(cluster, side[:3], encoding)
+            stack.callback(made.close)
+            return next(made)
+
+        yield make
 
 
 @pytest.fixture(scope="session")

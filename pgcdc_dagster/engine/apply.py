@@ -84,7 +84,7 @@ from .compaction import (
     relations_of,
 )
 from .connect import connect
-from .errors import ApplyError
+from .errors import ApplyError, server_reason
 from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn
@@ -760,11 +760,7 @@ def _applying(conn: psycopg.Connection[Any], what: str) -> Iterator[None]:
     except psycopg.Error as exc:
         if conn.broken:
             raise  # the server went away, not the statement: the caller's server_errors says so
-        detail = exc.diag.message_detail
-        raise ApplyError(
-            f"applying {what} failed: {exc.diag.message_primary}"
-            + (f" ({detail})" if detail else "")
-        ) from exc
+        raise ApplyError(f"applying {what} failed: {server_reason(exc)}") from exc
 
 
 def _apply_collapsed(

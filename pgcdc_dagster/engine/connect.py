@@ -89,8 +89,14 @@ def connect(
 
     ``replication=True`` opens a ``replication=database`` walsender connection, the only kind
     that can create a slot with an exported snapshot.
+
+    Every session speaks :data:`CLIENT_ENCODING`, whatever the DSN says (see there).
     """
-    extra: dict[str, Any] = {"application_name": "pgcdc_dagster", **kwargs}
+    extra: dict[str, Any] = {
+        "application_name": "pgcdc_dagster",
+        **kwargs,
+        "client_encoding": CLIENT_ENCODING,
+    }
     if replication:
         extra["replication"] = "database"
         autocommit = True
@@ -109,6 +115,21 @@ def connect(
             f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
         ) from None
 
+
+CLIENT_ENCODING = "UTF8"
+"""The client encoding of every session and libpq tool the engine starts.
+
+Why: the engine handles text as UTF-8 bytes (pgoutput values go into Arrow strings, Arrow
+strings go into COPY and into inline literals, ``pg_restore --list`` names are matched with
+catalog names), and PostgreSQL converts between a session's client encoding and the database's
+both ways: pgoutput's values too, in the session that reads the slot (measured: ``café`` in a
+LATIN1 database peeks as ``636166e9`` under LATIN1 and ``636166c3a9`` under UTF8). Left to the
+default (the database's own encoding), a LATIN1 source failed its snapshot on a table named
+``größe`` (``pg_restore --list`` output read as UTF-8) and would have failed its first
+non-ASCII change. Native logical replication does the same: its subscriber asks the publisher
+for its own database's encoding. What cannot be converted (a character the target's encoding
+lacks; bytes that are not UTF-8 in a ``SQL_ASCII`` database, which PostgreSQL never converts)
+fails with the server's error, as it does natively."""
 
 NO_JIT = "-c jit=off"
 
@@ -238,6 +259,7 @@ def libpq_tool_environment(dsn: str) -> tuple[dict[str, str], list[str]]:
     variable except ``sslpassword``, which is refused.
     """
     params = {key: str(value) for key, value in conninfo_to_dict(dsn).items() if value is not None}
+    params["client_encoding"] = CLIENT_ENCODING  # pg_dump's archive too (see there)
     env = {"PGAPPNAME": "pgcdc_dagster"}
     leftover: dict[str, str] = {}
     for key, value in params.items():

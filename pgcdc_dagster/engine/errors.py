@@ -7,6 +7,11 @@ Messages never carry a connection string or a password: servers are named by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psycopg
+
 
 class PgcdcError(RuntimeError):
     """A problem the user must act on; ``str()`` is one line that names the fix."""
@@ -18,3 +23,21 @@ class ApplyError(PgcdcError):
 
 class OriginError(ApplyError):
     """The target's replication origin is missing, unset or held by another session."""
+
+
+_FIXES = {
+    "22P05": "the target database's encoding cannot hold this character: replicate into a "
+    "database created with ENCODING 'UTF8'",
+}
+"""The fix for a server error a value can cause on the target, by SQLSTATE, where we know
+one (``22P05``: untranslatable character)."""
+
+
+def server_reason(exc: psycopg.Error, otherwise: str | None = None) -> str:
+    """The server's reason for ``exc`` in one line: its message, its detail, and the fix
+    where :data:`_FIXES` knows it (``otherwise``, when given, where it does not)."""
+    reason = (exc.diag.message_primary or str(exc)).strip()
+    if exc.diag.message_detail:
+        reason += f" ({exc.diag.message_detail})"
+    fix = _FIXES.get(exc.sqlstate or "", otherwise)
+    return f"{reason}; {fix}" if fix else reason

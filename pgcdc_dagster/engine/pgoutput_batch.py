@@ -209,7 +209,8 @@ def text_lists(
     """``list<string>`` of the first ``widths[r]`` values of each row (NULL for ``n``/``u``).
 
     ``row_valid`` False makes the whole list NULL (a delete's new row). UTF-8 is validated in
-    bulk; a source database in another encoding fails here with a clear error.
+    bulk: the session that reads the slot asks for UTF8 (:data:`~.connect.CLIENT_ENCODING`), so
+    the server converts from any encoding but ``SQL_ASCII``, whose bytes it passes unchecked.
     """
     m, width = starts.shape
     entry_mask = np.arange(width)[None, :] < widths[:, None]
@@ -234,7 +235,9 @@ def text_lists(
         values.validate(full=True)
     except pa.ArrowInvalid as exc:
         raise PgOutputError(
-            f"a decoded value is not valid UTF-8: the source database must use UTF8 ({exc})"
+            f"a decoded value is not valid UTF-8 ({exc}): the source database must be in "
+            "SQL_ASCII, whose bytes PostgreSQL never converts; correct the values that are not "
+            "UTF-8 on the source"
         ) from None
     if string_type != pa.string():
         values = values.cast(pa.string())

@@ -34,7 +34,7 @@ import pyarrow.csv as pacsv
 from psycopg import sql
 
 from .compaction import TableRelation
-from .errors import ApplyError
+from .errors import ApplyError, server_reason
 from .identifiers import TableName
 
 SCHEMA = "pgcdc_staging"
@@ -169,8 +169,11 @@ def copy_rows(
     except psycopg.Error as exc:
         if conn.broken:
             raise  # the server went away, not the values: the caller's server_errors says so
+        reason = server_reason(
+            exc,
+            otherwise="the range's values do not fit the target's column types: compare the "
+            "table's definition on both sides",
+        )
         raise ApplyError(
-            f"staging the changes of table {table} failed: {exc.diag.message_primary} "
-            f"({exc.diag.context or 'COPY'}); the range's values do not fit the target's "
-            "column types: compare the table's definition on both sides"
+            f"staging the changes of table {table} failed ({exc.diag.context or 'COPY'}): {reason}"
         ) from exc

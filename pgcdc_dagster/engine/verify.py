@@ -2,7 +2,9 @@
 
 Per table, the row count and the md5 of the sorted per-row md5s, computed by each server over
 the source's columns, in sessions that print values the same way (UTC, ISO dates, full float
-digits, hex bytea). Duplicates count, row order does not. Meaningful at a quiescent endpos that
+digits, hex bytea), over each row's text in UTF-8 whatever the database's encoding (``md5`` of
+text hashes the database's bytes: a LATIN1 target equal to its UTF-8 source hashed differently).
+Duplicates count, row order does not. Meaningful at a quiescent endpos that
 the target has reached (cutover, ``pgcdc verify``), not while the source is being written.
 """
 
@@ -47,7 +49,7 @@ def _table_fingerprint(
     row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns))
     query = sql.SQL(
         "SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h COLLATE \"C\")), '') "
-        "FROM (SELECT md5({row}::text) AS h FROM {table}) rows"
+        "FROM (SELECT md5(convert_to({row}::text, 'UTF8')) AS h FROM {table}) rows"
     ).format(row=row, table=table.sql)
     count, digest = conn.execute(query).fetchone()  # type: ignore[misc]
     return int(count), str(digest)

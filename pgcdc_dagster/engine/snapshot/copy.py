@@ -24,6 +24,7 @@ from ..connect import (
     libpq_tool,
     libpq_tool_environment,
 )
+from ..errors import server_reason
 from ..identifiers import TableName
 from .common import (
     COLUMNS,
@@ -233,15 +234,16 @@ def _stream_copy_out(
 def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearray]]:
     """One attempt at a range: the source's COPY data goes to the target unparsed.
 
-    Both sessions speak UTF8 so that text values cross unchanged whatever the two databases'
-    encodings. The target session commits asynchronously: a crash loses the range, and a crash
-    mid-snapshot means a new snapshot anyway.
+    Both sessions speak UTF8 (as every session does, :data:`~..connect.CLIENT_ENCODING`), so
+    text values cross unchanged whatever the two databases' encodings. The target session
+    commits asynchronously: a crash loses the range, and a crash mid-snapshot means a new
+    snapshot anyway.
     """
     kept: list[bytearray] = []
     nbytes = 0
     with (
-        connect(task.source_dsn, role="source", client_encoding="UTF8") as src,
-        connect(task.target_dsn, role="target", client_encoding="UTF8") as tgt,
+        connect(task.source_dsn, role="source") as src,
+        connect(task.target_dsn, role="target") as tgt,
     ):
         tgt.execute("SET synchronous_commit = off")
         for statement in _target_preamble(task):
@@ -358,10 +360,9 @@ def _run_pair(
         )
     steps += [*(text(step) for step in source_steps), "COMMIT"]
     base = [*_ending_with_this_process(), psql, "-X", "-v", "ON_ERROR_STOP=1"]
-    utf8 = {"PGCLIENTENCODING": "UTF8"}
     source = subprocess.Popen(
         [*base, "-q", *source_args, *(arg for step in steps for arg in ("-c", step))],
-        env={**os.environ, **source_env, **utf8},
+        env={**os.environ, **source_env},
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
@@ -372,7 +373,7 @@ def _run_pair(
             [*base, *target_args, "-c", "SET synchronous_commit = off", "-c", "BEGIN",
              *(arg for step in target_steps for arg in ("-c", text(step))),
              "-f", f"/dev/fd/{commands}"],
-            env={**os.environ, **target_env, **utf8},
+            env={**os.environ, **target_env},
             stdin=source.stdout,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -563,5 +564,5 @@ def _range_error(task: CopyTask, exc: psycopg.Error) -> SnapshotError:
     return SnapshotError(
         f"copying {rng.source} into {rng.table} (blocks {rng.start_block or 0} to "
         f"{'the end' if rng.end_block is None else rng.end_block}) failed: "
-        f"{(exc.diag.message_primary or str(exc)).strip()}"
+        f"{server_reason(exc)}"
     )
