@@ -90,7 +90,8 @@ def connect(
     ``replication=True`` opens a ``replication=database`` walsender connection, the only kind
     that can create a slot with an exported snapshot.
 
-    Every session speaks :data:`CLIENT_ENCODING`, whatever the DSN says (see there).
+    Every session speaks :data:`CLIENT_ENCODING` whatever the DSN says, and an ordinary one
+    sets :data:`SESSION_SETTINGS` after the options it was given (see there).
     """
     extra: dict[str, Any] = {
         "application_name": "pgcdc_dagster",
@@ -101,7 +102,7 @@ def connect(
         extra["replication"] = "database"
         autocommit = True
     else:
-        extra["options"] = _without_jit(dsn, kwargs.get("options"))
+        extra["options"] = session_options(dsn, kwargs.get("options"))
     try:
         return psycopg.connect(dsn, autocommit=autocommit, **extra)
     except psycopg.OperationalError as exc:
@@ -131,26 +132,36 @@ for its own database's encoding. What cannot be converted (a character the targe
 lacks; bytes that are not UTF-8 in a ``SQL_ASCII`` database, which PostgreSQL never converts)
 fails with the server's error, as it does natively."""
 
-NO_JIT = "-c jit=off"
+SESSION_SETTINGS = "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3"
+"""What every session and libpq tool the engine starts sets, after the options it was given.
+
+* ``jit=off``: this project's own queries are catalog reads and set-based statements whose
+  plans PostgreSQL's estimates can push past ``jit_above_cost`` (an ``unnest`` of the table
+  oids is estimated at 100 rows, a set-returning function at 1,000) although they touch a few
+  hundred rows: measured with 200 published tables, the preflight's one query took 0.49 s, of
+  which 0.48 s was JIT compilation, and 0.01 s without it. Nothing here scans enough rows for
+  compiled expressions to pay back.
+* The value formats, as native logical replication sets them on its walsender session: text
+  values cross from the source's output functions to the target's input functions, and both
+  follow the session's settings, the slot's decoded changes included. Left to a database's or
+  role's own (``ALTER DATABASE ... SET DateStyle = 'SQL, DMY'``, ``extra_float_digits = 0``),
+  a change of ``2026-03-04`` arrived as ``04/03/2026`` and the target, in ``ISO, MDY``, stored
+  April 3rd; a ``float8`` of ``0.30000000000000004`` arrived as ``0.3``. ``DateStyle=ISO``
+  (unambiguous year-month-day, read the same under every ``DateStyle``),
+  ``IntervalStyle=postgres`` and ``extra_float_digits=3`` (every float exact) make the text
+  mean one value on both sides."""
 
 
-def _without_jit(dsn: str, options: str | None) -> str:
-    """The connection's ``options`` (given, else the DSN's, else ``PGOPTIONS``, which libpq
-    reads only when none is given) with JIT compilation turned off for the session.
-
-    Why: this project's own queries are catalog reads and set-based statements whose plans
-    PostgreSQL's estimates can push past ``jit_above_cost`` (an ``unnest`` of the table oids
-    is estimated at 100 rows, a set-returning function at 1,000) although they touch a few
-    hundred rows: measured with 200 published tables, the preflight's one query took 0.49 s,
-    of which 0.48 s was JIT compilation, and 0.01 s without it. Nothing here scans enough rows
-    for compiled expressions to pay back; the COPY pairs (``psql``) are not affected."""
+def session_options(dsn: str, options: str | None = None) -> str:
+    """The session's ``options``: those given (else the DSN's, else ``PGOPTIONS``, which libpq
+    reads only when none is given), then :data:`SESSION_SETTINGS`, which win."""
     if options is None:
         try:
             given = conninfo_to_dict(dsn).get("options")
         except psycopg.ProgrammingError:
             given = None
         options = str(given) if given is not None else os.environ.get("PGOPTIONS", "")
-    return f"{options} {NO_JIT}".strip()
+    return f"{options} {SESSION_SETTINGS}".strip()
 
 
 @contextmanager
@@ -260,6 +271,7 @@ def libpq_tool_environment(dsn: str) -> tuple[dict[str, str], list[str]]:
     """
     params = {key: str(value) for key, value in conninfo_to_dict(dsn).items() if value is not None}
     params["client_encoding"] = CLIENT_ENCODING  # pg_dump's archive too (see there)
+    params["options"] = session_options(dsn)
     env = {"PGAPPNAME": "pgcdc_dagster"}
     leftover: dict[str, str] = {}
     for key, value in params.items():

@@ -1,6 +1,7 @@
-"""Databases in an encoding other than UTF-8, on either side: the snapshot and the change
-stream carry their text exactly (names too), and a character the target cannot hold stops the
-work with the fix named, losing nothing."""
+"""Databases whose settings change how values are written as text: another encoding than
+UTF-8, on either side (the snapshot and the change stream carry text exactly, names too, and a
+character the target cannot hold stops the work with the fix named, losing nothing), and other
+date, interval and float formats (every value arrives as the same value)."""
 
 from __future__ import annotations
 
@@ -61,15 +62,19 @@ def _catch_up(settings: ReplicationSettings) -> None:
             pass
 
 
-@pytest.mark.parametrize("staged", ["inline", "temp_tables"])
+@pytest.fixture(params=["inline", "temp_tables"])
+def staged(request, monkeypatch) -> None:
+    """Both ways the merge reads a table's net rows (see test_apply.py)."""
+    if request.param == "temp_tables":
+        monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
+
+
 @pytest.mark.parametrize(
     ("source_encoding", "target_encoding"), [("LATIN1", "UTF8"), ("UTF8", "LATIN1")]
 )
 def test_text_and_names_cross_between_encodings_exactly(
-    encoded_databases, spark, tmp_path, monkeypatch, source_encoding, target_encoding, staged
+    encoded_databases, spark, tmp_path, source_encoding, target_encoding, staged
 ):
-    if staged == "temp_tables":
-        monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
     source_dsn = encoded_databases("source", source_encoding)
     target_dsn = encoded_databases("target", target_encoding)
     with psycopg.connect(source_dsn, autocommit=True, client_encoding="UTF8") as conn:
@@ -137,3 +142,90 @@ def test_a_character_the_target_encoding_lacks_is_refused_with_the_fix_and_nothi
     with psycopg.connect(target_dsn, client_encoding="UTF8") as conn:
         assert conn.execute("SELECT id, body FROM notes").fetchall() == [(1, "é")]
     assert pipeline.expected_origin_progress(settings) > applied
+
+
+FORMATS = """
+CREATE TABLE kinds (
+    id int PRIMARY KEY, d date, ts timestamp, tz timestamptz, f8 float8, f4 float4,
+    i interval, n numeric
+);
+CREATE TABLE kinds_too (LIKE kinds INCLUDING ALL);
+"""
+FORMAT_ROWS = """
+INSERT INTO {table} VALUES ({id}, '2026-03-04', '2026-03-04 05:06:07.891',
+    '2026-03-04 05:06:07+05:30', 0.1::float8 + 0.2::float8, 1::float4 / 3,
+    '-1 day +02:03:04.5', 1.10)
+"""
+
+
+def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
+    encoded_databases, spark, tmp_path, staged
+):
+    source_dsn = encoded_databases("source", "UTF8")
+    target_dsn = encoded_databases("target", "UTF8")
+    # Formats a database may set for every session, unlike one another: text written under
+    # the source's would be read as other values under the target's (March 4th as April 3rd).
+    for dsn, date_style, interval_style in (
+        (source_dsn, "SQL, DMY", "sql_standard"),
+        (target_dsn, "SQL, MDY", "iso_8601"),
+    ):
+        name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for setting, value in (
+                ("DateStyle", date_style),
+                ("IntervalStyle", interval_style),
+                ("extra_float_digits", "0"),
+                ("TimeZone", "America/New_York" if dsn == source_dsn else "Asia/Tokyo"),
+            ):
+                conn.execute(
+                    psycopg.sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                        psycopg.sql.Identifier(name),
+                        psycopg.sql.Identifier(setting),
+                        psycopg.sql.Literal(value),
+                    )
+                )
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(FORMATS)
+        for table in ("kinds", "kinds_too"):  # two small tables: copied in one text bundle
+            conn.execute(FORMAT_ROWS.format(table=table, id=1))
+    settings = _settings(source_dsn, target_dsn, tmp_path)
+    pipeline.take_snapshot(settings, spark)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(FORMAT_ROWS.format(table="kinds", id=2))
+        conn.execute(FORMAT_ROWS.format(table="kinds", id=3))
+        conn.execute("UPDATE kinds SET f8 = f8 * 3, d = d + 1 WHERE id = 3")
+    _catch_up(settings)
+
+    comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
+    assert [(str(c.table), c.equal) for c in comparisons] == [
+        ("public.kinds", True),
+        ("public.kinds_too", True),
+    ]
+    with psycopg.connect(target_dsn) as conn:
+        conn.execute(
+            "SET DateStyle = 'ISO'; SET IntervalStyle = 'postgres'; SET extra_float_digits = 3; "
+            "SET TimeZone = 'UTC'"
+        )
+        rows = conn.execute(
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text "
+            "FROM kinds ORDER BY id"
+        ).fetchall()
+        rows_too = conn.execute(
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text "
+            "FROM kinds_too"
+        ).fetchall()
+    same = (
+        "2026-03-04",
+        "2026-03-04 05:06:07.891",
+        "2026-03-03 23:36:07+00",
+        "0.30000000000000004",
+        "0.33333334",
+        "-1 days +02:03:04.5",
+        "1.10",
+    )
+    assert rows == [
+        (1, *same),
+        (2, *same),
+        (3, "2026-03-05", *same[1:3], "0.9000000000000001", *same[4:]),
+    ]
+    assert rows_too == [(1, *same)]
