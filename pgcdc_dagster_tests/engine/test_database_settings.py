@@ -147,15 +147,17 @@ def test_a_character_the_target_encoding_lacks_is_refused_with_the_fix_and_nothi
 FORMATS = """
 CREATE TABLE kinds (
     id int PRIMARY KEY, d date, ts timestamp, tz timestamptz, f8 float8, f4 float4,
-    i interval, n numeric
+    i interval, n numeric, t text, a text[]
 );
 CREATE TABLE kinds_too (LIKE kinds INCLUDING ALL);
 """
 FORMAT_ROWS = """
 INSERT INTO {table} VALUES ({id}, '2026-03-04', '2026-03-04 05:06:07.891',
     '2026-03-04 05:06:07+05:30', 0.1::float8 + 0.2::float8, 1::float4 / 3,
-    '-1 day +02:03:04.5', 1.10)
+    '-1 day +02:03:04.5', 1.10, %s, %s)
 """
+BACKSLASHED = ("a\\b'c\"d{e}\\\\", ["x\\y", '{"}'])
+"""Text and an array of text with backslashes, quotes and braces."""
 
 
 def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
@@ -176,6 +178,8 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
                 ("IntervalStyle", interval_style),
                 ("extra_float_digits", "0"),
                 ("TimeZone", "America/New_York" if dsn == source_dsn else "Asia/Tokyo"),
+                # Backslashes in an ordinary string literal are escapes (inline staging).
+                ("standard_conforming_strings", "on" if dsn == source_dsn else "off"),
             ):
                 conn.execute(
                     psycopg.sql.SQL("ALTER DATABASE {} SET {} = {}").format(
@@ -187,12 +191,12 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(FORMATS)
         for table in ("kinds", "kinds_too"):  # two small tables: copied in one text bundle
-            conn.execute(FORMAT_ROWS.format(table=table, id=1))
+            conn.execute(FORMAT_ROWS.format(table=table, id=1), BACKSLASHED)
     settings = _settings(source_dsn, target_dsn, tmp_path)
     pipeline.take_snapshot(settings, spark)
     with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute(FORMAT_ROWS.format(table="kinds", id=2))
-        conn.execute(FORMAT_ROWS.format(table="kinds", id=3))
+        conn.execute(FORMAT_ROWS.format(table="kinds", id=2), BACKSLASHED)
+        conn.execute(FORMAT_ROWS.format(table="kinds", id=3), BACKSLASHED)
         conn.execute("UPDATE kinds SET f8 = f8 * 3, d = d + 1 WHERE id = 3")
     _catch_up(settings)
 
@@ -207,11 +211,11 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
             "SET TimeZone = 'UTC'"
         )
         rows = conn.execute(
-            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text "
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a "
             "FROM kinds ORDER BY id"
         ).fetchall()
         rows_too = conn.execute(
-            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text "
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a "
             "FROM kinds_too"
         ).fetchall()
     same = (
@@ -222,6 +226,7 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
         "0.33333334",
         "-1 days +02:03:04.5",
         "1.10",
+        *BACKSLASHED,
     )
     assert rows == [
         (1, *same),
