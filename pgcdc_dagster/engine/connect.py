@@ -90,19 +90,19 @@ def connect(
     ``replication=True`` opens a ``replication=database`` walsender connection, the only kind
     that can create a slot with an exported snapshot.
 
-    Every session speaks :data:`CLIENT_ENCODING` whatever the DSN says, and an ordinary one
-    sets :data:`SESSION_SETTINGS` after the options it was given (see there).
+    Every session speaks :data:`CLIENT_ENCODING` whatever the DSN says, and sets
+    :data:`SESSION_DEFAULTS` before the options it was given and :data:`SESSION_SETTINGS`
+    after them (see there).
     """
     extra: dict[str, Any] = {
         "application_name": "pgcdc_dagster",
         **kwargs,
         "client_encoding": CLIENT_ENCODING,
     }
+    extra["options"] = session_options(dsn, kwargs.get("options"))
     if replication:
         extra["replication"] = "database"
         autocommit = True
-    else:
-        extra["options"] = session_options(dsn, kwargs.get("options"))
     try:
         return psycopg.connect(dsn, autocommit=autocommit, **extra)
     except psycopg.OperationalError as exc:
@@ -152,16 +152,33 @@ SESSION_SETTINGS = "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c ext
   mean one value on both sides."""
 
 
+SESSION_DEFAULTS = (
+    "-c statement_timeout=0 -c lock_timeout=0 -c idle_in_transaction_session_timeout=0"
+)
+"""What every session and libpq tool the engine starts sets *before* the options it was
+given, so that a DSN's own ``options`` or ``PGOPTIONS`` may still set them, but not a database's
+or role's settings (``ALTER DATABASE ... SET``), which are meant for its applications.
+
+Why: a copy, a merge or a held snapshot of this project runs as long as the data needs, as
+pg_dump's and pg_restore's sessions do, which set the same three to 0. Measured with 500 ms of
+each on the database: a source's ended the connection that exported the snapshot while the
+copies started ("invalid snapshot identifier"), and a target's cancelled the copy of a
+1.5M-row table. Only settings every supported server knows (9.6 and later) go here: an
+unknown one in the startup packet refuses the connection (``idle_session_timeout``, 14 and
+later, is not set for that reason)."""
+
+
 def session_options(dsn: str, options: str | None = None) -> str:
-    """The session's ``options``: those given (else the DSN's, else ``PGOPTIONS``, which libpq
-    reads only when none is given), then :data:`SESSION_SETTINGS`, which win."""
+    """The session's ``options``: :data:`SESSION_DEFAULTS`, then those given (else the DSN's,
+    else ``PGOPTIONS``, which libpq reads only when none is given), then
+    :data:`SESSION_SETTINGS`, which win."""
     if options is None:
         try:
             given = conninfo_to_dict(dsn).get("options")
         except psycopg.ProgrammingError:
             given = None
         options = str(given) if given is not None else os.environ.get("PGOPTIONS", "")
-    return f"{options} {SESSION_SETTINGS}".strip()
+    return " ".join(part for part in (SESSION_DEFAULTS, options, SESSION_SETTINGS) if part)
 
 
 @contextmanager

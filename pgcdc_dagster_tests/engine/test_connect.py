@@ -1,10 +1,12 @@
-"""Every session the engine opens runs without JIT, and keeps the options it was given."""
+"""Every session the engine opens runs without JIT, with its own timeouts, value formats and
+encoding over the database's, and keeps the options it was given."""
 
 from __future__ import annotations
 
 import pytest
 
 from pgcdc_dagster.engine.connect import connect
+from pgcdc_dagster_tests.pg import run_sql
 
 
 def _settings(dsn: str) -> tuple[str, str]:
@@ -26,3 +28,32 @@ def test_sessions_run_without_jit_and_keep_the_options_given(
     monkeypatch.setenv("PGOPTIONS", "-c statement_timeout=4321")
     assert _settings(source_dsn) == ("off", "4321ms")
     assert _settings(f"{source_dsn} options='-c statement_timeout=1234'") == ("off", "1234ms")
+
+
+def test_sessions_set_their_timeouts_and_value_formats_over_the_database_s(
+    source_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PGOPTIONS", raising=False)
+    run_sql(
+        source_dsn,
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50; "
+        "ALTER DATABASE %I SET idle_in_transaction_session_timeout = 50; "
+        "ALTER DATABASE %I SET DateStyle = ''SQL, DMY''; "
+        "ALTER DATABASE %I SET extra_float_digits = 0; "
+        "ALTER DATABASE %I SET client_encoding = LATIN1', "
+        "current_database(), current_database(), current_database(), current_database(), "
+        "current_database()); END $$",
+    )
+    show = (
+        "SELECT current_setting('statement_timeout'), "
+        "current_setting('idle_in_transaction_session_timeout'), current_setting('DateStyle'), "
+        "current_setting('extra_float_digits'), current_setting('client_encoding')"
+    )
+    for replication in (False, True):
+        with connect(source_dsn, replication=replication) as conn:
+            row = conn.execute(show).fetchone()
+        assert row == ("0", "0", "ISO, MDY", "3", "UTF8"), replication
+    # A timeout the connection string sets itself still holds; the value formats do not move.
+    with connect(f"{source_dsn} options='-c statement_timeout=1234 -c DateStyle=SQL'") as conn:
+        row = conn.execute(show).fetchone()
+    assert row == ("1234ms", "0", "ISO, MDY", "3", "UTF8")

@@ -53,6 +53,20 @@ def _settings(source_dsn: str, target_dsn: str, tmp_path) -> ReplicationSettings
     )
 
 
+def _set_for_database(dsn: str, **settings: str) -> None:
+    """``ALTER DATABASE ... SET`` each of ``settings``: what every later session there gets."""
+    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for setting, value in settings.items():
+            conn.execute(
+                psycopg.sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                    psycopg.sql.Identifier(name),
+                    psycopg.sql.Identifier(setting),
+                    psycopg.sql.Literal(value),
+                )
+            )
+
+
 def _catch_up(settings: ReplicationSettings) -> None:
     endpos = pipeline.resolve_endpos(settings, "current")
     with pipeline.range_lock(settings):
@@ -171,23 +185,15 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
         (source_dsn, "SQL, DMY", "sql_standard"),
         (target_dsn, "SQL, MDY", "iso_8601"),
     ):
-        name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for setting, value in (
-                ("DateStyle", date_style),
-                ("IntervalStyle", interval_style),
-                ("extra_float_digits", "0"),
-                ("TimeZone", "America/New_York" if dsn == source_dsn else "Asia/Tokyo"),
-                # Backslashes in an ordinary string literal are escapes (inline staging).
-                ("standard_conforming_strings", "on" if dsn == source_dsn else "off"),
-            ):
-                conn.execute(
-                    psycopg.sql.SQL("ALTER DATABASE {} SET {} = {}").format(
-                        psycopg.sql.Identifier(name),
-                        psycopg.sql.Identifier(setting),
-                        psycopg.sql.Literal(value),
-                    )
-                )
+        _set_for_database(
+            dsn,
+            DateStyle=date_style,
+            IntervalStyle=interval_style,
+            extra_float_digits="0",
+            TimeZone="America/New_York" if dsn == source_dsn else "Asia/Tokyo",
+            # Backslashes in an ordinary string literal are escapes (inline staging).
+            standard_conforming_strings="on" if dsn == source_dsn else "off",
+        )
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(FORMATS)
         for table in ("kinds", "kinds_too"):  # two small tables: copied in one text bundle
@@ -234,3 +240,31 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
         (3, "2026-03-05", *same[1:3], "0.9000000000000001", *same[4:]),
     ]
     assert rows_too == [(1, *same)]
+
+
+def test_a_snapshot_and_a_catch_up_outlast_the_timeouts_the_databases_set(
+    source_dsn, target_dsn, spark, tmp_path
+):
+    # Timeouts meant for a database's applications, far shorter than our work: the exporting
+    # connection idles in its transaction while the copies import its snapshot, and the copy
+    # of 300,000 rows and the merge of 100,000 updates each take longer than one statement may.
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE big (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 300000) g")
+    for dsn in (source_dsn, target_dsn):
+        _set_for_database(
+            dsn,
+            statement_timeout="50ms",
+            lock_timeout="50ms",
+            idle_in_transaction_session_timeout="50ms",
+        )
+    settings = _settings(source_dsn, target_dsn, tmp_path)
+    pipeline.take_snapshot(settings, spark)
+    with psycopg.connect(source_dsn, autocommit=True, options="-c statement_timeout=0") as conn:
+        conn.execute("UPDATE big SET v = v || '.' WHERE id <= 100000")
+    _catch_up(settings)
+    comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
+    assert [(str(c.table), c.equal, c.target_rows) for c in comparisons] == [
+        ("public.big", True, 300000)
+    ]
+    assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
