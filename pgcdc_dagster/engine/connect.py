@@ -132,7 +132,10 @@ for its own database's encoding. What cannot be converted (a character the targe
 lacks; bytes that are not UTF-8 in a ``SQL_ASCII`` database, which PostgreSQL never converts)
 fails with the server's error, as it does natively."""
 
-SESSION_SETTINGS = "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3"
+SESSION_SETTINGS = (
+    "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3 "
+    "-c row_security=off"
+)
 """What every session and libpq tool the engine starts sets, after the options it was given.
 
 * ``jit=off``: this project's own queries are catalog reads and set-based statements whose
@@ -149,7 +152,11 @@ SESSION_SETTINGS = "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c ext
   April 3rd; a ``float8`` of ``0.30000000000000004`` arrived as ``0.3``. ``DateStyle=ISO``
   (unambiguous year-month-day, read the same under every ``DateStyle``),
   ``IntervalStyle=postgres`` and ``extra_float_digits=3`` (every float exact) make the text
-  mean one value on both sides."""
+  mean one value on both sides.
+* ``row_security=off``, as pg_dump sets it: a read or write that a row-level security policy
+  would filter fails instead. Left on, a role under a policy had the base snapshot copy 5 of
+  a table's 10 rows without a word, while the change stream, which no policy filters, carried
+  them all. The source's preflight names the fix first (:mod:`.preflight`)."""
 
 
 SESSION_DEFAULTS = (

@@ -224,7 +224,8 @@ SELECT t.relid,
                  AND i.indisvalid AND i.indisunique AND i.indimmediate AND i.indpred IS NULL),
        EXISTS (SELECT 1 FROM pg_index i
                WHERE i.indrelid = l.oid AND i.indisreplident
-                 AND i.indisvalid AND i.indisunique AND i.indimmediate AND i.indpred IS NULL)
+                 AND i.indisvalid AND i.indisunique AND i.indimmediate AND i.indpred IS NULL),
+       l.oid IS NOT NULL AND row_security_active(l.oid)
 FROM unnest(%s::oid[]) AS t(relid)
 JOIN pg_class c ON c.oid = t.relid
 LEFT JOIN LATERAL (
@@ -248,6 +249,9 @@ class _Leaf:
     has_primary_key: bool
     usable_primary_key: bool
     usable_identity_index: bool
+    row_security: bool
+    """Row-level security applies to the session's role here: its reads see only the rows
+    a policy lets through."""
 
 
 def _table_problems(
@@ -284,7 +288,26 @@ def _table_problems(
             problem = _identity_problem(leaf, root=table)
             if problem:
                 problems.append(problem)
+            if leaf.row_security:
+                problems.append(_row_security_problem(leaf, root=table, role=role))
     return problems
+
+
+def _row_security_problem(leaf: _Leaf, *, root: TableName, role: str) -> str:
+    """Row-level security would have the base snapshot copy only the rows ``role`` may see,
+    while the change stream (which no policy filters) carries them all: a target that differs
+    from the source without a word. Every session refuses such reads (``row_security=off``,
+    :data:`~.connect.SESSION_SETTINGS`); this names the fix before anything starts."""
+    name = _leaf_name(leaf, root)
+    return (
+        f"row-level security applies to role {role} on table {name}, so the base snapshot "
+        f"would copy only the rows its policies let through: run ALTER ROLE {role} BYPASSRLS "
+        "(as a superuser), or replicate as the table's owner without FORCE ROW LEVEL SECURITY"
+    )
+
+
+def _leaf_name(leaf: _Leaf, root: TableName) -> str:
+    return str(leaf.table) if leaf.table == root else f"{leaf.table} (a partition of {root})"
 
 
 def _identity_problem(leaf: _Leaf, *, root: TableName) -> str | None:
@@ -293,7 +316,7 @@ def _identity_problem(leaf: _Leaf, *, root: TableName) -> str | None:
     Without a replica identity the source logs no old key for them, so the target cannot tell
     which row changed; once the table is published the source even refuses such statements.
     """
-    name = str(leaf.table) if leaf.table == root else f"{leaf.table} (a partition of {root})"
+    name = _leaf_name(leaf, root)
     fix = f"run ALTER TABLE {leaf.table} REPLICA IDENTITY FULL"
     consequence = "so its UPDATEs and DELETEs cannot be replicated"
     if leaf.replica_identity == "d" and not leaf.usable_primary_key:
