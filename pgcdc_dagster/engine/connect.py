@@ -104,7 +104,7 @@ def connect(
         extra["replication"] = "database"
         autocommit = True
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, **extra)
+        conn = psycopg.connect(dsn, autocommit=autocommit, **extra)
     except psycopg.OperationalError as exc:
         # libpq's lines: what failed, then a hint ("Is the server running...?"), per host tried.
         reason = redact(" ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip()), dsn)
@@ -115,6 +115,31 @@ def connect(
         raise (ConnectError if lasting else ServerUnavailableError)(
             f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
         ) from None
+    if conn.info.server_version >= NEWER_TIMEOUTS_SINCE:
+        conn.execute(_NEWER_TIMEOUTS_OFF)
+        if not autocommit:
+            conn.commit()  # a session setting made in a transaction lasts only if it commits
+    return conn
+
+
+NEWER_TIMEOUTS_SINCE = 140000
+_NEWER_TIMEOUTS_OFF = """
+SELECT set_config(name, '0', false) FROM pg_settings
+WHERE name IN ('idle_session_timeout', 'transaction_timeout') AND source <> 'client'
+  AND setting <> '0'
+"""
+"""The timeouts of newer servers, set to 0 as :data:`SESSION_DEFAULTS` are, unless the
+connection's own options set them (``source = 'client'``); a statement after connecting,
+because a startup option a server does not know refuses the connection.
+
+Why: ``idle_session_timeout`` (PostgreSQL 14) ends a session idle outside a transaction, as
+the range lock's is for as long as a snapshot or a follow runs, and the follower's target
+session between ranges of an idle source: with 1 s of it on the target, ``pgcdc snapshot``
+failed ("terminating connection due to idle-session timeout"), and so would a snapshot longer
+than a production setting of minutes. ``transaction_timeout`` (17) would end a copy's or a
+range's transaction the same way; there is no PostgreSQL 17 on the reference machine, so that
+one is untested. The libpq tools (``pg_dump``, the ``psql`` copy pairs) are not covered: they
+never idle outside a transaction, and on 17 a long copy would meet ``transaction_timeout``."""
 
 
 CLIENT_ENCODING = "UTF8"

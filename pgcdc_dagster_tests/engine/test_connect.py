@@ -3,6 +3,8 @@ encoding over the database's, and keeps the options it was given."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pgcdc_dagster.engine.connect import connect
@@ -40,20 +42,24 @@ def test_sessions_set_their_timeouts_and_value_formats_over_the_database_s(
         "ALTER DATABASE %I SET idle_in_transaction_session_timeout = 50; "
         "ALTER DATABASE %I SET DateStyle = ''SQL, DMY''; "
         "ALTER DATABASE %I SET extra_float_digits = 0; "
-        "ALTER DATABASE %I SET client_encoding = LATIN1', "
+        "ALTER DATABASE %I SET client_encoding = LATIN1; "
+        "ALTER DATABASE %I SET idle_session_timeout = 50', "
         "current_database(), current_database(), current_database(), current_database(), "
-        "current_database()); END $$",
+        "current_database(), current_database()); END $$",
     )
     show = (
         "SELECT current_setting('statement_timeout'), "
         "current_setting('idle_in_transaction_session_timeout'), current_setting('DateStyle'), "
-        "current_setting('extra_float_digits'), current_setting('client_encoding')"
+        "current_setting('extra_float_digits'), current_setting('client_encoding'), "
+        "current_setting('idle_session_timeout')"
     )
-    for replication in (False, True):
-        with connect(source_dsn, replication=replication) as conn:
+    for replication, autocommit in ((False, False), (False, True), (True, True)):
+        with connect(source_dsn, replication=replication, autocommit=autocommit) as conn:
+            time.sleep(0.2)  # idle past the database's idle_session_timeout
             row = conn.execute(show).fetchone()
-        assert row == ("0", "0", "ISO, MDY", "3", "UTF8"), replication
+        assert row == ("0", "0", "ISO, MDY", "3", "UTF8", "0"), replication
     # A timeout the connection string sets itself still holds; the value formats do not move.
-    with connect(f"{source_dsn} options='-c statement_timeout=1234 -c DateStyle=SQL'") as conn:
+    given = "-c statement_timeout=1234 -c DateStyle=SQL -c idle_session_timeout=4321"
+    with connect(f"{source_dsn} options='{given}'") as conn:
         row = conn.execute(show).fetchone()
-    assert row == ("1234ms", "0", "ISO, MDY", "3", "UTF8")
+    assert row == ("1234ms", "0", "ISO, MDY", "3", "UTF8", "4321ms")

@@ -257,6 +257,7 @@ def test_a_snapshot_and_a_catch_up_outlast_the_timeouts_the_databases_set(
             statement_timeout="50ms",
             lock_timeout="50ms",
             idle_in_transaction_session_timeout="50ms",
+            idle_session_timeout="50ms",  # the range lock's session idles throughout
         )
     settings = _settings(source_dsn, target_dsn, tmp_path)
     pipeline.take_snapshot(settings, spark)
