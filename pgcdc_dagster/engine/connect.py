@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .errors import PgcdcError
@@ -99,7 +100,8 @@ def connect(
         **kwargs,
         "client_encoding": CLIENT_ENCODING,
     }
-    extra["options"] = session_options(dsn, kwargs.get("options"))
+    given = given_options(dsn, kwargs.get("options"))
+    extra["options"] = session_options(dsn, given)
     if replication:
         extra["replication"] = "database"
         autocommit = True
@@ -115,22 +117,23 @@ def connect(
         raise (ConnectError if lasting else ServerUnavailableError)(
             f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {reason}{hint}"
         ) from None
-    if conn.info.server_version >= NEWER_TIMEOUTS_SINCE:
-        conn.execute(_NEWER_TIMEOUTS_OFF)
+    newer = [
+        sql.SQL("SET {} = 0").format(sql.Identifier(name))
+        for since, name in NEWER_TIMEOUTS
+        if conn.info.server_version >= since and name not in given
+    ]
+    if newer:
+        conn.execute(sql.SQL("; ").join(newer))
         if not autocommit:
             conn.commit()  # a session setting made in a transaction lasts only if it commits
     return conn
 
 
-NEWER_TIMEOUTS_SINCE = 140000
-_NEWER_TIMEOUTS_OFF = """
-SELECT set_config(name, '0', false) FROM pg_settings
-WHERE name IN ('idle_session_timeout', 'transaction_timeout') AND source <> 'client'
-  AND setting <> '0'
-"""
-"""The timeouts of newer servers, set to 0 as :data:`SESSION_DEFAULTS` are, unless the
-connection's own options set them (``source = 'client'``); a statement after connecting,
-because a startup option a server does not know refuses the connection.
+NEWER_TIMEOUTS = ((140000, "idle_session_timeout"), (170000, "transaction_timeout"))
+"""The timeouts of newer servers (the server version that has each), set to 0 as
+:data:`SESSION_DEFAULTS` are unless the connection's own options name them; by a ``SET`` after
+connecting, because a startup option a server does not know refuses the connection (a ``SET``
+costs 0.1-0.2 ms a connection; reading ``pg_settings`` for where each came from cost 1.5 ms).
 
 Why: ``idle_session_timeout`` (PostgreSQL 14) ends a session idle outside a transaction, as
 the range lock's is for as long as a snapshot or a follow runs, and the follower's target
@@ -200,17 +203,23 @@ unknown one in the startup packet refuses the connection (``idle_session_timeout
 later, is not set for that reason)."""
 
 
+def given_options(dsn: str, options: str | None = None) -> str:
+    """The ``options`` a session is given: ``options``, else the DSN's, else ``PGOPTIONS``
+    (which libpq reads only when none is given)."""
+    if options is not None:
+        return options
+    try:
+        given = conninfo_to_dict(dsn).get("options")
+    except psycopg.ProgrammingError:
+        given = None
+    return str(given) if given is not None else os.environ.get("PGOPTIONS", "")
+
+
 def session_options(dsn: str, options: str | None = None) -> str:
-    """The session's ``options``: :data:`SESSION_DEFAULTS`, then those given (else the DSN's,
-    else ``PGOPTIONS``, which libpq reads only when none is given), then
-    :data:`SESSION_SETTINGS`, which win."""
-    if options is None:
-        try:
-            given = conninfo_to_dict(dsn).get("options")
-        except psycopg.ProgrammingError:
-            given = None
-        options = str(given) if given is not None else os.environ.get("PGOPTIONS", "")
-    return " ".join(part for part in (SESSION_DEFAULTS, options, SESSION_SETTINGS) if part)
+    """The session's ``options``: :data:`SESSION_DEFAULTS`, then those given
+    (:func:`given_options`), then :data:`SESSION_SETTINGS`, which win."""
+    given = given_options(dsn, options)
+    return " ".join(part for part in (SESSION_DEFAULTS, given, SESSION_SETTINGS) if part)
 
 
 @contextmanager
