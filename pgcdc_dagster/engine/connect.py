@@ -162,7 +162,7 @@ fails with the server's error, as it does natively."""
 
 SESSION_SETTINGS = (
     "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3 "
-    "-c row_security=off"
+    "-c row_security=off -c xmloption=content"
 )
 """What every session and libpq tool the engine starts sets, after the options it was given.
 
@@ -180,7 +180,8 @@ SESSION_SETTINGS = (
   April 3rd; a ``float8`` of ``0.30000000000000004`` arrived as ``0.3``. ``DateStyle=ISO``
   (unambiguous year-month-day, read the same under every ``DateStyle``),
   ``IntervalStyle=postgres`` and ``extra_float_digits=3`` (every float exact) make the text
-  mean one value on both sides.
+  mean one value on both sides. ``xmloption=content`` (as in pg_dump's scripts): an ``xml``
+  value may be a fragment (``abc<b/>``), which a database set to ``DOCUMENT`` refuses to read.
 * ``row_security=off``, as pg_dump sets it: a read or write that a row-level security policy
   would filter fails instead. Left on, a role under a policy had the base snapshot copy 5 of
   a table's 10 rows without a word, while the change stream, which no policy filters, carried

@@ -161,14 +161,14 @@ def test_a_character_the_target_encoding_lacks_is_refused_with_the_fix_and_nothi
 FORMATS = """
 CREATE TABLE kinds (
     id int PRIMARY KEY, d date, ts timestamp, tz timestamptz, f8 float8, f4 float4,
-    i interval, n numeric, t text, a text[]
+    i interval, n numeric, t text, a text[], x xml
 );
 CREATE TABLE kinds_too (LIKE kinds INCLUDING ALL);
 """
 FORMAT_ROWS = """
 INSERT INTO {table} VALUES ({id}, '2026-03-04', '2026-03-04 05:06:07.891',
     '2026-03-04 05:06:07+05:30', 0.1::float8 + 0.2::float8, 1::float4 / 3,
-    '-1 day +02:03:04.5', 1.10, %s, %s)
+    '-1 day +02:03:04.5', 1.10, %s, %s, 'abc<b/>')
 """
 BACKSLASHED = ("a\\b'c\"d{e}\\\\", ["x\\y", '{"}'])
 """Text and an array of text with backslashes, quotes and braces."""
@@ -193,6 +193,8 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
             TimeZone="America/New_York" if dsn == source_dsn else "Asia/Tokyo",
             # Backslashes in an ordinary string literal are escapes (inline staging).
             standard_conforming_strings="on" if dsn == source_dsn else "off",
+            # A fragment is xml CONTENT, not a DOCUMENT.
+            xmloption="content" if dsn == source_dsn else "document",
         )
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(FORMATS)
@@ -217,11 +219,13 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
             "SET TimeZone = 'UTC'"
         )
         rows = conn.execute(
-            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a "
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a, "
+            "x::text "
             "FROM kinds ORDER BY id"
         ).fetchall()
         rows_too = conn.execute(
-            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a "
+            "SELECT id, d::text, ts::text, tz::text, f8::text, f4::text, i::text, n::text, t, a, "
+            "x::text "
             "FROM kinds_too"
         ).fetchall()
     same = (
@@ -233,6 +237,7 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
         "-1 days +02:03:04.5",
         "1.10",
         *BACKSLASHED,
+        "abc<b/>",
     )
     assert rows == [
         (1, *same),
