@@ -185,6 +185,9 @@ class TargetTable:
     columns: Mapping[str, TargetColumn]
     primary_key: tuple[str, ...]
     unique_keys: tuple[frozenset[str], ...]
+    partitioned: bool = False
+    """A partitioned table: its rows live in partitions, where a ``ctid`` is unique only
+    together with the ``tableoid``, and an ``INSERT`` routed to one cannot return ``xmax``."""
 
 
 def apply_range(
@@ -367,7 +370,8 @@ SELECT n.nspname, c.relname, a.attname, a.atttypid::int8, a.atttypmod,
        EXISTS (SELECT FROM pg_operator o WHERE o.oprname = '=' AND o.oprleft = a.atttypid
                AND o.oprright = a.atttypid),
        a.attidentity = 'a',
-       COALESCE(array_position(pk.conkey, a.attnum), 0)
+       COALESCE(array_position(pk.conkey, a.attnum), 0),
+       c.relkind = 'p'
 FROM unnest(%s::text[], %s::text[]) AS want(nspname, relname)
 JOIN pg_namespace n ON n.nspname = want.nspname
 JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = want.relname
@@ -400,10 +404,14 @@ def read_target_tables(
     columns: dict[TableName, dict[str, TargetColumn]] = {t: {} for t in tables}
     found: set[TableName] = set()
     pk: dict[TableName, list[tuple[int, str]]] = {t: [] for t in tables}
+    partitioned: set[TableName] = set()
     for row in conn.execute(_TARGET_COLUMNS, params).fetchall():
-        schema, rel, name, oid, typmod, type_sql, type_name_sql, generated, eq, always, pk_pos = row
+        schema, rel, name, oid, typmod, type_sql, type_name_sql, generated, eq, always = row[:10]
+        pk_pos, is_partitioned = row[10:]
         table = TableName(schema, rel)
         found.add(table)
+        if is_partitioned:
+            partitioned.add(table)
         columns[table][name] = TargetColumn(
             name, int(oid), int(typmod), type_sql, type_name_sql, generated, eq, always
         )
@@ -425,6 +433,7 @@ def read_target_tables(
             columns[t],
             tuple(name for _, name in sorted(pk[t])),
             tuple(unique[t]),
+            t in partitioned,
         )
         for t in tables
     }
@@ -831,11 +840,30 @@ def _apply_collapsed(
         )
     else:
         on_conflict = sql.SQL("DO NOTHING")
+    existing = 0
+    if stage.target.partitioned:
+        # An INSERT routed to a partition cannot return xmax ("cannot retrieve a system column
+        # in this context"): the rows whose key is there already are counted first.
+        there = sql.SQL("EXISTS (SELECT FROM {t} t WHERE {m})").format(
+            t=table.sql,
+            m=sql.SQL(" AND ").join(
+                sql.SQL("t.{} = {}").format(col(p), staged("c", p)) for p in ident
+            ),
+        )
+        (existing,) = _run(
+            conn,
+            sql.SQL("SELECT count(*) FROM {s} s WHERE {full}{there}").format(
+                s=stage.upserts,
+                full=sql.SQL("NOT ({}) AND ").format(keep_any) if stage.keep else sql.SQL(""),
+                there=there,
+            ),
+            what,
+        ).fetchone()  # type: ignore[misc]
     upsert = sql.SQL(
         "WITH written AS ("
         "INSERT INTO {t} AS t ({cols}) OVERRIDING SYSTEM VALUE "
         "SELECT {vals} FROM {s} s{where} ORDER BY {order} "
-        "ON CONFLICT ({key}) {on_conflict} RETURNING (t.xmax = 0) AS inserted) "
+        "ON CONFLICT ({key}) {on_conflict} RETURNING {inserted} AS inserted) "
         "SELECT count(*) FILTER (WHERE inserted), count(*) FILTER (WHERE NOT inserted) "
         "FROM written"
     ).format(
@@ -847,8 +875,11 @@ def _apply_collapsed(
         order=sql.SQL(", ").join(staged("c", p) for p in ident),
         key=sql.SQL(", ").join(col(p) for p in ident),
         on_conflict=on_conflict,
+        inserted=sql.SQL("true" if stage.target.partitioned else "(t.xmax = 0)"),
     )
     inserted, updated = _run(conn, upsert, what).fetchone()  # type: ignore[misc]
+    if others:  # DO NOTHING returns no row for a key that was there: none of them is counted
+        inserted, updated = int(inserted) - int(existing), int(updated) + int(existing)
     counts.inserted += int(inserted)
     counts.updated += int(updated)
 
@@ -888,8 +919,10 @@ def _apply_collapsed(
 
 def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableApplyCounts) -> None:
     """Changes of a table without identity, replayed in commit order. Each UPDATE or DELETE
-    touches exactly one row equal to the old row (``ctid = (SELECT ... LIMIT 1)``), so
-    duplicate rows stay duplicates, as on the source."""
+    touches exactly one row equal to the old row (found first, then touched by its
+    ``tableoid`` and ``ctid``), so duplicate rows stay duplicates, as on the source. The
+    ``tableoid`` matters in a partitioned table, whose partitions each have a row at ``(0,1)``:
+    by ``ctid`` alone, one DELETE removed the row of every partition there."""
     rel, target = stage.net.relation, stage.target
     what = f"the changes of table {rel.table}"
     if stage.direct is not None:
@@ -933,7 +966,7 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
         if j in stage.old_missing:
             test = sql.SQL("({} OR {})").format(r("m", j), test)
         matches.append(test)
-    one_row = sql.SQL("t.ctid = (SELECT x.ctid FROM {t} x WHERE {m} LIMIT 1)").format(
+    find = sql.SQL("SELECT x.tableoid, x.ctid INTO o, c FROM {t} x WHERE {m} LIMIT 1;").format(
         t=rel.table.sql, m=sql.SQL(" AND ").join(matches)
     )
     sets = []
@@ -949,16 +982,19 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
     body = sql.SQL(
         """
 DECLARE r record; n int8; ins int8 := 0; upd int8 := 0; del int8 := 0; miss int8 := 0;
+  o oid; c tid;
 BEGIN
   FOR r IN SELECT * FROM {s} ORDER BY ord LOOP
     IF r.op = 'I' THEN
       INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals});
       ins := ins + 1;
     ELSIF r.op = 'U' THEN
-      UPDATE {t} t SET {sets} WHERE {one_row};
+      {find}
+      UPDATE {t} t SET {sets} WHERE t.tableoid = o AND t.ctid = c;
       GET DIAGNOSTICS n = ROW_COUNT; upd := upd + n; miss := miss + 1 - n;
     ELSIF r.op = 'D' THEN
-      DELETE FROM {t} t WHERE {one_row};
+      {find}
+      DELETE FROM {t} t WHERE t.tableoid = o AND t.ctid = c;
       GET DIAGNOSTICS n = ROW_COUNT; del := del + n; miss := miss + 1 - n;
     END IF;
   END LOOP;
@@ -971,7 +1007,7 @@ END
         cols=cols,
         vals=sql.SQL(", ").join(r("c", j) for j in range(len(names))),
         sets=sql.SQL(", ").join(sets),
-        one_row=one_row,
+        find=find,
     )
     function = sql.Identifier("pg_temp", f"{stage.ordered_name}_fn")
     conn.execute(

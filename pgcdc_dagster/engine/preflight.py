@@ -231,7 +231,7 @@ JOIN pg_class c ON c.oid = t.relid
 LEFT JOIN LATERAL (
     SELECT p.relid FROM pg_partition_tree(t.relid) AS p WHERE p.isleaf
     UNION
-    SELECT t.relid WHERE c.relkind = 'r'
+    SELECT t.relid
 ) AS leaf ON true
 LEFT JOIN pg_class l ON l.oid = leaf.relid
 LEFT JOIN pg_namespace ln ON ln.oid = l.relnamespace
@@ -241,8 +241,12 @@ ORDER BY ln.nspname, l.relname
 
 @dataclass(frozen=True)
 class _Leaf:
-    """A table that holds rows (a plain table or a leaf partition): where replica identity is
-    checked, because the source checks it on the table an UPDATE or DELETE actually touches."""
+    """A table whose replica identity is checked: one that holds rows (a plain table or a leaf
+    partition), because the source checks it on the table an UPDATE or DELETE actually
+    touches; and a partitioned table itself, whose identity says which columns of its
+    partitions' old rows are sent (their changes are published as its own, through
+    ``publish_via_partition_root``: with leaves in REPLICA IDENTITY FULL under a root without a
+    key, a DELETE arrived with no column to find its row by, and was counted missing)."""
 
     table: TableName
     replica_identity: str

@@ -136,7 +136,7 @@ def test_tables_without_a_replica_identity_each_get_their_fix(source):
 
     problems = problems_of(source, None)
 
-    assert len(problems) == 7, problems
+    assert len(problems) == 8, problems
     no_key = one_about(problems, "table public.no_key ")
     assert "no primary key and REPLICA IDENTITY DEFAULT" in no_key
     assert no_key.endswith("run ALTER TABLE public.no_key REPLICA IDENTITY FULL")
@@ -152,6 +152,10 @@ def test_tables_without_a_replica_identity_each_get_their_fix(source):
     assert "primary key PostgreSQL cannot use" in one_about(problems, "public.deferred")
     assert "USING INDEX but that index is gone" in one_about(problems, "public.dropped_index")
     assert "public.parts_1 (a partition of public.parts)" in one_about(problems, "parts_1")
+    # The root too: its partitions' changes are published as its own, with its identity.
+    assert "ALTER TABLE public.parts REPLICA IDENTITY FULL" in one_about(
+        problems, "table public.parts "
+    )
 
     # Following the fixes, as written in the messages, makes the source pass.
     for problem in problems:

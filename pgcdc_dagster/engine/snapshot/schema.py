@@ -396,56 +396,67 @@ def copy_schema_post_data(
     What already exists on the target is kept. A foreign key is created only when the table it
     references exists on the target; otherwise it is listed in ``skipped``. Trigger functions
     were created by pre-data (they are in the tables' dependency closure).
+
+    A partitioned table's keys and indexes are its partitions' too: pg_dump creates the
+    parent's ``ONLY`` (invalid until every partition's own is attached), each partition's, and
+    an ``INDEX ATTACH`` entry for each (:func:`_partition_entries`). Without the partitions'
+    share, a partitioned table's primary key stayed invalid on the target, and the apply
+    refused its first range: no unique index to match rows by.
     """
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pgcdc-postdata-") as tmp:
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+        connect(target_dsn, role="target", autocommit=True) as tgt,
+        tempfile.TemporaryDirectory(prefix="pgcdc-postdata-") as tmp,
+    ):
+        existing = _on_target(tgt, tables)
+        absent = [str(t) for t in tables if t not in existing]
+        if absent:
+            raise SnapshotError(
+                f"table(s) {', '.join(absent)} do not exist on the target, so their indexes "
+                "and keys cannot be created: run copy_schema_pre_data for them first"
+            )
+        partitions = _partitions(src, tables)
+        there = _on_target(tgt, partitions)  # a target's own partitioning is left as it is
+        partitions = {t: oid for t, oid in partitions.items() if t in there}
         archive = Path(tmp) / "post-data.dump"
         selection = [
             "--strict-names",
-            *(f"--table={dump_pattern(t.schema, t.name)}" for t in tables),
+            *(f"--table={dump_pattern(t.schema, t.name)}" for t in (*tables, *partitions)),
         ]
         _dump_archive(source_dsn, archive, "post-data", snapshot_name, selection)
-        toc = [e for e in _read_toc(archive, source_dsn) if e.classid != 0]
-        with (
-            connect(source_dsn, role="source", autocommit=True) as src,
-            snapshot_transaction(src, snapshot_name),
-            connect(target_dsn, role="target", autocommit=True) as tgt,
-        ):
-            existing = {
-                TableName(s, n)
-                for s, n, oid, _ in tgt.execute(
-                    RESOLVE_TABLES, ([t.schema for t in tables], [t.name for t in tables])
-                ).fetchall()
-                if oid is not None
-            }
-            absent = [str(t) for t in tables if t not in existing]
-            if absent:
-                raise SnapshotError(
-                    f"table(s) {', '.join(absent)} do not exist on the target, so their indexes "
-                    "and keys cannot be created: run copy_schema_pre_data for them first"
+        listed = _read_toc(archive, source_dsn)
+        toc = [e for e in listed if e.classid != 0]
+        addresses = _addresses(src, [(e.classid, e.objid) for e in toc])
+        references = {
+            int(oid): _Address(t, list(n or []), list(a or []), identity)
+            for oid, _, t, n, a, identity in src.execute(
+                _FOREIGN_KEY_TARGETS, ([e.objid for e in toc if e.classid == _PG_CONSTRAINT],)
+            ).fetchall()
+        }
+        missing, present = _split_by_presence(tgt, toc, addresses)
+        on_target = _present_all(
+            tgt, [references[e.objid] for e in missing if e.objid in references]
+        )
+        created, skipped = [], []
+        for entry in missing:
+            referenced = references.get(entry.objid)
+            if referenced is not None and not on_target[_key(referenced)]:
+                identity = _identity(addresses, entry)
+                skipped.append(
+                    f"{identity}: references {referenced.identity}, which is not on the "
+                    "target (add it to the replicated tables to keep the foreign key)"
                 )
-            addresses = _addresses(src, [(e.classid, e.objid) for e in toc])
-            references = {
-                int(oid): _Address(t, list(n or []), list(a or []), identity)
-                for oid, _, t, n, a, identity in src.execute(
-                    _FOREIGN_KEY_TARGETS, ([e.objid for e in toc if e.classid == _PG_CONSTRAINT],)
-                ).fetchall()
-            }
-            missing, present = _split_by_presence(tgt, toc, addresses)
-            on_target = _present_all(
-                tgt, [references[e.objid] for e in missing if e.objid in references]
-            )
-            selected, skipped = [], []
-            for entry in missing:
-                referenced = references.get(entry.objid)
-                if referenced is not None and not on_target[_key(referenced)]:
-                    identity = _identity(addresses, entry)
-                    skipped.append(
-                        f"{identity}: references {referenced.identity}, which is not on the "
-                        "target (add it to the replicated tables to keep the foreign key)"
-                    )
-                else:
-                    selected.append(entry)
+            else:
+                created.append(entry)
+        attaches = _partition_entries(src, list(partitions.values()), created)
+        kept = {(e.classid, e.objid) for e in created}
+        selected = [  # in the archive's order: an index before its attachment
+            e
+            for e in listed
+            if (e.classid, e.objid) in kept or (e.classid == 0 and e.rest in attaches)
+        ]
         _restore_entries(archive, selected, source_dsn, target_dsn)
     return SchemaRestoreResult(
         section="post-data",
@@ -454,3 +465,68 @@ def copy_schema_post_data(
         skipped=tuple(skipped),
         seconds=time.perf_counter() - started,
     )
+
+
+def _on_target(tgt: psycopg.Connection[Any], tables: Iterable[TableName]) -> set[TableName]:
+    """Those of ``tables`` that exist on the target."""
+    listed = list(tables)
+    return {
+        TableName(s, n)
+        for s, n, oid, _ in tgt.execute(
+            RESOLVE_TABLES, ([t.schema for t in listed], [t.name for t in listed])
+        ).fetchall()
+        if oid is not None
+    }
+
+
+_PARTITIONS = """
+SELECT n.nspname, c.relname, c.oid
+FROM unnest(%s::oid[]) AS t(oid)
+CROSS JOIN LATERAL pg_partition_tree(t.oid) AS p
+JOIN pg_class c ON c.oid = p.relid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE p.relid <> t.oid
+ORDER BY n.nspname, c.relname
+"""
+
+
+def _partitions(src: psycopg.Connection[Any], tables: Sequence[TableName]) -> dict[TableName, int]:
+    """Every partition, at every level, of those of ``tables`` that are partitioned."""
+    oids = resolve_oids(src, tables)
+    return {
+        TableName(s, n): int(oid)
+        for s, n, oid in src.execute(_PARTITIONS, (list(oids.values()),)).fetchall()
+    }
+
+
+_INDEX_ATTACHES = """
+SELECT 'INDEX ATTACH ' || n.nspname || ' ' || ci.relname || ' ' || pg_get_userbyid(ci.relowner),
+       ARRAY[ci.oid, i.inhparent], ARRAY[con.oid, pcon.oid]
+FROM pg_index x
+JOIN pg_class ci ON ci.oid = x.indexrelid
+JOIN pg_namespace n ON n.oid = ci.relnamespace
+JOIN pg_inherits i ON i.inhrelid = ci.oid
+LEFT JOIN pg_constraint con ON con.conindid = ci.oid AND con.conrelid = x.indrelid
+                            AND con.contype IN ('p', 'u', 'x')
+LEFT JOIN pg_constraint pcon ON pcon.conindid = i.inhparent AND pcon.contype IN ('p', 'u', 'x')
+WHERE x.indrelid = ANY(%s::oid[])
+"""
+"""The ``INDEX ATTACH`` entries pg_dump writes (without a catalog id) for partitions' indexes,
+in ``pg_restore --list`` form, with the index and the parent's index (``pg_class``) and the
+keys they back (``pg_constraint``), either of which creates them."""
+
+
+def _partition_entries(
+    src: psycopg.Connection[Any], partitions: Sequence[int], created: Sequence[_TocEntry]
+) -> set[str]:
+    """The ``INDEX ATTACH`` entries to replay: those whose partition index or parent index
+    this restore creates (both already on the target: attached already, or not ours)."""
+    if not partitions:
+        return set()
+    made = {(e.classid, e.objid) for e in created}
+    return {
+        rest
+        for rest, indexes, keys in src.execute(_INDEX_ATTACHES, (list(partitions),)).fetchall()
+        if any((_PG_CLASS, int(o)) in made for o in indexes if o is not None)
+        or any((_PG_CONSTRAINT, int(o)) in made for o in keys if o is not None)
+    }
