@@ -51,7 +51,8 @@ What the origin's progress P says about range ``(start, end]`` with last commit 
 Counts
     ``inserted`` and ``updated`` come from one ``INSERT ... ON CONFLICT DO UPDATE ...
     RETURNING (xmax = 0)`` per table, counted server side (a freshly inserted row version has
-    no xmax; an updated one carries the updating transaction's), plus the UPDATE of rows whose
+    no xmax; an updated one carries the updating transaction's; a partitioned table's, which
+    cannot return it, by counting the keys already there first), plus the UPDATE of rows whose
     TOASTed values were not sent. ``missing`` counts updates and deletes whose row the target
     did not have (a diverged target: they are skipped, as PostgreSQL's own apply does).
 
