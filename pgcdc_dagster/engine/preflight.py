@@ -217,6 +217,8 @@ _TABLE_FACTS = """
 SELECT t.relid,
        has_schema_privilege(session_user, c.relnamespace, 'USAGE'),
        has_table_privilege(session_user, t.relid, 'SELECT'),
+       EXISTS (SELECT 1 FROM pg_attribute a
+               WHERE a.attrelid = t.relid AND a.attnum > 0 AND NOT a.attisdropped),
        ln.nspname, l.relname, l.relreplident,
        EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = l.oid AND i.indisprimary),
        EXISTS (SELECT 1 FROM pg_index i
@@ -268,13 +270,16 @@ def _table_problems(
     role = quote_if_needed(session[0])
     no_usage: set[str] = set()
     no_select: set[TableName] = set()
+    no_columns: set[TableName] = set()
     leaves: dict[TableName, list[_Leaf]] = {t: [] for t in resolved}
-    for oid, schema_usage, can_select, leaf_schema, leaf_name, *identity in rows:
+    for oid, schema_usage, can_select, has_columns, leaf_schema, leaf_name, *identity in rows:
         table = by_oid[oid]
         if not schema_usage:
             no_usage.add(table.schema)
         if not can_select:
             no_select.add(table)
+        if not has_columns:
+            no_columns.add(table)
         if leaf_name is not None:
             leaves[table].append(_Leaf(TableName(leaf_schema, leaf_name), *identity))
     problems = [
@@ -287,6 +292,11 @@ def _table_problems(
             problems.append(
                 f"role {role} lacks SELECT on table {table}, so the base snapshot cannot copy "
                 f"it: run GRANT SELECT ON {table} TO {role}"
+            )
+        if table in no_columns:
+            problems.append(
+                f"table {table} has no columns, so there is nothing of it to copy or apply "
+                "but a count of empty rows: leave it out of PGCDC_TABLES, or give it a column"
             )
         for leaf in leaves[table]:
             problem = _identity_problem(leaf, root=table)

@@ -165,6 +165,19 @@ def test_tables_without_a_replica_identity_each_get_their_fix(source):
     assert TableName("public", "keyed") in check_source(source, None)
 
 
+def test_a_table_without_columns_is_refused_before_its_copy_fails(source):
+    source.execute(
+        "CREATE TABLE empty_shape (); ALTER TABLE empty_shape REPLICA IDENTITY FULL; "
+        "INSERT INTO empty_shape DEFAULT VALUES; CREATE TABLE fine (id int PRIMARY KEY)"
+    )
+    problems = problems_of(source, None)
+    assert problems == [
+        "table public.empty_shape has no columns, so there is nothing of it to copy or apply "
+        "but a count of empty rows: leave it out of PGCDC_TABLES, or give it a column"
+    ]
+    assert check_source(source, [TableName("public", "fine")]) == [TableName("public", "fine")]
+
+
 # --- privileges ---------------------------------------------------------------------------------
 
 
