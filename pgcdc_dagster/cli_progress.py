@@ -74,7 +74,9 @@ def _live(stream: TextIO) -> Iterator[engine_progress.Listener]:
                 description=f"snapshot: {report.phase}",
                 total=report.estimated_bytes or None,
                 completed=report.copied_bytes,
-                detail=f"{report.rows:,}/~{report.estimated_rows:,} rows",
+                detail=escape(report.note)
+                if report.note
+                else f"{report.rows:,}/~{report.estimated_rows:,} rows",
             )
             for table in report.tables:
                 bars.update(

@@ -35,10 +35,14 @@ class TableProgress:
 @dataclass
 class SnapshotProgress:
     phase: str
-    """``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or ``done``."""
+    """``slot`` (its creation waits for the source's open transactions, see
+    :mod:`.slot_wait`), ``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or
+    ``done``."""
     elapsed_s: float
     tables: list[TableProgress] = field(default_factory=list)
     mb_per_s: float = 0.0
+    note: str = ""
+    """What the phase waits for, when it waits (``slot``)."""
 
     @property
     def rows(self) -> int:
@@ -64,6 +68,8 @@ class SnapshotProgress:
         return remaining / (self.mb_per_s * 1e6)
 
     def line(self) -> str:
+        if self.note:
+            return f"snapshot {self.phase}: {self.note}, {self.elapsed_s:.0f} s"
         eta = f", ETA {self.eta_s:.0f} s" if self.eta_s is not None else ""
         return (
             f"snapshot {self.phase}: {self.rows:,}/~{self.estimated_rows:,} rows, "

@@ -49,6 +49,7 @@ from psycopg import errors, sql
 from .connect import connect
 from .errors import PgcdcError
 from .lsn import Lsn, lsn_or_none
+from .slot_wait import naming_blockers
 
 __all__ = [
     "CreatedSlot",
@@ -177,7 +178,8 @@ def create_slot_with_snapshot(dsn: str, slot_name: str) -> ExportedSnapshotSlot:
     _checked_slot_name(slot_name)
     conn = connect(dsn, role="source", replication=True)
     try:
-        row = _create_slot(conn, slot_name)
+        with naming_blockers(dsn, conn.info.backend_pid):
+            row = _create_slot(conn, slot_name)
     except BaseException:
         conn.close()
         raise

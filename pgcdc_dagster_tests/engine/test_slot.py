@@ -6,6 +6,7 @@ inactive slots of its database at teardown, so closing connections is all the cl
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import pytest
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
+from pgcdc_dagster.engine import progress
 from pgcdc_dagster.engine.connect import connect
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
@@ -101,6 +103,38 @@ def test_snapshot_is_no_longer_importable_after_close(source, source_dsn):
     assert exported.closed
     with pytest.raises(psycopg.errors.InvalidParameterValue, match="invalid snapshot"):
         import_snapshot(source_dsn, exported.slot.snapshot_name, "SELECT 1")
+
+
+def test_a_slot_waiting_for_an_open_transaction_names_it_and_the_fix(source, source_dsn):
+    source.execute("CREATE TABLE t (id int)")
+    reports: list[Any] = []
+    made: list[Any] = []
+    with (
+        psycopg.connect(source_dsn) as blocker,
+        progress.listening(reports.append),
+    ):
+        blocker.execute("INSERT INTO t VALUES (1)")  # holds a transaction id, left open
+        pid = blocker.info.backend_pid
+        creating = threading.Thread(
+            target=lambda: made.append(create_slot_with_snapshot(source_dsn, new_slot_name()))
+        )
+        creating.start()
+        deadline = time.monotonic() + 30
+        named = None
+        while named is None and time.monotonic() < deadline:
+            named = next(
+                (r for r in list(reports) if r.phase == "slot" and f"pid {pid} " in r.note), None
+            )
+            time.sleep(0.2)
+        assert named is not None, reports
+        assert f"SELECT pg_terminate_backend({pid})" in named.note
+        assert "idle in transaction" in named.note
+        assert named.line().startswith("snapshot slot: creating the slot waits for 1 transaction")
+        assert creating.is_alive() and not made  # it waits as long as the transaction lives
+        blocker.commit()
+        creating.join(timeout=30)
+    assert not creating.is_alive() and made
+    made[0].close()
 
 
 def test_creating_a_slot_that_exists_says_to_drop_and_resnapshot(source, source_dsn):
