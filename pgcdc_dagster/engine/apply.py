@@ -81,6 +81,7 @@ from .compaction import (
     DEFAULT_SPARK_MIN_CHANGES,
     NetChanges,
     TableRelation,
+    compact_in_commit_order,
     compact_range,
     relations_of,
 )
@@ -162,6 +163,9 @@ class ApplyResult:
     staging_seconds: float = 0.0
     apply_seconds: float = 0.0
     seconds: float = 0.0
+    in_commit_order: list[str] = field(default_factory=list)
+    """Tables whose net rows a unique key of the target refused, applied change by change in
+    the source's order instead (see :func:`apply_range`)."""
 
 
 @dataclass(frozen=True)
@@ -267,41 +271,60 @@ def apply_range(
             result.changes = sum(t.changes for t in compaction.tables.values())
             result.net_rows = compaction.net_rows
 
-        setup_session(conn, origin_name, origin_wait_seconds)
-        try:
-            with conn.transaction():
-                again = require_progress(conn, origin_name)
-                if again != progress:
-                    raise ApplyError(
-                        f"replication origin {origin_name} moved from {progress} to {again} "
-                        f"while range {stored.range.key} was being prepared: another apply ran "
-                        "at the same time; run this one again"
-                    )
-                conn.execute("SET LOCAL session_replication_role = replica")
-                result.added_columns += _add_columns(conn, additions)
-                if additions:
-                    targets = read_target_tables(conn, list(relations))
-                if shared is None:
+        in_order: dict[TableName, NetChanges] = {}
+        while True:
+            setup_session(conn, origin_name, origin_wait_seconds)
+            try:
+                with conn.transaction():
+                    again = require_progress(conn, origin_name)
+                    if again != progress:
+                        raise ApplyError(
+                            f"replication origin {origin_name} moved from {progress} to "
+                            f"{again} while range {stored.range.key} was being prepared: "
+                            "another apply ran at the same time; run this one again"
+                        )
+                    conn.execute("SET LOCAL session_replication_role = replica")
+                    result.added_columns = _add_columns(conn, additions)
+                    if additions:
+                        targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()
-                    staged = _stage_all(conn, compaction.tables, targets)
-                    result.staging_seconds = round(time.perf_counter() - stage_started, 4)
-                else:
-                    staged = _from_shared(shared, targets)
-                _apply_staged(conn, staged, result)
-                if shared is not None:
-                    # Gone with the COMMIT; tables a killed apply left are dropped by the next
-                    # Spark apply before it stages (no catalog query on the in-process path).
-                    drop_shared(conn, origin_name)
-                mark_transaction(
-                    conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
+                    if shared is None:
+                        staged = _stage_all(conn, {**compaction.tables, **in_order}, targets)
+                    else:
+                        staged = [
+                            s
+                            for s in _from_shared(shared, targets)
+                            if s.net.relation.table not in in_order
+                        ] + _stage_all(conn, in_order, targets)
+                    if shared is None or in_order:
+                        result.staging_seconds = round(time.perf_counter() - stage_started, 4)
+                    _apply_staged(conn, staged, result)
+                    if shared is not None:
+                        # Gone with the COMMIT; tables a killed apply left are dropped by the
+                        # next Spark apply before it stages (no catalog query on the
+                        # in-process path).
+                        drop_shared(conn, origin_name)
+                    mark_transaction(
+                        conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
+                    )
+                    failpoint("apply.in_transaction")
+                    commit_started = time.perf_counter()
+                result.apply_seconds = round(
+                    result.apply_seconds + time.perf_counter() - commit_started, 4
                 )
-                failpoint("apply.in_transaction")
-                commit_started = time.perf_counter()
-            result.apply_seconds = round(
-                result.apply_seconds + time.perf_counter() - commit_started, 4
-            )
-        finally:
-            reset_session(conn)
+                break
+            except _RefusedNetRows as refused:
+                # Rolled back whole. The source's own order of statements passed every unique
+                # key; its net rows may not (a swap through a third value): once per table,
+                # apply that table's changes one by one, in that order.
+                if refused.table in in_order:
+                    raise refused.error from refused.error.__cause__
+                in_order[refused.table] = compact_in_commit_order(
+                    stored, relations, refused.table, after_lsn=int(progress)
+                )
+                result.in_commit_order.append(str(refused.table))
+            finally:
+                reset_session(conn)
         failpoint("apply.after_commit")
         result.replay_lsn = str(require_progress(conn, origin_name))
     result.seconds = round(time.perf_counter() - started, 4)
@@ -596,9 +619,30 @@ def _apply_staged(
         with _writable(conn, stage):
             if stage.net.ordered:
                 _apply_ordered(conn, stage, counts)
-            else:
+                continue
+            try:
                 _apply_collapsed(conn, stage, counts)
+            except ApplyError as exc:
+                if isinstance(exc.__cause__, _NET_ROW_CONFLICTS):
+                    raise _RefusedNetRows(stage.net.relation.table, exc) from exc
+                raise
     result.apply_seconds = round(time.perf_counter() - apply_started, 4)
+
+
+_NET_ROW_CONFLICTS = (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation)
+"""What a table's net rows may meet that its changes in order would not: a unique or
+exclusion key (other than the identity, which the upsert's ``ON CONFLICT`` names) holding a
+value the net rows move from one row to another."""
+
+
+class _RefusedNetRows(Exception):
+    """A table's net rows met :data:`_NET_ROW_CONFLICTS`; :func:`apply_range` rolls back and
+    applies that table in commit order."""
+
+    def __init__(self, table: TableName, error: ApplyError) -> None:
+        super().__init__(str(error))
+        self.table = table
+        self.error = error
 
 
 @contextlib.contextmanager

@@ -297,6 +297,54 @@ def _assert_refused(
     assert replica.progress() == progress
 
 
+POSITIONS = """
+CREATE TABLE slots (id int PRIMARY KEY, list int NOT NULL, pos int NOT NULL, UNIQUE (list, pos));
+"""
+
+
+@pytest.mark.parametrize("on_spark", [False, True])
+def test_net_rows_a_unique_key_refuses_are_applied_in_the_source_order_instead(
+    make_replica, staged, spark, on_spark
+):
+    replica = make_replica(POSITIONS, ["slots"])
+    replica.source("INSERT INTO slots VALUES (1, 1, 1), (2, 1, 2), (3, 1, 3)")
+    replica.sync()
+    replica.source(
+        # 1 and 2 swap places through -1: each statement keeps (list, pos) unique, while the
+        # net rows (1 at 2, 2 at 1) cannot be written one after the other.
+        "UPDATE slots SET pos = -1 WHERE id = 1",
+        "UPDATE slots SET pos = 1 WHERE id = 2",
+        "UPDATE slots SET pos = 2 WHERE id = 1",
+        "INSERT INTO slots VALUES (4, 1, 4)",
+        "DELETE FROM slots WHERE id = 3",
+    )
+    result = replica.sync(**({"spark": spark, "spark_min_changes": 0} if on_spark else {}))
+    assert result.in_commit_order == ["public.slots"]
+    assert result.staged_by == ("spark executors" if on_spark else "driver")
+    assert _shared_staging_tables(replica.target_dsn) == []
+    counts = result.tables["public.slots"]
+    assert (counts.inserted, counts.updated, counts.deleted, counts.missing) == (1, 3, 1, 0)
+    assert replica.rows(replica.target_dsn, "slots") == replica.rows(replica.source_dsn, "slots")
+    assert replica.progress() == replica.ranges[-1].transform_lsn
+
+
+def test_a_unique_key_of_the_target_alone_still_refuses_the_range_in_any_order(make_replica):
+    replica = make_replica(POSITIONS, ["slots"])
+    replica.target("CREATE UNIQUE INDEX one_pos ON slots (pos)")
+    replica.source("INSERT INTO slots VALUES (1, 1, 1)")
+    replica.sync()
+    progress = replica.progress()
+    replica.source("INSERT INTO slots VALUES (2, 2, 1)")  # unique on the source, not the target
+    with pytest.raises(
+        ApplyError,
+        match=r"applying the changes of table public.slots failed: duplicate key value "
+        r'violates unique constraint "one_pos"',
+    ):
+        replica.sync()
+    assert replica.progress() == progress
+    assert replica.rows(replica.target_dsn, "slots") == ["(1,1,1)"]
+
+
 def test_truncate_mid_range_discards_earlier_changes_and_keeps_later_ones(make_replica):
     replica = make_replica(ITEMS, ["items"])
     replica.source("INSERT INTO items (id, name) VALUES (1, 'a'), (2, 'b')")

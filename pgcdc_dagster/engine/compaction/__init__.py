@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pyarrow as pa
@@ -82,6 +82,24 @@ def compact_arrow(
     return out
 
 
+def compact_in_commit_order(
+    stored: StoredRange,
+    relations: Mapping[TableName, TableRelation],
+    table: TableName,
+    *,
+    after_lsn: int | None = None,
+) -> NetChanges:
+    """``table``'s changes of a stored range in commit order (``ordered``), not collapsed by
+    its identity: for an apply whose net rows the target's other unique keys refused, as the
+    source's own order of statements never did (a swap of two rows' unique values through a
+    third, say; see :func:`~..apply.apply_range`)."""
+    relation = replace(relations[table], identity=())
+    changes = stored.read_table(KERNEL_COLUMNS)
+    versions = pa.array(list(relation.versions), pa.int32())
+    changes = changes.filter(pc.is_in(changes.column("relation_version"), value_set=versions))
+    return compact_arrow(changes, {table: relation}, after_lsn=after_lsn)[table]
+
+
 def _split_by_table(
     changes: pa.Table, relations: Mapping[TableName, TableRelation]
 ) -> Iterator[tuple[TableName, pa.Table]]:
@@ -129,6 +147,7 @@ __all__ = [
     "RelationColumn",
     "TableRelation",
     "compact_arrow",
+    "compact_in_commit_order",
     "compact_range",
     "compact_table",
     "compact_with_spark",

@@ -391,7 +391,7 @@ def _in_commit_order(changes: pa.Table, relation: TableRelation) -> pa.Table:
     versions = _versions(changes)
     names = relation.names
     values, masks = _row_values(changes, relation, versions)
-    old, _ = _pick(
+    old, unkeyed = _pick(
         changes.column("key"),
         versions,
         {v: k for v, (_, k) in relation.versions.items()},
@@ -406,8 +406,10 @@ def _in_commit_order(changes: pa.Table, relation: TableRelation) -> pa.Table:
     for j, arr in enumerate(old):
         columns[f"o{j}"] = arr
     for j, arr in enumerate(old):
-        # Not sent (unchanged TOAST in the old tuple): the match must ignore this column.
-        columns[f"m{j}"] = pa.array(masks[:, j] & np.asarray(arr.is_null(), bool))
+        # Not sent (unchanged TOAST in the old tuple), or not in the replica identity at all
+        # (a keyed table replayed in order: its rows are found by their key): the match must
+        # ignore this column.
+        columns[f"m{j}"] = pa.array((masks[:, j] & np.asarray(arr.is_null(), bool)) | unkeyed[:, j])
     for j in range(len(names)):
         columns[f"c{j}"] = values[j]
     for j in range(len(names)):
