@@ -127,6 +127,8 @@ def apply_metadata(
         "table_inserted": number(counts.inserted if counts else 0),
         "table_updated": number(counts.updated if counts else 0),
         "table_deleted": number(counts.deleted if counts else 0),
+        # updates and deletes whose row the target did not have: a diverged target
+        "table_missing": number(counts.missing if counts else 0),
         "table_truncated": MetadataValue.bool(bool(counts and counts.truncated)),
         "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
         "staged_by": text(applied.staged_by),
@@ -135,6 +137,8 @@ def apply_metadata(
     added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
     if added:
         meta["added_columns"] = text(", ".join(added))
+    if str(table) in applied.in_commit_order:
+        meta["applied_in_commit_order"] = MetadataValue.bool(True)
     if row_count is not None:
         meta[ROW_COUNT] = number(row_count)
         meta[APPLIED_THROUGH] = text(applied.replay_lsn)

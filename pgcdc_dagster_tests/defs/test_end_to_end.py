@@ -272,6 +272,8 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         accounts = conn.execute("SELECT count(*) FROM accounts").fetchone()[0]
     assert applied["dagster/row_count"] == accounts
     assert applied["dagster/partition_row_count"] == applied["table_changes"] > 0
+    assert applied["table_missing"] == 0  # every update and delete found its row
+    assert "applied_in_commit_order" not in applied  # its net rows went in set-based
     assert snap_meta["dagster/row_count"] == snap_meta["rows"]
 
     # Re-running a finished range is a no-op reported as such.
