@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from .connect import connect
 from .errors import OriginError
@@ -71,6 +72,58 @@ def progress_of(target_dsn: str, name: str) -> Lsn | None:
     """:func:`read_progress` on a connection of its own."""
     with connect(target_dsn, role="target", autocommit=True) as conn:
         return read_progress(conn, name)
+
+
+ORIGIN_FUNCTIONS = (
+    "pg_replication_origin_create(text)",
+    "pg_replication_origin_drop(text)",
+    "pg_replication_origin_advance(text, pg_lsn)",
+    "pg_replication_origin_progress(text, boolean)",
+    "pg_replication_origin_session_setup(text)",
+    "pg_replication_origin_session_reset()",
+    "pg_replication_origin_xact_setup(pg_lsn, timestamp with time zone)",
+    "pg_show_replication_origin_status()",
+)
+"""What the snapshot and the apply call on the target: superuser-only unless granted."""
+
+
+def check_origin_rights(conn: psycopg.Connection[Any]) -> None:
+    """Refuse, before a base snapshot changes anything, a target role that could not keep the
+    origin or apply a range, naming every grant it lacks (the snapshot would otherwise copy
+    everything and fail at its end, or at the first range, on "permission denied"): EXECUTE
+    on the origin functions and SELECT on ``pg_replication_origin_status`` (in the target
+    database: each database has its own catalog), and SET on ``session_replication_role``
+    (PostgreSQL 15 and later; a superuser's before)."""
+    row = conn.execute(
+        "SELECT rolsuper, current_user, current_database(), "
+        "array(SELECT f FROM unnest(%s::text[]) AS f "
+        "      WHERE NOT has_function_privilege(f, 'EXECUTE')), "
+        "has_table_privilege('pg_catalog.pg_replication_origin_status', 'SELECT') "
+        "FROM pg_roles WHERE rolname = current_user",
+        (list(ORIGIN_FUNCTIONS),),
+    ).fetchone()
+    assert row is not None
+    superuser, role, database, functions, status = row
+    if superuser:
+        return
+    who = sql.Identifier(role).as_string(conn)
+    grants = [f"GRANT EXECUTE ON FUNCTION {', '.join(functions)} TO {who}"] if functions else []
+    if not status:
+        grants.append(f"GRANT SELECT ON pg_replication_origin_status TO {who}")
+    if conn.info.server_version >= 150000:
+        (may_set,) = conn.execute(  # type: ignore[misc]
+            "SELECT has_parameter_privilege('session_replication_role', 'SET')"
+        ).fetchone()
+        if not may_set:
+            grants.append(f"GRANT SET ON PARAMETER session_replication_role TO {who}")
+    else:
+        grants.append(f"ALTER ROLE {who} SUPERUSER (before PostgreSQL 15 nothing less will do)")
+    if grants:
+        raise OriginError(
+            f"role {role} may not keep the target's replication origin (the record of what is "
+            "applied) or apply with session_replication_role = replica: as a superuser, in "
+            f"database {database}, run {'; '.join(grants)}; or connect as a superuser"
+        )
 
 
 def check_room_for(conn: psycopg.Connection[Any], name: str) -> None:

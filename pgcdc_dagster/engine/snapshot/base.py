@@ -20,7 +20,13 @@ from ..connect import (
 )
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName
-from ..origin import check_room_for, drop_origin, origin_name, set_origin
+from ..origin import (
+    check_origin_rights,
+    check_room_for,
+    drop_origin,
+    origin_name,
+    set_origin,
+)
 from ..progress import CopyWatcher
 from ..sequences import sync_sequences
 from .common import (
@@ -158,6 +164,7 @@ def take_base_snapshot(
         resolved = check_source(src, tables, free_slots_needed=0 if slot_exists else 1)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
         existing, populated = _populated_tables(tgt, resolved)
+        check_origin_rights(tgt)
         check_room_for(tgt, origin)
     if populated and not resnapshot:
         names = ", ".join(str(t) for t in populated)
