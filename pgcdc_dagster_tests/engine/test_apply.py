@@ -271,27 +271,39 @@ def test_a_keyed_row_the_target_refuses_stops_the_apply_however_it_is_staged(mak
     _assert_refused(
         replica,
         "items",
-        "name",
+        _short("items", "name"),
         ["INSERT INTO items (id, name) VALUES (1, 'ok')"],
         ["UPDATE items SET name = 'abc'", "INSERT INTO items VALUES (2, 'too long')"],
     )
     assert replica.target_rows("items") == ["(1,ok,,)"]
 
 
+def _short(table: str, column: str) -> tuple[str, str]:
+    """A check on the target only (``column`` at most 3 characters), and how it refuses."""
+    return (
+        f"ALTER TABLE {table} ADD CONSTRAINT short CHECK (length({column}) <= 3)",
+        f'new row for relation "{table}" violates check constraint "short"',
+    )
+
+
 def _assert_refused(
-    replica: Replica, table: str, column: str, before: list[str], refused: list[str]
+    replica: Replica,
+    table: str,
+    target_only: tuple[str, str],
+    before: list[str],
+    refused: list[str],
 ) -> None:
-    """With a check on the target only (``column`` at most 3 characters), ``before`` applies
-    and the range of ``refused`` fails naming the table and the check, leaving the origin."""
-    replica.target(f"ALTER TABLE {table} ADD CONSTRAINT short CHECK (length({column}) <= 3)")
+    """With a constraint on the target only (``target_only``: its DDL, and the server's words
+    when it refuses a row), ``before`` applies and the range of ``refused`` fails naming the
+    table and the constraint, leaving the origin."""
+    ddl, reason = target_only
+    replica.target(ddl)
     replica.source(*before)
     replica.sync()
     progress = replica.progress()
     replica.source(*refused)
     with pytest.raises(
-        ApplyError,
-        match=rf"applying the changes of table public.{table} failed: "
-        rf'new row for relation "{table}" violates check constraint "short"',
+        ApplyError, match=rf"applying the changes of table public.{table} failed: {reason}"
     ):
         replica.sync()
     assert replica.progress() == progress
@@ -330,18 +342,16 @@ def test_net_rows_a_unique_key_refuses_are_applied_in_the_source_order_instead(
 
 def test_a_unique_key_of_the_target_alone_still_refuses_the_range_in_any_order(make_replica):
     replica = make_replica(POSITIONS, ["slots"])
-    replica.target("CREATE UNIQUE INDEX one_pos ON slots (pos)")
-    replica.source("INSERT INTO slots VALUES (1, 1, 1)")
-    replica.sync()
-    progress = replica.progress()
-    replica.source("INSERT INTO slots VALUES (2, 2, 1)")  # unique on the source, not the target
-    with pytest.raises(
-        ApplyError,
-        match=r"applying the changes of table public.slots failed: duplicate key value "
-        r'violates unique constraint "one_pos"',
-    ):
-        replica.sync()
-    assert replica.progress() == progress
+    _assert_refused(
+        replica,
+        "slots",
+        (
+            "CREATE UNIQUE INDEX one_pos ON slots (pos)",
+            'duplicate key value violates unique constraint "one_pos"',
+        ),
+        ["INSERT INTO slots VALUES (1, 1, 1)"],
+        ["INSERT INTO slots VALUES (2, 2, 1)"],  # unique on the source, not on the target
+    )
     assert replica.rows(replica.target_dsn, "slots") == ["(1,1,1)"]
 
 
@@ -418,7 +428,7 @@ def test_a_row_the_target_refuses_stops_the_apply_naming_the_table_and_reason(ma
     _assert_refused(
         replica,
         "log",
-        "note",
+        _short("log", "note"),
         ["INSERT INTO log VALUES ('ok')"],
         ["INSERT INTO log VALUES ('abc'), ('too long')"],
     )

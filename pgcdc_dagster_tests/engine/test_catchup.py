@@ -6,13 +6,12 @@ import itertools
 import random
 import threading
 import time
-import uuid
 
 import psycopg
 
 from pgcdc_dagster.engine import pipeline, verify
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.replication import catch_up, settings_for
 
 SCHEMA = """
 CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL, filler text);
@@ -64,23 +63,7 @@ def test_snapshot_under_concurrent_writes_then_every_range_reproduces_the_source
 ):
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)
-    settings = ReplicationSettings(
-        source_dsn=source_dsn,
-        target_dsn=target_dsn,
-        slot=f"catchup_{uuid.uuid4().hex[:8]}",
-        store=str(tmp_path / "store"),
-        range_max_bytes=512 * 1024,
-    )
-
-    def catch_up_to(target: Lsn) -> list:
-        with pipeline.range_lock(settings):
-            return list(
-                pipeline.catch_up(
-                    settings,
-                    target,
-                    run_step=lambda step: pipeline.run_step_in_process(settings, step),
-                )
-            )
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "catchup", range_max_bytes=512 * 1024)
 
     stop = threading.Event()
     writers = [threading.Thread(target=writer, args=(source_dsn, stop, s)) for s in (1, 2)]
@@ -91,13 +74,13 @@ def test_snapshot_under_concurrent_writes_then_every_range_reproduces_the_source
         snapshot = pipeline.take_snapshot(settings, spark)
         results = []
         for _ in range(3):  # catch up while the writers keep going
-            results += catch_up_to(pipeline.resolve_endpos(settings, "current"))
+            results += catch_up(settings)
     finally:
         stop.set()
         for thread in writers:
             thread.join()
     final = pipeline.resolve_endpos(settings, "current")
-    results += catch_up_to(final)
+    results += catch_up(settings, final)
     assert len(results) >= 3
     assert sum(received.changes for received, _ in results) > 0
     chain = pipeline.store_of(settings).chain_ranges()

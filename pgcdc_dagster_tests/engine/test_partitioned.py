@@ -3,13 +3,12 @@ apply's changes land in the right partition, counted right, with a key or withou
 
 from __future__ import annotations
 
-import uuid
-
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import pipeline, staging, verify
+from pgcdc_dagster.engine import pipeline, staging
 from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 KEYED = """
 CREATE TABLE m (id int, a text, b int, PRIMARY KEY (id, b)) PARTITION BY RANGE (b);
@@ -41,29 +40,9 @@ INSERT INTO q VALUES (1, 'a'), (2, 'b'), (1, 'dup'), (1, 'dup'), (2, 'b');
 def _replicate(source_dsn, target_dsn, tmp_path, spark, schema: str) -> ReplicationSettings:
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(schema)
-    settings = ReplicationSettings(
-        source_dsn=source_dsn,
-        target_dsn=target_dsn,
-        slot=f"parts_{uuid.uuid4().hex[:8]}",
-        store=str(tmp_path / "store"),
-    )
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "parts")
     pipeline.take_snapshot(settings, spark)
     return settings
-
-
-def _catch_up(settings: ReplicationSettings) -> list:
-    endpos = pipeline.resolve_endpos(settings, "current")
-    with pipeline.range_lock(settings):
-        return list(
-            pipeline.catch_up(
-                settings, endpos, run_step=lambda step: pipeline.run_step_in_process(settings, step)
-            )
-        )
-
-
-def _equal(settings: ReplicationSettings) -> list[tuple[str, bool]]:
-    comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
-    return [(str(c.table), c.equal) for c in comparisons]
 
 
 @pytest.mark.parametrize("staged", ["inline", "temp_tables"])
@@ -88,12 +67,12 @@ def test_a_keyed_partitioned_table_arrives_with_valid_keys_and_takes_every_chang
         conn.execute("UPDATE m SET a = a || '!' WHERE id IN (1, 2, 3)")
         conn.execute("UPDATE m SET b = 12 WHERE id = 4")  # from m3_rest to m2
         conn.execute("DELETE FROM m WHERE id = 5")
-    results = _catch_up(settings)
+    results = catch_up(settings)
     applied = [a.tables["public.m"] for _, a in results if "public.m" in a.tables]
     assert sum(t.inserted for t in applied) == 3  # 6, 7, and 4 in its new partition
     assert sum(t.updated for t in applied) == 3  # 1, 2, 3
     assert sum(t.deleted for t in applied) == 1  # 4 from its old partition (5 nets out)
-    assert _equal(settings) == [("public.m", True)]
+    assert equal_tables(settings) == [("public.m", True)]
     with psycopg.connect(target_dsn) as conn:
         rows = conn.execute(
             "SELECT tableoid::regclass::text, id, a, b FROM m ORDER BY id"
@@ -117,8 +96,8 @@ def test_changes_of_a_partitioned_table_without_a_key_touch_one_row_of_one_parti
         # (each partition by itself: by ctid alone, a statement on q touches every partition)
         conn.execute("UPDATE q2 SET v = 'b2' WHERE ctid = (SELECT min(ctid) FROM q2)")
         conn.execute("DELETE FROM q1 WHERE ctid = (SELECT min(ctid) FROM q1 WHERE v = 'dup')")
-    _catch_up(settings)
+    catch_up(settings)
     with psycopg.connect(target_dsn) as conn:
         rows = conn.execute("SELECT k, v FROM q ORDER BY k, v").fetchall()
     assert rows == [(1, "dup"), (2, "b"), (2, "b2")]
-    assert _equal(settings) == [("public.q", True)]
+    assert equal_tables(settings) == [("public.q", True)]

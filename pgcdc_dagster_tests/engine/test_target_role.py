@@ -11,9 +11,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.origin import OriginError
-from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 
 def test_a_target_role_without_origin_rights_is_told_each_grant_then_replicates(
@@ -32,12 +32,8 @@ def test_a_target_role_without_origin_rights_is_told_each_grant_then_replicates(
             with psycopg.connect(source_dsn, autocommit=True) as src:
                 src.execute("CREATE TABLE a (id int PRIMARY KEY, v text)")
                 src.execute("INSERT INTO a VALUES (1, 'one')")
-            settings = ReplicationSettings(
-                source_dsn=source_dsn,
-                target_dsn=make_conninfo(target_dsn, user=role),
-                slot=f"role_{uuid.uuid4().hex[:8]}",
-                store=str(tmp_path / "store"),
-            )
+            as_role = make_conninfo(target_dsn, user=role)
+            settings = settings_for(source_dsn, as_role, tmp_path, "role")
             with pytest.raises(OriginError) as refused:
                 pipeline.take_snapshot(settings, spark)
             message = str(refused.value)
@@ -53,18 +49,9 @@ def test_a_target_role_without_origin_rights_is_told_each_grant_then_replicates(
             pipeline.take_snapshot(settings, spark)
             with psycopg.connect(source_dsn, autocommit=True) as src:
                 src.execute("INSERT INTO a VALUES (2, 'two'); UPDATE a SET v = 'uno' WHERE id = 1")
-            endpos = pipeline.resolve_endpos(settings, "current")
-            with pipeline.range_lock(settings):
-                for _ in pipeline.catch_up(
-                    settings,
-                    endpos,
-                    run_step=lambda step: pipeline.run_step_in_process(settings, step),
-                ):
-                    pass
-            comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
-            assert [(str(c.table), c.equal, c.target_rows) for c in comparisons] == [
-                ("public.a", True, 2)
-            ]
+            catch_up(settings)
+            assert equal_tables(settings) == [("public.a", True)]
+            assert admin.execute("SELECT count(*) FROM a").fetchone() == (2,)
         finally:
             admin.execute(
                 sql.SQL("ALTER DATABASE {} OWNER TO CURRENT_USER").format(sql.Identifier(database))
