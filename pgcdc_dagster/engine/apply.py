@@ -272,6 +272,7 @@ def apply_range(
             result.net_rows = compaction.net_rows
 
         in_order: dict[TableName, NetChanges] = {}
+        added_before = list(result.added_columns)  # the Spark path's, committed already
         while True:
             setup_session(conn, origin_name, origin_wait_seconds)
             try:
@@ -284,7 +285,7 @@ def apply_range(
                             "another apply ran at the same time; run this one again"
                         )
                     conn.execute("SET LOCAL session_replication_role = replica")
-                    result.added_columns = _add_columns(conn, additions)
+                    result.added_columns = added_before + _add_columns(conn, additions)
                     if additions:
                         targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()
