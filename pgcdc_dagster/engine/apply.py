@@ -52,7 +52,8 @@ Counts
     ``inserted`` and ``updated`` come from one ``INSERT ... ON CONFLICT DO UPDATE ...
     RETURNING (xmax = 0)`` per table, counted server side (a freshly inserted row version has
     no xmax; an updated one carries the updating transaction's; a partitioned table's, which
-    cannot return it, by counting the keys already there first), plus the UPDATE of rows whose
+    cannot return it, by its partitions' write counters, see :func:`_partition_writes`), plus
+    the UPDATE of rows whose
     TOASTed values were not sent. ``missing`` counts updates and deletes whose row the target
     did not have (a diverged target: they are skipped, as PostgreSQL's own apply does).
 
@@ -630,6 +631,30 @@ def _apply_staged(
     result.apply_seconds = round(time.perf_counter() - apply_started, 4)
 
 
+_PARTITION_WRITES = """
+SELECT current_setting('track_counts')::bool,
+       coalesce(sum(pg_stat_get_xact_tuples_inserted(p.relid)), 0),
+       coalesce(sum(pg_stat_get_xact_tuples_updated(p.relid)), 0)
+FROM pg_partition_tree(%s::regclass) AS p
+WHERE p.isleaf
+"""
+
+
+def _partition_writes(conn: psycopg.Connection[Any], table: TableName) -> tuple[int, int] | None:
+    """Rows inserted and updated in ``table``'s partitions so far by this transaction (the
+    server's per-transaction counters), or ``None`` without them (``track_counts`` off).
+
+    Why: an ``INSERT`` routed to a partition cannot return ``xmax`` ("cannot retrieve a system
+    column in this context"), which tells an upsert's inserts from its updates elsewhere. The
+    counters before and after the upsert tell them apart for 0.2-0.5 ms; counting the staged
+    keys already there first cost 0.29 s against the upsert's 0.98 s (200,000 rows into a
+    partitioned table of 1,000,000)."""
+    row = conn.execute(_PARTITION_WRITES, (table.sql.as_string(conn),)).fetchone()
+    assert row is not None
+    tracked, inserted, updated = row
+    return (int(inserted), int(updated)) if tracked else None
+
+
 _NET_ROW_CONFLICTS = (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation)
 """What a table's net rows may meet that its changes in order would not: a unique or
 exclusion key (other than the identity, which the upsert's ``ON CONFLICT`` names) holding a
@@ -886,10 +911,12 @@ def _apply_collapsed(
         )
     else:
         on_conflict = sql.SQL("DO NOTHING")
+    partitioned = stage.target.partitioned
+    before = _partition_writes(conn, table) if partitioned else None
     existing = 0
-    if stage.target.partitioned:
-        # An INSERT routed to a partition cannot return xmax ("cannot retrieve a system column
-        # in this context"): the rows whose key is there already are counted first.
+    if partitioned and before is None:
+        # Without the transaction's write counts (track_counts off), the rows whose key is
+        # there already are counted first: one more pass over the staged keys.
         there = sql.SQL("EXISTS (SELECT FROM {t} t WHERE {m})").format(
             t=table.sql,
             m=sql.SQL(" AND ").join(
@@ -921,10 +948,14 @@ def _apply_collapsed(
         order=sql.SQL(", ").join(staged("c", p) for p in ident),
         key=sql.SQL(", ").join(col(p) for p in ident),
         on_conflict=on_conflict,
-        inserted=sql.SQL("true" if stage.target.partitioned else "(t.xmax = 0)"),
+        inserted=sql.SQL("true" if partitioned else "(t.xmax = 0)"),
     )
     inserted, updated = _run(conn, upsert, what).fetchone()  # type: ignore[misc]
-    if others:  # DO NOTHING returns no row for a key that was there: none of them is counted
+    if before is not None:
+        after = _partition_writes(conn, table)
+        assert after is not None
+        inserted, updated = after[0] - before[0], after[1] - before[1]
+    elif others:  # DO NOTHING returns no row for a key that was there: none is counted
         inserted, updated = int(inserted) - int(existing), int(updated) + int(existing)
     counts.inserted += int(inserted)
     counts.updated += int(updated)

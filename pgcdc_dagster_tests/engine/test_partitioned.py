@@ -45,12 +45,21 @@ def _replicate(source_dsn, target_dsn, tmp_path, spark, schema: str) -> Replicat
     return settings
 
 
+@pytest.mark.parametrize("track_counts", ["on", "off"])
 @pytest.mark.parametrize("staged", ["inline", "temp_tables"])
 def test_a_keyed_partitioned_table_arrives_with_valid_keys_and_takes_every_change(
-    source_dsn, target_dsn, tmp_path, spark, monkeypatch, staged
+    source_dsn, target_dsn, tmp_path, spark, monkeypatch, staged, track_counts
 ):
     if staged == "temp_tables":
         monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
+    # Inserts told from updates by the transaction's counters, or without them (off).
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        database = conn.info.dbname
+        conn.execute(
+            psycopg.sql.SQL("ALTER DATABASE {} SET track_counts = {}").format(
+                psycopg.sql.Identifier(database), psycopg.sql.Literal(track_counts)
+            )
+        )
     settings = _replicate(source_dsn, target_dsn, tmp_path, spark, KEYED)
     with psycopg.connect(target_dsn) as conn:
         indexes = conn.execute(
