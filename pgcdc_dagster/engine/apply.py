@@ -53,8 +53,9 @@ Counts
     RETURNING (xmax = 0)`` per table, counted server side (a freshly inserted row version has
     no xmax; an updated one carries the updating transaction's; a partitioned table's, which
     cannot return it, by its partitions' write counters, see :func:`_partition_writes`), plus
-    the UPDATE of rows whose TOASTed values were not sent. ``missing`` counts updates and deletes whose row the target
-    did not have (a diverged target: they are skipped, as PostgreSQL's own apply does).
+    the UPDATE of rows whose TOASTed values were not sent. ``missing`` counts updates and
+    deletes whose row the target did not have (a diverged target: they are skipped, as
+    PostgreSQL's own apply does).
 
 Not replicated by design: the TRUNCATE option CASCADE (like PostgreSQL's apply worker, only
 the truncated tables the source sent are truncated; cascading could empty tables outside the
