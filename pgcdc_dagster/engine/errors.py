@@ -33,10 +33,15 @@ _FIXES = {
 one (``22P05``: untranslatable character)."""
 
 
+def server_message(exc: psycopg.Error) -> str:
+    """The server's own message for ``exc`` (psycopg's text when the server sent none)."""
+    return (exc.diag.message_primary or str(exc)).strip()
+
+
 def server_reason(exc: psycopg.Error, otherwise: str | None = None) -> str:
     """The server's reason for ``exc`` in one line: its message, its detail, and the fix
     where :data:`_FIXES` knows it (``otherwise``, when given, where it does not)."""
-    reason = (exc.diag.message_primary or str(exc)).strip()
+    reason = server_message(exc)
     if exc.diag.message_detail:
         reason += f" ({exc.diag.message_detail})"
     fix = _FIXES.get(exc.sqlstate or "", otherwise)

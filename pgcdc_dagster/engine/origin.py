@@ -25,7 +25,7 @@ import psycopg
 from psycopg import sql
 
 from .connect import connect
-from .errors import OriginError
+from .errors import OriginError, server_message
 from .lsn import Lsn
 
 
@@ -182,7 +182,7 @@ def setup_session(conn: psycopg.Connection[Any], name: str, wait_seconds: float)
         except psycopg.errors.ObjectInUse as exc:
             if time.monotonic() >= deadline:
                 raise OriginError(
-                    f"replication origin {name} is in use ({exc.diag.message_primary}): "
+                    f"replication origin {name} is in use ({server_message(exc)}): "
                     "another apply holds it; wait for it to finish, or terminate that backend "
                     "if its client is gone"
                 ) from None
@@ -190,7 +190,7 @@ def setup_session(conn: psycopg.Connection[Any], name: str, wait_seconds: float)
         except psycopg.errors.InsufficientPrivilege as exc:
             raise OriginError(
                 f"cannot apply with replication origin {name}: "
-                f"{exc.diag.message_primary}; connect to the target as a superuser (the apply "
+                f"{server_message(exc)}; connect to the target as a superuser (the apply "
                 "also sets session_replication_role), or GRANT EXECUTE ON FUNCTION "
                 "pg_replication_origin_session_setup(text), "
                 "pg_replication_origin_xact_setup(pg_lsn, timestamptz), "

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg import errors, sql
 
+from .errors import server_message
 from .identifiers import TableName, quote_if_needed
 from .preflight import user_tables
 from .slot import SlotError
@@ -21,10 +22,6 @@ from .slot import SlotError
 
 class PublicationError(SlotError):
     """The publication is missing, publishes too little, or cannot be changed by this role."""
-
-
-def _server_message(exc: psycopg.Error) -> str:
-    return (exc.diag.message_primary or str(exc)).strip()
 
 
 def publication_tables(conn: psycopg.Connection[Any], name: str) -> list[TableName]:
@@ -134,12 +131,12 @@ def _run_publication_ddl(conn: psycopg.Connection[Any], name: str, statement: sq
             conn.execute(statement)
     except errors.InsufficientPrivilege as exc:
         raise PublicationError(
-            f"cannot set up publication {name}: {_server_message(exc)}: the source role must own "
+            f"cannot set up publication {name}: {server_message(exc)}: the source role must own "
             "the published tables and may create in the database; run as the tables' owner, or "
             f"have an administrator run: {statement.as_string(conn)}"
         ) from None
     except errors.UndefinedTable as exc:
         raise PublicationError(
-            f"cannot set up publication {name}: {_server_message(exc)}: check the table list "
+            f"cannot set up publication {name}: {server_message(exc)}: check the table list "
             "(run the source preflight check, which names every missing table)"
         ) from None

@@ -53,7 +53,7 @@ from typing import Any
 import psycopg
 
 from .connect import connect
-from .errors import PgcdcError
+from .errors import PgcdcError, server_message
 from .failpoints import failpoint
 from .lsn import Lsn, LsnRange
 from .pgoutput import Begin, decode
@@ -419,12 +419,12 @@ def _stream_peek(
                 cur.execute(_PEEK, params)
             except psycopg.errors.ObjectInUse as exc:
                 raise ReceiveError(
-                    f"slot {slot} is in use by another process ({exc.diag.message_primary}): "
+                    f"slot {slot} is in use by another process ({server_message(exc)}): "
                     "only one receive may read a slot at a time; wait for it to finish"
                 ) from None
             except psycopg.errors.UndefinedObject as exc:
                 raise ReceiveError(
-                    f"{exc.diag.message_primary}: create the publication {publication} "
+                    f"{server_message(exc)}: create the publication {publication} "
                     "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
                 ) from None
             _overlap(lambda: cur.fetchmany(fetch_rows), consume, halt)

@@ -47,7 +47,7 @@ import psycopg
 from psycopg import errors, sql
 
 from .connect import connect
-from .errors import PgcdcError
+from .errors import PgcdcError, server_message
 from .lsn import Lsn, lsn_or_none
 from .slot_wait import naming_blockers
 
@@ -158,10 +158,6 @@ def _checked_slot_name(slot_name: str) -> str:
     return slot_name
 
 
-def _server_message(exc: psycopg.Error) -> str:
-    return (exc.diag.message_primary or str(exc)).strip()
-
-
 def _redo_hint(slot_name: str) -> str:
     return (
         f"drop it (SELECT pg_drop_replication_slot('{slot_name}')) and re-take the base "
@@ -208,13 +204,13 @@ def _create_slot(
             ) from None
         except errors.ConfigurationLimitExceeded as exc:
             raise SlotError(
-                f"cannot create replication slot {slot_name}: {_server_message(exc)}: drop an "
+                f"cannot create replication slot {slot_name}: {server_message(exc)}: drop an "
                 "unused slot (SELECT pg_drop_replication_slot(name)) or raise "
                 "max_replication_slots / max_wal_senders and restart the source"
             ) from None
         except errors.ObjectNotInPrerequisiteState as exc:
             raise SlotError(
-                f"cannot create replication slot {slot_name}: {_server_message(exc)}: run "
+                f"cannot create replication slot {slot_name}: {server_message(exc)}: run "
                 "ALTER SYSTEM SET wal_level = logical on the source and restart it"
             ) from None
         row = cur.fetchone()
@@ -353,7 +349,7 @@ def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
         raise
     except errors.ObjectInUse as exc:
         raise SlotError(
-            f"cannot advance replication slot {slot_name}: {_server_message(exc)}: a consumer is "
+            f"cannot advance replication slot {slot_name}: {server_message(exc)}: a consumer is "
             "streaming from it; stop that consumer (or wait for it) and retry"
         ) from None
 
@@ -402,7 +398,7 @@ def drop_slot(
                 time.sleep(0.2)
                 continue
             raise SlotError(
-                f"cannot drop replication slot {slot_name}: {_server_message(exc)}: stop the "
+                f"cannot drop replication slot {slot_name}: {server_message(exc)}: stop the "
                 "consumer streaming from it (or SELECT pg_terminate_backend(active_pid) FROM "
                 f"pg_replication_slots WHERE slot_name = '{slot_name}') and retry"
             ) from None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -93,7 +93,7 @@ def compact_in_commit_order(
     its identity: for an apply whose net rows the target's other unique keys refused, as the
     source's own order of statements never did (a swap of two rows' unique values through a
     third, say; see :func:`~..apply.apply_range`)."""
-    relation = replace(relations[table], identity=())
+    relation = relations[table].with_identity(())
     changes = stored.read_table(KERNEL_COLUMNS)
     versions = pa.array(list(relation.versions), pa.int32())
     changes = changes.filter(pc.is_in(changes.column("relation_version"), value_set=versions))

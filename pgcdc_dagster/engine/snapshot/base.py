@@ -18,6 +18,7 @@ from psycopg import errors, sql
 from ..connect import (
     connect,
 )
+from ..errors import server_message
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName
 from ..origin import (
@@ -77,7 +78,7 @@ def _reset_target(target_dsn: str, existing: Sequence[TableName], origin: str) -
             except errors.FeatureNotSupported as exc:
                 raise SnapshotError(
                     f"cannot truncate the target tables for --resnapshot: "
-                    f"{(exc.diag.message_primary or str(exc)).strip()}: other target tables "
+                    f"{server_message(exc)}: other target tables "
                     "reference them by foreign key; add those tables to the replicated set or "
                     "drop the foreign keys"
                 ) from None

@@ -19,7 +19,7 @@ from ..connect import (
     libpq_tool_environment,
     redact,
 )
-from ..errors import PgcdcError
+from ..errors import PgcdcError, server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..settings import SPARK_TABLE_ROWS
@@ -227,7 +227,7 @@ def snapshot_transaction(
                 except (errors.UndefinedObject, errors.InvalidParameterValue) as exc:
                     raise SnapshotError(
                         f"cannot import snapshot {snapshot_name}: "
-                        f"{(exc.diag.message_primary or str(exc)).strip()}: the exporting "
+                        f"{server_message(exc)}: the exporting "
                         "replication connection must stay open and idle until every copy "
                         "connection has imported it; take the base snapshot again"
                     ) from None
