@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pgcdc_dagster.engine.connect import connect
-from pgcdc_dagster_tests.pg import run_sql
+from pgcdc_dagster_tests.pg import set_for_database
 
 
 def _settings(dsn: str) -> tuple[str, str]:
@@ -36,16 +36,14 @@ def test_sessions_set_their_timeouts_and_value_formats_over_the_database_s(
     source_dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("PGOPTIONS", raising=False)
-    run_sql(
+    set_for_database(
         source_dsn,
-        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 50; "
-        "ALTER DATABASE %I SET idle_in_transaction_session_timeout = 50; "
-        "ALTER DATABASE %I SET DateStyle = ''SQL, DMY''; "
-        "ALTER DATABASE %I SET extra_float_digits = 0; "
-        "ALTER DATABASE %I SET client_encoding = LATIN1; "
-        "ALTER DATABASE %I SET idle_session_timeout = 50', "
-        "current_database(), current_database(), current_database(), current_database(), "
-        "current_database(), current_database()); END $$",
+        statement_timeout="50",
+        idle_in_transaction_session_timeout="50",
+        DateStyle="SQL, DMY",
+        extra_float_digits="0",
+        client_encoding="LATIN1",
+        idle_session_timeout="50",
     )
     show = (
         "SELECT current_setting('statement_timeout'), "

@@ -13,6 +13,7 @@ import pytest
 from pgcdc_dagster.engine import pipeline, staging
 from pgcdc_dagster.engine.apply import ApplyError
 from pgcdc_dagster.engine.snapshot.common import SnapshotError
+from pgcdc_dagster_tests.pg import set_for_database
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 SCHEMA = """
@@ -41,20 +42,6 @@ EXPECTED = [
     ("Müller", "café crème über", "ñandú", ["é", 'ß,"x"'], {"clé": "valeur"}, "süß"),
     ("Zoë", "naïve ± ½ «quoted»", "àé   ", ["ü", "ø"], {"ä": ["ö"]}, "süß"),
 ]
-
-
-def _set_for_database(dsn: str, **settings: str) -> None:
-    """``ALTER DATABASE ... SET`` each of ``settings``: what every later session there gets."""
-    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for setting, value in settings.items():
-            conn.execute(
-                psycopg.sql.SQL("ALTER DATABASE {} SET {} = {}").format(
-                    psycopg.sql.Identifier(name),
-                    psycopg.sql.Identifier(setting),
-                    psycopg.sql.Literal(value),
-                )
-            )
 
 
 @pytest.fixture(params=["inline", "temp_tables"])
@@ -165,7 +152,7 @@ def test_values_arrive_as_the_same_values_whatever_formats_the_databases_set(
         (source_dsn, "SQL, DMY", "sql_standard"),
         (target_dsn, "SQL, MDY", "iso_8601"),
     ):
-        _set_for_database(
+        set_for_database(
             dsn,
             DateStyle=date_style,
             IntervalStyle=interval_style,
@@ -233,7 +220,7 @@ def test_a_snapshot_and_a_catch_up_outlast_the_timeouts_the_databases_set(
         conn.execute("CREATE TABLE big (id int PRIMARY KEY, v text)")
         conn.execute("INSERT INTO big SELECT g, md5(g::text) FROM generate_series(1, 300000) g")
     for dsn in (source_dsn, target_dsn):
-        _set_for_database(
+        set_for_database(
             dsn,
             statement_timeout="50ms",
             lock_timeout="50ms",

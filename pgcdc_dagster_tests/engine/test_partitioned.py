@@ -8,6 +8,7 @@ import pytest
 
 from pgcdc_dagster.engine import pipeline, staging
 from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.pg import set_for_database
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 KEYED = """
@@ -53,13 +54,7 @@ def test_a_keyed_partitioned_table_arrives_with_valid_keys_and_takes_every_chang
     if staged == "temp_tables":
         monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
     # Inserts told from updates by the transaction's counters, or without them (off).
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        database = conn.info.dbname
-        conn.execute(
-            psycopg.sql.SQL("ALTER DATABASE {} SET track_counts = {}").format(
-                psycopg.sql.Identifier(database), psycopg.sql.Literal(track_counts)
-            )
-        )
+    set_for_database(target_dsn, track_counts=track_counts)
     settings = _replicate(source_dsn, target_dsn, tmp_path, spark, KEYED)
     with psycopg.connect(target_dsn) as conn:
         indexes = conn.execute(
