@@ -548,28 +548,7 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
     with psycopg.connect(replica.target_dsn) as blocker:
         # SHARE lets the apply stage (it reads items' column types) but not write to items.
         blocker.execute("LOCK TABLE items IN SHARE MODE")
-        script = (
-            "import sys; from pgcdc_dagster.engine import staging; "
-            "from pgcdc_dagster.engine.apply import apply_range; "
-            "from pgcdc_dagster.engine.store import OutputStore; "
-            "from pgcdc_dagster.engine.lsn import LsnRange; "
-            "staging.INLINE_MAX_VALUES = int(sys.argv[5]); "
-            "store = OutputStore(sys.argv[1]); "
-            "apply_range(sys.argv[2], store.get(LsnRange.from_key(sys.argv[3])), sys.argv[4])"
-        )
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                script,
-                str(replica.store.root),
-                replica.target_dsn,
-                stored.range.key,
-                ORIGIN,
-                str(staged),
-            ],
-            env={**os.environ, "PGAPPNAME": "pgcdc_killed_apply"},
-        )
+        child = _apply_in_child(replica, stored, staged)
         try:
             backend = _wait_for_blocked_apply(replica.target_dsn, timeout=60)
         finally:
@@ -583,6 +562,68 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
     assert {t: replica.target_rows(t) for t in replica.tables} == before
     result = replica.apply(stored)
     assert result.status == ApplyStatus.APPLIED
+    replica.assert_in_sync()
+
+
+def _apply_in_child(
+    replica: Replica, stored: StoredRange, staged: int, **env: str
+) -> subprocess.Popen[bytes]:
+    """``apply_range`` of ``stored`` in a process of its own (to be killed), with the staging
+    limit ``staged`` and ``env`` (a failpoint, say) in its environment."""
+    script = (
+        "import sys; from pgcdc_dagster.engine import staging; "
+        "from pgcdc_dagster.engine.apply import apply_range; "
+        "from pgcdc_dagster.engine.store import OutputStore; "
+        "from pgcdc_dagster.engine.lsn import LsnRange; "
+        "staging.INLINE_MAX_VALUES = int(sys.argv[5]); "
+        "store = OutputStore(sys.argv[1]); "
+        "apply_range(sys.argv[2], store.get(LsnRange.from_key(sys.argv[3])), sys.argv[4])"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            script,
+            str(replica.store.root),
+            replica.target_dsn,
+            stored.range.key,
+            ORIGIN,
+            str(staged),
+        ],
+        env={**os.environ, "PGAPPNAME": "pgcdc_killed_apply", **env},
+    )
+
+
+def test_kill_during_the_commit_order_replay_leaves_nothing_and_reapply_converges(
+    make_replica, staged
+):
+    """SIGKILL inside the second transaction of an apply: the one that replays, in commit
+    order, a table whose net rows a unique key refused, with another table's rows written
+    beside it. Nothing of the range stays, the origin stays, and applying again converges."""
+    replica = make_replica(
+        POSITIONS + "CREATE TABLE notes (id int PRIMARY KEY);", ["slots", "notes"]
+    )
+    replica.source("INSERT INTO slots VALUES (1, 1, 1), (2, 1, 2)")
+    replica.sync()
+    before = {t: replica.target_rows(t) for t in replica.tables}
+    progress = replica.progress()
+    replica.source(
+        "UPDATE slots SET pos = -1 WHERE id = 1",
+        "UPDATE slots SET pos = 1 WHERE id = 2",
+        "UPDATE slots SET pos = 2 WHERE id = 1",
+        "INSERT INTO notes VALUES (1)",
+    )
+    stored = replica.receive()
+    # The first transaction is refused before the point; the point's first passage is the
+    # replay's transaction, its rows written and not committed.
+    child = _apply_in_child(replica, stored, staged, PGCDC_FAILPOINT="apply.in_transaction=kill@1")
+    assert child.wait(timeout=120) == -signal.SIGKILL
+
+    assert replica.progress() == progress
+    assert {t: replica.target_rows(t) for t in replica.tables} == before
+    result = replica.apply(stored)
+    assert result.status == ApplyStatus.APPLIED
+    assert result.in_commit_order == ["public.slots"]
     replica.assert_in_sync()
 
 
