@@ -557,12 +557,7 @@ def test_kill_during_apply_leaves_previous_boundary_and_reapply_converges(make_r
         assert child.returncode == -signal.SIGKILL
         blocker.rollback()
     _wait_for_backend_exit(replica.target_dsn, backend, timeout=30)
-
-    assert replica.progress() == progress
-    assert {t: replica.target_rows(t) for t in replica.tables} == before
-    result = replica.apply(stored)
-    assert result.status == ApplyStatus.APPLIED
-    replica.assert_in_sync()
+    _left_nothing_and_converges(replica, stored, before, progress)
 
 
 def _apply_in_child(
@@ -618,13 +613,21 @@ def test_kill_during_the_commit_order_replay_leaves_nothing_and_reapply_converge
     # replay's transaction, its rows written and not committed.
     child = _apply_in_child(replica, stored, staged, PGCDC_FAILPOINT="apply.in_transaction=kill@1")
     assert child.wait(timeout=120) == -signal.SIGKILL
+    result = _left_nothing_and_converges(replica, stored, before, progress)
+    assert result.in_commit_order == ["public.slots"]
 
+
+def _left_nothing_and_converges(
+    replica: Replica, stored: StoredRange, before: dict, progress: Lsn
+) -> ApplyResult:
+    """After a killed apply of ``stored``: the origin at ``progress``, every table as
+    ``before``; then applying it again applies it whole."""
     assert replica.progress() == progress
     assert {t: replica.target_rows(t) for t in replica.tables} == before
     result = replica.apply(stored)
     assert result.status == ApplyStatus.APPLIED
-    assert result.in_commit_order == ["public.slots"]
     replica.assert_in_sync()
+    return result
 
 
 def _wait_for_blocked_apply(dsn: str, timeout: float) -> int:
