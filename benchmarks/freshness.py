@@ -70,6 +70,25 @@ from pgcdc_dagster.engine.settings import ReplicationSettings
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 NATIVE_DB = "native"
 NATIVE_SUBSCRIPTION = "fresh_native"
+BUSY_ROWS = 100
+
+
+def create_busy_tables(dsn: str, count: int) -> None:
+    """``count`` tables of :data:`BUSY_ROWS` rows, and ``bench_busy(t, k)``, which updates row
+    ``k`` of table ``t`` (what ``--busy-tables`` writes: a range then changes many tables)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n in range(count):
+            table = sql.Identifier(f"busy_{n:03d}")
+            conn.execute(sql.SQL("CREATE TABLE {} (id int PRIMARY KEY, v int)").format(table))
+            conn.execute(
+                sql.SQL("INSERT INTO {} SELECT g, 0 FROM generate_series(1, %s) g").format(table),
+                (BUSY_ROWS,),
+            )
+        conn.execute(
+            "CREATE FUNCTION bench_busy(t int, k int) RETURNS void LANGUAGE plpgsql AS $$ "
+            "BEGIN EXECUTE format('UPDATE busy_%s SET v = v + 1 WHERE id = $1', "
+            "lpad(t::text, 3, '0')) USING k; END $$"
+        )
 
 
 def freshness_figures(seconds: list[float], prefix: str = "freshness") -> dict[str, Any]:
@@ -120,9 +139,17 @@ def load_window(
         kwargs={"interval_s": args.probe_interval, "poll_s": 0.02},
     )
     tool_env, extra = libpq_tool_environment(source_dsn)
+    scripts = ["-b", "simple-update"]
+    if args.busy_tables:  # half the transactions update one row of a random busy table
+        busy = Path(tempfile.mkdtemp(prefix="pgcdc-busy-")) / "busy.sql"
+        busy.write_text(
+            f"\\set t random(0, {args.busy_tables - 1})\n\\set k random(1, {BUSY_ROWS})\n"
+            "SELECT bench_busy(:t, :k);\n"
+        )
+        scripts = ["-b", "simple-update@1", "-f", f"{busy}@1"]
     command = [
         str(find_bindir() / "pgbench"),
-        *("-n", "-b", "simple-update", "-c", "4", "-j", "2"),
+        *("-n", *scripts, "-c", "4", "-j", "2"),
         *("-R", str(args.tps), "-T", str(args.seconds)),
         *extra,
     ]
@@ -309,6 +336,13 @@ def main() -> None:
         help="that many more (idle) published tables: each is an asset every range records",
     )
     parser.add_argument(
+        "--busy-tables",
+        type=int,
+        default=0,
+        help="that many more published tables, half the load updating a random one of them: "
+        "a range then changes many tables, and records an event for each",
+    )
+    parser.add_argument(
         "--stored-ranges",
         type=int,
         default=0,
@@ -339,6 +373,8 @@ def main() -> None:
             with psycopg.connect(clusters.source.dsn(), autocommit=True) as conn:
                 for n in range(args.extra_tables):
                     conn.execute(f"CREATE TABLE extra_{n:03d} (id int PRIMARY KEY, v text)")
+        if args.busy_tables:
+            create_busy_tables(clusters.source.dsn(), args.busy_tables)
         settings = ReplicationSettings.from_env()
         subprocess.run([PGCDC, "snapshot"], env=env, check=True, capture_output=True, cwd=base)
         prefilled = store_earlier_ranges(settings, args.stored_ranges)

@@ -151,6 +151,14 @@ def table_of(rows: list[dict[str, Any]], columns: dict[str, str]) -> MetadataVal
     return MetadataValue.table([TableRecord(row) for row in rows], schema=schema)
 
 
+def _narrowed(result: BaseSnapshotResult, table: TableName) -> dict[str, str | None]:
+    """How the publication narrows ``table`` (only that was copied, as only that streams)."""
+    shape = result.shapes.get(table)
+    if shape is None:
+        return {"row_filter": None, "columns_left_out": None}
+    return {"row_filter": shape.row_filter, "columns_left_out": ", ".join(shape.unpublished)}
+
+
 def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
     tables = table_of(
         [
@@ -161,6 +169,7 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
                 "seconds": None if t.seconds is None else round(float(t.seconds), 3),
                 "frozen": t.frozen,
                 "bundled_with": t.bundled_with,
+                **_narrowed(result, t.table),
             }
             for t in result.tables
         ],
@@ -171,9 +180,17 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
             "seconds": "float",
             "frozen": "bool",
             "bundled_with": "int",
+            "row_filter": "string",
+            "columns_left_out": "string",
         },
     )
+    loosened = (
+        {"not_null_dropped": text(", ".join(result.not_null_dropped))}
+        if result.not_null_dropped
+        else {}
+    )
     return {
+        **loosened,
         "slot": text(result.slot_name),
         "snapshot_name": text(result.snapshot_name),
         "consistent_point": text(result.consistent_point),

@@ -220,12 +220,13 @@ def apply_range(
     started = time.perf_counter()
     transform = stored.transform_lsn
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
+    store = store or OutputStore(stored.store_root)
     with _target_session(target_dsn, conn) as conn:
         progress = require_progress(conn, origin_name)
         result.previous_lsn = result.replay_lsn = str(progress)
         # Before any outcome, the empty one included: a range is never reported applied or
         # empty while an earlier range's transactions are missing on the target.
-        check_no_gap(store or OutputStore(stored.store_root), stored, progress, origin_name)
+        check_no_gap(store, stored, progress, origin_name)
         if transform is None:
             result.status = ApplyStatus.EMPTY
         elif progress >= transform:
@@ -235,10 +236,18 @@ def apply_range(
             return result
         assert transform is not None
 
-        relations = relations_of(stored.manifest.relations)
+        # The tables the range's rows write: only those are read on the target and checked
+        # for drift (a relation no row uses may not match the target, see relation_versions).
+        used = stored.relation_versions()
+        relations = {
+            t: rel
+            for t, rel in relations_of(stored.manifest.relations).items()
+            if used & rel.versions.keys()
+        }
         targets = read_target_tables(conn, list(relations))
         relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-        additions = plan_schema_drift(relations, targets)
+        chain = store.chain()
+        additions = plan_schema_drift(relations, targets, chain.unpublished if chain else {})
         shared: dict[TableName, SharedStage] | None = None
         if spark is not None and stored.changes >= spark_min_changes:
             if additions:
@@ -491,10 +500,15 @@ class ColumnAddition:
 
 
 def plan_schema_drift(
-    relations: Mapping[TableName, TableRelation], targets: Mapping[TableName, TargetTable]
+    relations: Mapping[TableName, TableRelation],
+    targets: Mapping[TableName, TargetTable],
+    unpublished: Mapping[TableName, Sequence[str]] | None = None,
 ) -> list[ColumnAddition]:
     """Columns to add to the target, or a :class:`SchemaDriftError` for drift the apply will
     not repair (a column dropped or retyped on the source, or generated on the target only).
+    ``unpublished``: per table, the columns the publication's column list left out at the
+    snapshot (:attr:`~.store.Chain.unpublished`): absent from the stream by design, not
+    dropped.
 
     User-defined types cannot be compared by oid across clusters: only built-in types are
     checked for retyping, and only built-in types can be added.
@@ -530,10 +544,11 @@ def plan_schema_drift(
                     f"target column to the source's type (ALTER TABLE {table} ALTER COLUMN "
                     f"{col.name} TYPE ...), then apply again"
                 )
+        left_out = set((unpublished or {}).get(table, ()))
         dropped = [
             c.name
             for c in target.columns.values()
-            if not c.generated and c.name not in relation.names
+            if not c.generated and c.name not in relation.names and c.name not in left_out
         ]
         if dropped:
             raise SchemaDriftError(

@@ -98,7 +98,12 @@ def take_snapshot(
             begin=lambda: store.begin_snapshot(settings.slot),
             driver_max_rows=settings.driver_max_rows(),
         )
-        store.record_chain(settings.slot, result.consistent_point, result.snapshot_name)
+        store.record_chain(
+            settings.slot,
+            result.consistent_point,
+            result.snapshot_name,
+            {table: shape.unpublished for table, shape in result.shapes.items()},
+        )
     return result
 
 

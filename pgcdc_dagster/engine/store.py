@@ -42,17 +42,19 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .errors import PgcdcError
 from .failpoints import failpoint
+from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 
 MANIFEST = "_RANGE.json"
@@ -224,6 +226,10 @@ class Chain:
     pruned_at: float | None = None
     """When a prune last looked (Unix time), whether or not it removed anything: prunes are
     spaced by this, across processes."""
+    unpublished: dict[TableName, tuple[str, ...]] = field(default_factory=dict)
+    """Per table, the columns the publication's column list left out when the snapshot was
+    taken (:class:`~.published.PublishedShape`): the target keeps them, empty, and the apply
+    takes their absence from the stream for that, not for a column dropped on the source."""
 
     @property
     def complete(self) -> bool:
@@ -236,6 +242,16 @@ class Chain:
         if not self.complete:
             return None
         return self.pruned_through or self.consistent_point
+
+
+def _put_unpublished(
+    record: dict[str, Any], unpublished: Mapping[TableName, Sequence[str]]
+) -> None:
+    """Write :attr:`Chain.unpublished` into a chain ``record`` (nothing when there is none)."""
+    if any(unpublished.values()):
+        record["unpublished"] = [
+            [t.schema, t.name, list(cols)] for t, cols in sorted(unpublished.items()) if cols
+        ]
 
 
 @dataclass(frozen=True)
@@ -306,6 +322,16 @@ class StoredRange:
                 table = parquet.read(columns=schema.names)
             tables.append(table if table.schema.equals(schema) else table.cast(schema))
         return pa.concat_tables(tables)
+
+
+    def relation_versions(self) -> set[int]:
+        """The relation versions (indexes into the manifest's ``relations``) the range's rows
+        use. The manifest may list more: a range cut from a peek starts with every relation
+        the peek had seen, and pgoutput sends a partition's own Relation message beside its
+        root's when it publishes through the root (under a column list, narrowed like the
+        root's), though every change names the root."""
+        column = self.read_table(["relation_version"]).column("relation_version")
+        return set(pc.unique(column).to_pylist())
 
 
 MANIFESTS_KEPT = 256
@@ -525,22 +551,29 @@ class OutputStore:
         with self.chain_lock():
             self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
 
-    def record_chain(self, slot: str, consistent_point: Lsn, snapshot_name: str) -> None:
+    def record_chain(
+        self,
+        slot: str,
+        consistent_point: Lsn,
+        snapshot_name: str,
+        unpublished: Mapping[TableName, Sequence[str]] | None = None,
+    ) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
-        last step, after the target's origin is set.
+        last step, after the target's origin is set. ``unpublished``: see
+        :attr:`Chain.unpublished`.
 
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
         """
+        record: dict[str, Any] = {
+            "slot": slot,
+            "state": CHAIN_COMPLETE,
+            "consistent_point": str(consistent_point),
+            "snapshot": snapshot_name,
+        }
+        _put_unpublished(record, unpublished or {})
         with self.chain_lock():
-            self._write_chain(
-                {
-                    "slot": slot,
-                    "state": CHAIN_COMPLETE,
-                    "consistent_point": str(consistent_point),
-                    "snapshot": snapshot_name,
-                }
-            )
+            self._write_chain(record)
 
     @contextlib.contextmanager
     def chain_lock(self) -> Iterator[Chain | None]:
@@ -576,6 +609,7 @@ class OutputStore:
             "snapshot": chain.snapshot,
             "pruned_at": at,
         }
+        _put_unpublished(record, chain.unpublished)
         if through is not None:
             record["pruned_through"] = str(through)
             record["pruned_last_commit"] = None if last_commit is None else str(last_commit)
@@ -650,6 +684,10 @@ class OutputStore:
             pruned_through=None if pruned is None else Lsn.parse(pruned),
             pruned_last_commit=None if pruned_commit is None else Lsn.parse(pruned_commit),
             pruned_at=raw.get("pruned_at"),
+            unpublished={
+                TableName(schema, name): tuple(columns)
+                for schema, name, columns in raw.get("unpublished", [])
+            },
         )
 
     def consistent_point(self) -> Lsn:

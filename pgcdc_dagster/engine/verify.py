@@ -20,6 +20,7 @@ from psycopg import sql
 from .catalog import table_columns
 from .connect import connect
 from .identifiers import TableName
+from .published import published_shapes, row_filter_sql
 from .settings import ReplicationSettings
 
 
@@ -43,14 +44,19 @@ _COMPARABLE_SESSION = (
 
 
 def _table_fingerprint(
-    conn: psycopg.Connection[Any], table: TableName, columns: list[str]
+    conn: psycopg.Connection[Any],
+    table: TableName,
+    columns: list[str],
+    row_filter: str | None = None,
 ) -> tuple[int, str]:
-    """Row count and the md5 of the sorted per-row md5s: duplicates count, order does not."""
+    """Row count and the md5 of the sorted per-row md5s: duplicates count, order does not.
+    ``row_filter``: only the rows the publication's filter passes."""
     row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in columns))
+    where = sql.SQL("") if row_filter is None else sql.SQL(" WHERE ") + row_filter_sql(row_filter)
     query = sql.SQL(
         "SELECT count(*), coalesce(md5(string_agg(h, '' ORDER BY h COLLATE \"C\")), '') "
-        "FROM (SELECT md5(convert_to({row}::text, 'UTF8')) AS h FROM {table}) rows"
-    ).format(row=row, table=table.sql)
+        "FROM (SELECT md5(convert_to({row}::text, 'UTF8')) AS h FROM {table}{where}) rows"
+    ).format(row=row, table=table.sql, where=where)
     count, digest = conn.execute(query).fetchone()  # type: ignore[misc]
     return int(count), str(digest)
 
@@ -58,7 +64,9 @@ def _table_fingerprint(
 def compare_tables(
     settings: ReplicationSettings, tables: Sequence[TableName]
 ) -> list[TableComparison]:
-    """Per table: rows and a content hash on both sides, over the source's columns."""
+    """Per table: rows and a content hash on both sides, over the source's columns. A table
+    the publication narrows (:mod:`.published`) is compared as it is published: its source
+    rows that pass the row filter, over the columns the column list sends."""
     results = []
     with (
         connect(settings.source_dsn, role="source", autocommit=True) as src,
@@ -67,9 +75,13 @@ def compare_tables(
         for conn in (src, tgt):
             conn.execute(_COMPARABLE_SESSION)
         source_columns = table_columns(src, tables)
+        shapes = published_shapes(src, settings.publication, tables)
         for table in tables:
-            columns = [c.name for c in source_columns.get(table, [])]
-            s_rows, s_hash = _table_fingerprint(src, table, columns)
+            shape = shapes.get(table)
+            left_out = set(shape.unpublished) if shape else set()
+            columns = [c.name for c in source_columns.get(table, []) if c.name not in left_out]
+            row_filter = shape.row_filter if shape else None
+            s_rows, s_hash = _table_fingerprint(src, table, columns, row_filter)
             t_rows, t_hash = _table_fingerprint(tgt, table, columns)
             results.append(TableComparison(table, s_rows, t_rows, s_hash, t_hash))
     return results

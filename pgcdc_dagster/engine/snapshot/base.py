@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from ..origin import (
     set_origin,
 )
 from ..progress import CopyWatcher
+from ..published import PublishedShape, published_shapes
 from ..sequences import sync_sequences
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
@@ -38,6 +39,7 @@ from .common import (
     CopyFormat,
     SnapshotError,
     TargetNotEmptyError,
+    snapshot_transaction,
     tables_for_spark,
 )
 from .copy import plan_table_ranges
@@ -84,6 +86,83 @@ def _reset_target(target_dsn: str, existing: Sequence[TableName], origin: str) -
                 ) from None
         drop_origin(tgt, origin)
         tgt.commit()
+
+
+_KEY_COLUMNS = """
+SELECT a.attname
+FROM pg_index i
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+WHERE i.indrelid = %s::regclass AND i.indisprimary AND a.attname = ANY(%s::text[])
+"""
+
+
+def _read_shapes(
+    source_dsn: str, publication: str, tables: Sequence[TableName], snapshot_name: str
+) -> dict[TableName, PublishedShape]:
+    """What ``publication`` sends of the tables it narrows, as of the exported snapshot; a
+    :class:`SnapshotError` when its column list leaves out a column of a table's primary key
+    (possible when the replica identity is another unique index): the target's key could
+    hold no copied row."""
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+    ):
+        shapes = published_shapes(src, publication, tables)
+        for table, shape in shapes.items():
+            if not shape.unpublished:
+                continue
+            keys = src.execute(
+                _KEY_COLUMNS, (table.sql.as_string(src), list(shape.unpublished))
+            ).fetchall()
+            if keys:
+                raise _key_left_out(table, keys[0][0], "it is in the table's primary key")
+    return shapes
+
+
+def _key_left_out(table: TableName, column: str, why: str) -> SnapshotError:
+    return SnapshotError(
+        f"the publication's column list of {table} leaves out {column}, which the target "
+        f"cannot leave empty ({why}): add {column} to the column list (ALTER PUBLICATION ... "
+        "SET TABLE ...), then take the snapshot again"
+    )
+
+
+_UNPUBLISHED_NOT_NULL = """
+SELECT a.attname
+FROM pg_attribute a
+WHERE a.attrelid = %s::regclass AND a.attname = ANY(%s::text[])
+  AND a.attnotnull AND NOT a.atthasdef
+"""
+
+
+def _let_unpublished_be_empty(
+    target_dsn: str, shapes: Mapping[TableName, PublishedShape]
+) -> list[str]:
+    """Drop ``NOT NULL`` on the target from the columns a column list leaves out that have no
+    default: they never receive a value, so every row would be refused (by the copy, and by
+    every insert after it). Returns ``table.column`` of each one changed. In a table that was
+    there before the snapshot too: a redo after a crash finds the tables the killed snapshot
+    made, and a table that can hold no row is no one's intent."""
+    changed: list[str] = []
+    todo = [(t, s.unpublished) for t, s in shapes.items() if s.unpublished]
+    if not todo:
+        return changed
+    with connect(target_dsn, role="target") as tgt:
+        for table, columns in todo:
+            regclass = table.sql.as_string(tgt)
+            strict = tgt.execute(_UNPUBLISHED_NOT_NULL, (regclass, list(columns))).fetchall()
+            for (column,) in strict:
+                try:
+                    tgt.execute(
+                        sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
+                            table.sql, sql.Identifier(column)
+                        )
+                    )
+                except errors.InvalidTableDefinition as exc:  # a key of the target's own
+                    raise _key_left_out(table, column, server_message(exc)) from None
+                changed.append(f"{table}.{column}")
+        tgt.commit()
+    return changed
 
 
 def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
@@ -202,7 +281,9 @@ def take_base_snapshot(
         )
         with exported:
             progress.phase("schema")
+            shapes = _read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
             pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
+            loosened = _let_unpublished_be_empty(target_dsn, shapes)
             copy_started = time.perf_counter()
             if armed("snapshot.copying"):
                 threading.Thread(
@@ -222,6 +303,7 @@ def take_base_snapshot(
                     consistent_point=slot.consistent_point,
                     driver_max_rows=driver_max_rows,
                     new_tables=set(resolved).difference(existing),
+                    shapes=shapes,
                 )
             copy_seconds = time.perf_counter() - copy_started
             watch_stop.set()
@@ -255,4 +337,6 @@ def take_base_snapshot(
         seconds=time.perf_counter() - started,
         copy_seconds=copy_seconds,
         export_path=None if export_store is None else str(Path(export_store) / "snapshot"),
+        shapes=shapes,
+        not_null_dropped=tuple(loosened),
     )

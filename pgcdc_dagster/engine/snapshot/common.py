@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ from ..connect import (
 from ..errors import PgcdcError, server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..published import PublishedShape
 from ..settings import SPARK_TABLE_ROWS
 
 DEFAULT_ROWS_PER_TASK = 500_000
@@ -61,6 +62,9 @@ class TableRange:
     start_block: int | None
     end_block: int | None
     estimated_rows: int
+    row_filter: str | None = None
+    """The publication's row filter of ``table`` (:class:`~..publication.PublishedShape`):
+    only the rows it passes are copied, as only their changes are streamed."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,11 @@ class BaseSnapshotResult:
     seconds: float
     copy_seconds: float
     export_path: str | None = None
+    shapes: Mapping[TableName, PublishedShape] = field(default_factory=dict)
+    """The tables the publication narrows, with what it sends of each: what was copied."""
+    not_null_dropped: tuple[str, ...] = ()
+    """``table.column``: columns left out by a column list whose ``NOT NULL`` (without a
+    default) was dropped on the target, which could otherwise store no row."""
 
     @property
     def rows(self) -> int:

@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +26,7 @@ from ..connect import (
 )
 from ..errors import server_reason
 from ..identifiers import TableName
+from ..published import PublishedShape, row_filter_sql
 from .common import (
     COLUMNS,
     DEFAULT_ROWS_PER_TASK,
@@ -63,6 +64,7 @@ def plan_table_ranges(
     tables: Sequence[TableName],
     snapshot_name: str | None,
     target_rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+    shapes: Mapping[TableName, PublishedShape] | None = None,
 ) -> list[TableRange]:
     """Cut every table into ctid block ranges of about ``target_rows_per_task`` rows each.
 
@@ -71,7 +73,10 @@ def plan_table_ranges(
     Estimates only decide the balance of the tasks, never which rows are copied: the ranges
     tile ``[0, ∞)`` without gap or overlap, so every row visible in the snapshot is copied once.
     A partitioned table is planned leaf by leaf. Generated columns are left out of ``columns``
-    (the target computes them). ``conn`` must not be inside a transaction.
+    (the target computes them). ``shapes``: what the publication sends of the tables it
+    narrows (:func:`~..publication.published_shapes`): only those columns, and only the rows
+    its filter passes (a leaf by its root's filter, as the stream sends them through the root).
+    ``conn`` must not be inside a transaction.
     """
     if target_rows_per_task < 1:
         raise ValueError("target_rows_per_task must be at least 1")
@@ -96,9 +101,13 @@ def plan_table_ranges(
         estimated = int(blocks * per_block)
         pieces = min(int(blocks), math.ceil(estimated / target_rows_per_task))
         source = TableName(schema, name)
-        column_names = tuple(c[0] for c in cols)
+        shape = (shapes or {}).get(table)
+        column_names = tuple(c[0] for c in cols) if shape is None else shape.columns
+        row_filter = None if shape is None else shape.row_filter
         if pieces <= 1:
-            ranges.append(TableRange(table, source, column_names, None, None, estimated))
+            ranges.append(
+                TableRange(table, source, column_names, None, None, estimated, row_filter)
+            )
             continue
         step = math.ceil(blocks / pieces)
         starts = list(range(0, int(blocks), step))
@@ -113,6 +122,7 @@ def plan_table_ranges(
                     start if i else None,
                     end,
                     int(span * per_block),
+                    row_filter,
                 )
             )
     return ranges
@@ -159,6 +169,8 @@ def _select_statement(task: CopyTask, copy_format: str) -> sql.Composed:
         conditions.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({rng.start_block},0)")))
     if rng.end_block is not None:
         conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({rng.end_block},0)")))
+    if rng.row_filter is not None:  # the server's own text of the publication's filter
+        conditions.append(row_filter_sql(rng.row_filter))
     where = sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
     return sql.SQL("COPY (SELECT {} FROM ONLY {}{}) TO STDOUT (FORMAT {})").format(
         columns, rng.source.sql, where, sql.SQL(copy_format)

@@ -11,7 +11,7 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +24,7 @@ from ..connect import (
 )
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..published import PublishedShape
 from .common import (
     COLUMNS,
     DEFAULT_DRIVER_MAX_ROWS,
@@ -176,6 +177,7 @@ def copy_tables(
     scheduler: Literal["auto", "rdd", "dataframe"] = "auto",
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
     new_tables: Collection[TableName] = (),
+    shapes: Mapping[TableName, PublishedShape] | None = None,
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
 
@@ -206,6 +208,9 @@ def copy_tables(
     frozen (:attr:`~.common.CopyTask.freeze`): on a machine where the driver copies with one
     worker, that is every table but a partitioned one.
 
+    ``shapes``: what the publication sends of the tables it narrows (only that is copied, see
+    :func:`~.copy.plan_table_ranges`).
+
     ``scheduler``: ``rdd`` (classic sessions), ``dataframe`` (a plain Python UDF over
     ``spark.range``, one row per group of tasks: the only way on Spark Connect, which has no
     ``sparkContext``), ``auto`` picks by session kind. Both are tested: the ``dataframe`` path
@@ -216,7 +221,7 @@ def copy_tables(
     if not tables:
         return []
     with connect(source_dsn, role="source", autocommit=True) as src:
-        ranges = plan_table_ranges(src, tables, snapshot_name, target_rows_per_task)
+        ranges = plan_table_ranges(src, tables, snapshot_name, target_rows_per_task, shapes)
         column_types = _column_type_names(src, tables, snapshot_name)
     staging: Path | None = None
     if export_store is not None:
