@@ -397,3 +397,40 @@ def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, c
     )
     mine = [r for r in records if r.event_log_entry.run_id == result.run_id]
     assert mine and all(r.event_log_entry.step_key == "follow_stream" for r in mine)
+
+
+def test_a_publication_that_narrows_its_table_from_the_command_line(cli_env, capsys, monkeypatch):
+    """The user's own publication with a row filter and a column list: the commands copy,
+    apply and compare only what it sends, and the snapshot's metadata says how it narrows."""
+    from dagster import TableRecord
+
+    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.keys import BASE_SNAPSHOT_KEY
+    from pgcdc_dagster.defs.runner import dagster_instance
+
+    monkeypatch.setattr(runner, "_instance", None)  # this test's own storage
+    monkeypatch.setenv("PGCDC_PUBLICATION", "narrow")
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("CREATE PUBLICATION narrow FOR TABLE items (id) WHERE (id <= 50)")
+
+    code, out, err = run_cli(capsys, "snapshot")
+    assert code == 0 and "50 rows" in out, err
+    event = dagster_instance().get_latest_materialization_event(BASE_SNAPSHOT_KEY)
+    assert event is not None and event.asset_materialization is not None
+    records: list[TableRecord] = event.asset_materialization.metadata["tables"].value.records  # type: ignore[attr-defined]
+    assert [
+        (r.data["table"], r.data["row_filter"], r.data["columns_left_out"]) for r in records
+    ] == [("public.items", "(id <= 50)", "name")]
+
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("INSERT INTO items VALUES (0, 'in'), (200, 'out')")
+        conn.execute("UPDATE items SET name = 'changed' WHERE id IN (5, 60)")
+        conn.execute("DELETE FROM items WHERE id IN (6, 70)")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as conn:
+        assert conn.execute(
+            "SELECT count(*), count(name), min(id), max(id) FROM items"
+        ).fetchone() == (50, 0, 0, 50)
