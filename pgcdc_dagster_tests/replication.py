@@ -25,16 +25,19 @@ def settings_for(
     )
 
 
-def catch_up(settings: ReplicationSettings, endpos: Lsn | str = "current") -> list[Any]:
-    """Every step to ``endpos`` (``current``: the source's position now), in this process;
-    each step's ``(received, applied)``."""
+def catch_up(
+    settings: ReplicationSettings, endpos: Lsn | str = "current", spark: Any = None
+) -> list[Any]:
+    """Every step to ``endpos`` (``current``: the source's position now), in this process
+    (``spark``: for the ranges of at least ``settings.spark_min_changes``); each step's
+    ``(received, applied)``."""
     target = pipeline.resolve_endpos(settings, endpos) if isinstance(endpos, str) else endpos
     with pipeline.range_lock(settings):
         return list(
             pipeline.catch_up(
                 settings,
                 target,
-                run_step=lambda step: pipeline.run_step_in_process(settings, step),
+                run_step=lambda step: pipeline.run_step_in_process(settings, step, spark),
             )
         )
 

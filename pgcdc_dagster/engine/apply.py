@@ -236,6 +236,13 @@ def apply_range(
             return result
         assert transform is not None
 
+        chain = store.chain()
+        if chain is not None and chain.adding:
+            names = " ".join(str(t) for t in chain.adding)
+            raise ApplyError(
+                f"adding table(s) {names} to the replication did not finish, so their rows on "
+                f"the target may be partial: run pgcdc add-table {names} again, then apply"
+            )
         # The tables the range's rows write: only those are read on the target and checked
         # for drift (a relation no row uses may not match the target, see relation_versions).
         used = stored.relation_versions()
@@ -246,8 +253,13 @@ def apply_range(
         }
         targets = read_target_tables(conn, list(relations))
         relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-        chain = store.chain()
         additions = plan_schema_drift(relations, targets, chain.unpublished if chain else {})
+        # A table added after the snapshot skips its changes that its own copy holds.
+        floors = {
+            t: int(lsn)
+            for t, lsn in (chain.synced_from if chain else {}).items()
+            if t in relations and lsn > progress
+        }
         shared: dict[TableName, SharedStage] | None = None
         if spark is not None and stored.changes >= spark_min_changes:
             if additions:
@@ -268,6 +280,7 @@ def apply_range(
                 [str(f) for f in stored.files],
                 relations,
                 after_lsn=int(progress),
+                floors=floors,
             )
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
@@ -275,7 +288,7 @@ def apply_range(
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())
         else:
-            compaction = compact_range(stored, relations, after_lsn=int(progress))
+            compaction = compact_range(stored, relations, after_lsn=int(progress), floors=floors)
             result.compaction_path = compaction.path
             result.compaction_seconds = compaction.seconds
             result.changes = sum(t.changes for t in compaction.tables.values())
@@ -331,7 +344,7 @@ def apply_range(
                 if refused.table in in_order:
                     raise refused.error from refused.error.__cause__
                 in_order[refused.table] = compact_in_commit_order(
-                    stored, relations, refused.table, after_lsn=int(progress)
+                    stored, relations, refused.table, after_lsn=int(progress), floors=floors
                 )
                 result.in_commit_order.append(str(refused.table))
             finally:
@@ -455,9 +468,10 @@ def read_target_tables(
     missing = [str(t) for t in tables if t not in found]
     if missing:
         raise ApplyError(
-            f"table(s) {', '.join(missing)} of the range do not exist on the target: create "
-            "them (the base snapshot copies the schema of the published tables; re-take it "
-            "with pgcdc snapshot --resnapshot, or create them by hand with the source's DDL)"
+            f"table(s) {', '.join(missing)} of the range do not exist on the target: the "
+            "publication sends them, but the base snapshot did not copy them (added to the "
+            f"publication later): run pgcdc add-table {' '.join(missing)}, which copies their "
+            "rows as of now and has the apply take their changes from there"
         )
     unique: dict[TableName, list[frozenset[str]]] = {t: [] for t in tables}
     for schema, rel, names in conn.execute(_TARGET_UNIQUE_KEYS, params).fetchall():

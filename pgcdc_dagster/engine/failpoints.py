@@ -48,6 +48,8 @@ POINTS: dict[str, str] = {
     "snapshot.after_copy": "every row is copied; indexes and keys not built",
     "snapshot.after_post_data": "indexes and keys built; the origin not set",
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",
+    "add.after_begin": "the store says tables are being added; nothing else done",
+    "add.after_copy": "an added table's rows and keys are on the target; the store not told",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
     "store.renamed": "a range renamed into its bucket and synced; its writer's emptied scratch "
     "folder not yet removed, the slot not yet advanced",

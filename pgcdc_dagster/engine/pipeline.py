@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from .apply import ApplyResult
-    from .snapshot import BaseSnapshotResult
+    from .snapshot import AddedTablesResult, BaseSnapshotResult
 
 
 T = TypeVar("T")
@@ -102,6 +102,45 @@ def take_snapshot(
             settings.slot,
             result.consistent_point,
             result.snapshot_name,
+            {table: shape.unpublished for table, shape in result.shapes.items()},
+        )
+    return result
+
+
+def add_tables(
+    settings: ReplicationSettings,
+    tables: Sequence[TableName],
+    spark: SparkSession | Callable[[], SparkSession],
+    *,
+    lock_holder: str | None = None,
+) -> AddedTablesResult:
+    """Add ``tables`` to the replication (:mod:`.snapshot.added`): copied as of a consistent
+    point of their own, the apply then skipping their changes at or before it.
+
+    Crash-safe in two records of the store's chain, under the range lock (no apply runs
+    meanwhile): the tables enter ``adding`` before the target changes, and ``synced_from``
+    once their copy is done. A killed add leaves them in ``adding``: every apply refuses until
+    the next add copies them again from scratch."""
+    from .snapshot import add_tables as copy_added
+
+    store = store_of(settings)
+    store.consistent_point()  # a base snapshot to add to, or the error that says to take one
+    with range_lock(settings, lock_holder):
+        chain = store.chain()
+        result = copy_added(
+            settings.source_dsn,
+            settings.target_dsn,
+            settings.slot,
+            settings.publication,
+            tables,
+            spark=spark,
+            redo=chain.adding if chain else (),
+            begin=store.begin_adding,
+            driver_max_rows=settings.driver_max_rows(),
+        )
+        store.record_added(
+            [t.table for t in result.tables],
+            result.consistent_point,
             {table: shape.unpublished for table, shape in result.shapes.items()},
         )
     return result

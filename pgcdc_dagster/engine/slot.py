@@ -70,6 +70,9 @@ _CREATE_SLOT_SYNTAXES = (
     "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput (SNAPSHOT 'export')",
     "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput EXPORT_SNAPSHOT",
 )
+_CREATE_TEMPORARY_SLOT_SYNTAXES = tuple(
+    syntax.replace("{slot} LOGICAL", "{slot} TEMPORARY LOGICAL") for syntax in _CREATE_SLOT_SYNTAXES
+)
 
 
 class SlotError(PgcdcError):
@@ -165,17 +168,22 @@ def _redo_hint(slot_name: str) -> str:
     )
 
 
-def create_slot_with_snapshot(dsn: str, slot_name: str) -> ExportedSnapshotSlot:
+def create_slot_with_snapshot(
+    dsn: str, slot_name: str, *, temporary: bool = False
+) -> ExportedSnapshotSlot:
     """Create the logical slot ``slot_name`` (pgoutput) and export the snapshot it starts from.
 
     The returned object owns the replication connection; keep it open (and use it only as a
     context manager) until every connection of the base copy has imported the snapshot.
+    ``temporary``: the slot is dropped by the server when that connection ends, however it
+    ends (a table added later wants only its consistent point and snapshot).
     """
     _checked_slot_name(slot_name)
     conn = connect(dsn, role="source", replication=True)
+    syntaxes = _CREATE_TEMPORARY_SLOT_SYNTAXES if temporary else _CREATE_SLOT_SYNTAXES
     try:
         with naming_blockers(dsn, conn.info.backend_pid):
-            row = _create_slot(conn, slot_name)
+            row = _create_slot(conn, slot_name, syntaxes)
     except BaseException:
         conn.close()
         raise

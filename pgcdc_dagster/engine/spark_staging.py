@@ -110,6 +110,7 @@ def stage_on_spark(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
     partitions: int | None = None,
 ) -> dict[TableName, SharedStage]:
     """Compact ``files`` (one range) on Spark, every group's net rows COPYed by the worker that
@@ -121,7 +122,9 @@ def stage_on_spark(
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
     drop_shared(conn, origin_name)
     names = {t: _create_tables(conn, origin_name, i, relations[t]) for i, t in enumerate(tables)}
-    routed = route_changes(spark, files, relations, after_lsn=after_lsn, partitions=partitions)
+    routed = route_changes(
+        spark, files, relations, after_lsn=after_lsn, floors=floors, partitions=partitions
+    )
     kernel = _staging_kernel(tables, relations, names, target_dsn)
     from pyspark.sql.pandas.types import from_arrow_schema
 

@@ -227,9 +227,15 @@ class Chain:
     """When a prune last looked (Unix time), whether or not it removed anything: prunes are
     spaced by this, across processes."""
     unpublished: dict[TableName, tuple[str, ...]] = field(default_factory=dict)
-    """Per table, the columns the publication's column list left out when the snapshot was
-    taken (:class:`~.published.PublishedShape`): the target keeps them, empty, and the apply
+    """Per table, the columns the publication's column list left out when the table was
+    copied (:class:`~.published.PublishedShape`): the target keeps them, empty, and the apply
     takes their absence from the stream for that, not for a column dropped on the source."""
+    adding: tuple[TableName, ...] = ()
+    """Tables an add (``pgcdc add-table``) began to copy and has not finished: their rows on
+    the target may be partial, so no range is applied until the add is run again."""
+    synced_from: dict[TableName, Lsn] = field(default_factory=dict)
+    """Per table added after the base snapshot, its own copy's consistent point: the copy
+    holds its changes committed at or before it, so the apply skips those in the stream."""
 
     @property
     def complete(self) -> bool:
@@ -244,14 +250,22 @@ class Chain:
         return self.pruned_through or self.consistent_point
 
 
-def _put_unpublished(
-    record: dict[str, Any], unpublished: Mapping[TableName, Sequence[str]]
+def _put_tables(
+    record: dict[str, Any],
+    unpublished: Mapping[TableName, Sequence[str]],
+    adding: Sequence[TableName] = (),
+    synced_from: Mapping[TableName, Lsn] | None = None,
 ) -> None:
-    """Write :attr:`Chain.unpublished` into a chain ``record`` (nothing when there is none)."""
+    """Write a chain's per-table fields (:attr:`Chain.unpublished`, :attr:`Chain.adding`,
+    :attr:`Chain.synced_from`) into its ``record``, each only when it holds something."""
     if any(unpublished.values()):
         record["unpublished"] = [
             [t.schema, t.name, list(cols)] for t, cols in sorted(unpublished.items()) if cols
         ]
+    if adding:
+        record["adding"] = [[t.schema, t.name] for t in sorted(adding)]
+    if synced_from:
+        record["synced_from"] = [[t.schema, t.name, str(x)] for t, x in sorted(synced_from.items())]
 
 
 @dataclass(frozen=True)
@@ -322,7 +336,6 @@ class StoredRange:
                 table = parquet.read(columns=schema.names)
             tables.append(table if table.schema.equals(schema) else table.cast(schema))
         return pa.concat_tables(tables)
-
 
     def relation_versions(self) -> set[int]:
         """The relation versions (indexes into the manifest's ``relations``) the range's rows
@@ -571,7 +584,7 @@ class OutputStore:
             "consistent_point": str(consistent_point),
             "snapshot": snapshot_name,
         }
-        _put_unpublished(record, unpublished or {})
+        _put_tables(record, unpublished or {})
         with self.chain_lock():
             self._write_chain(record)
 
@@ -602,18 +615,74 @@ class OutputStore:
         before = chain.pruned_through
         if through is None or (before is not None and through <= before):
             through, last_commit = chain.pruned_through, chain.pruned_last_commit
+        pruned = dataclasses.replace(
+            chain, pruned_through=through, pruned_last_commit=last_commit, pruned_at=at
+        )
+        self._write_chain(self._record_of(pruned))
+
+    def begin_adding(self, tables: Sequence[TableName]) -> None:
+        """Record, durably, that ``tables`` are being added to the current chain
+        (:attr:`Chain.adding`): from here until :meth:`record_added`, no range is applied."""
+        with self.chain_lock() as chain:
+            complete = self._complete(chain)
+            adding = sorted({*complete.adding, *tables})
+            self._write_chain(self._record_of(complete, adding=adding))
+
+    def record_added(
+        self,
+        tables: Sequence[TableName],
+        consistent_point: Lsn,
+        unpublished: Mapping[TableName, Sequence[str]],
+    ) -> None:
+        """Record that ``tables`` were copied as of ``consistent_point`` (their own copy's):
+        they leave :attr:`Chain.adding` and enter :attr:`Chain.synced_from`, with the columns
+        their publication left out (``unpublished``)."""
+        with self.chain_lock() as chain:
+            complete = self._complete(chain)
+            done = set(tables)
+            self._write_chain(
+                self._record_of(
+                    complete,
+                    unpublished={
+                        **{t: c for t, c in complete.unpublished.items() if t not in done},
+                        **{t: tuple(c) for t, c in unpublished.items() if c},
+                    },
+                    adding=[t for t in complete.adding if t not in done],
+                    synced_from={**complete.synced_from, **dict.fromkeys(done, consistent_point)},
+                )
+            )
+
+    @staticmethod
+    def _complete(chain: Chain | None) -> Chain:
+        if chain is None or not chain.complete:
+            raise StoreError(
+                "there is no complete base snapshot in the store: take one (pgcdc snapshot) "
+                "before adding tables to it"
+            )
+        return chain
+
+    @staticmethod
+    def _record_of(chain: Chain, **tables: Any) -> dict[str, Any]:
+        """``chain``'s record, its per-table fields replaced by ``tables``'s."""
         record: dict[str, Any] = {
             "slot": chain.slot,
             "state": CHAIN_COMPLETE,
             "consistent_point": str(chain.consistent_point),
             "snapshot": chain.snapshot,
-            "pruned_at": at,
         }
-        _put_unpublished(record, chain.unpublished)
-        if through is not None:
-            record["pruned_through"] = str(through)
-            record["pruned_last_commit"] = None if last_commit is None else str(last_commit)
-        self._write_chain(record)
+        if chain.pruned_at is not None:
+            record["pruned_at"] = chain.pruned_at
+        if chain.pruned_through is not None:
+            record["pruned_through"] = str(chain.pruned_through)
+            last = chain.pruned_last_commit
+            record["pruned_last_commit"] = None if last is None else str(last)
+        fields = {
+            "unpublished": chain.unpublished,
+            "adding": chain.adding,
+            "synced_from": chain.synced_from,
+        }
+        _put_tables(record, **{**fields, **tables})
+        return record
 
     def hide_range(self, rng: LsnRange) -> str | None:
         """Take a stored range out of the store (a prune's, whose chain record already says
@@ -687,6 +756,11 @@ class OutputStore:
             unpublished={
                 TableName(schema, name): tuple(columns)
                 for schema, name, columns in raw.get("unpublished", [])
+            },
+            adding=tuple(TableName(schema, name) for schema, name in raw.get("adding", [])),
+            synced_from={
+                TableName(schema, name): Lsn.parse(lsn)
+                for schema, name, lsn in raw.get("synced_from", [])
             },
         )
 

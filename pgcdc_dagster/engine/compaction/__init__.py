@@ -50,13 +50,17 @@ def compact_range(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
 ) -> CompactionResult:
     """Every table's net changes of a stored range, in this process, skipping transactions
-    whose COMMIT ends at or before ``after_lsn`` (already applied). (Ranges past
-    :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and staged by Spark's workers instead:
-    :mod:`..spark_staging`.)"""
+    whose COMMIT ends at or before ``after_lsn`` (already applied), and a table's changes
+    committed at or before its ``floors`` entry (a table added after the base snapshot: its
+    own copy holds them). (Ranges past :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and
+    staged by Spark's workers instead: :mod:`..spark_staging`.)"""
     started = time.perf_counter()
-    tables = compact_arrow(stored.read_table(KERNEL_COLUMNS), relations, after_lsn=after_lsn)
+    tables = compact_arrow(
+        stored.read_table(KERNEL_COLUMNS), relations, after_lsn=after_lsn, floors=floors
+    )
     return CompactionResult(
         tables, "arrow", stored.changes, round(time.perf_counter() - started, 4)
     )
@@ -67,8 +71,10 @@ def compact_arrow(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
 ) -> dict[TableName, NetChanges]:
-    """:func:`compact_table` for every table of a range's changes, in this process."""
+    """:func:`compact_table` for every table of a range's changes, in this process (for
+    ``after_lsn`` and ``floors`` see :func:`compact_range`)."""
     changes = changes.select(list(KERNEL_COLUMNS))
     if after_lsn is not None and changes.num_rows:
         # Only a range applied in part before (its transactions up to the origin) has rows
@@ -78,6 +84,9 @@ def compact_arrow(
             changes = changes.filter(pc.greater(lsns, after_lsn))
     out: dict[TableName, NetChanges] = {}
     for table, rows in _split_by_table(changes, relations):
+        floor = (floors or {}).get(table)
+        if floor is not None and (after_lsn is None or floor > after_lsn):
+            rows = rows.filter(pc.greater(rows.column("commit_end_lsn"), floor))
         out[table] = compact_table(rows, relations[table])
     return out
 
@@ -88,6 +97,7 @@ def compact_in_commit_order(
     table: TableName,
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
 ) -> NetChanges:
     """``table``'s changes of a stored range in commit order (``ordered``), not collapsed by
     its identity: for an apply whose net rows the target's other unique keys refused, as the
@@ -97,7 +107,7 @@ def compact_in_commit_order(
     changes = stored.read_table(KERNEL_COLUMNS)
     versions = pa.array(list(relation.versions), pa.int32())
     changes = changes.filter(pc.is_in(changes.column("relation_version"), value_set=versions))
-    return compact_arrow(changes, {table: relation}, after_lsn=after_lsn)[table]
+    return compact_arrow(changes, {table: relation}, after_lsn=after_lsn, floors=floors)[table]
 
 
 def _split_by_table(

@@ -34,6 +34,7 @@ def compact_with_spark(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
     partitions: int | None = None,
 ) -> dict[TableName, NetChanges]:
     """:func:`compact_table` run by Spark, per table and key-hash partition.
@@ -55,7 +56,9 @@ def compact_with_spark(
     thing to cross).
     """
     tables = list(relations)
-    routed = route_changes(spark, source, relations, after_lsn=after_lsn, partitions=partitions)
+    routed = route_changes(
+        spark, source, relations, after_lsn=after_lsn, floors=floors, partitions=partitions
+    )
     net = routed.groupBy("_tbl", "_pid").applyInArrow(
         _spark_kernel(tables, relations), SPARK_NET_SCHEMA
     )
@@ -68,10 +71,13 @@ def route_changes(
     relations: Mapping[TableName, TableRelation],
     *,
     after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
     partitions: int | None = None,
 ) -> DataFrame:
     """The range's changes with ``_tbl`` (index in ``relations``) and ``_pid`` (partition), as
-    :func:`compact_with_spark` describes; grouping by both gives the kernel's groups."""
+    :func:`compact_with_spark` describes; grouping by both gives the kernel's groups. Rows
+    at or before ``after_lsn``, and a table's at or before its ``floors`` entry, are left
+    out (see :func:`~pgcdc_dagster.engine.compaction.compact_range`)."""
     from pyspark.sql import functions as F
 
     parts = partitions or max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or "4"))
@@ -83,6 +89,10 @@ def route_changes(
     tables = list(relations)
     table_of_version = {v: t for t, name in enumerate(tables) for v in relations[name].versions}
     df = df.filter(F.col("relation_version").isin(list(table_of_version)))
+    for table, floor in (floors or {}).items():
+        if table in relations and (after_lsn is None or floor > after_lsn):
+            of_table = F.col("relation_version").isin(list(relations[table].versions))
+            df = df.filter(~of_table | (F.col("commit_end_lsn") > F.lit(int(floor))))
 
     def by_version(values: Callable[[TableRelation, int], Any]) -> Any:
         expr = None

@@ -53,6 +53,7 @@ tasks on Spark, :mod:`.export` writes the optional Parquet export, :mod:`.common
 they share.
 """
 
+from .added import AddedTablesResult, add_tables
 from .base import take_base_snapshot
 from .common import (
     DEFAULT_ROWS_PER_TASK,
@@ -72,6 +73,7 @@ from .schema import copy_schema_post_data, copy_schema_pre_data
 
 __all__ = [
     "DEFAULT_ROWS_PER_TASK",
+    "AddedTablesResult",
     "BaseSnapshotResult",
     "CopyTask",
     "RangeCopyResult",
@@ -80,6 +82,7 @@ __all__ = [
     "TableCopyResult",
     "TableRange",
     "TargetNotEmptyError",
+    "add_tables",
     "copy_range",
     "copy_schema_post_data",
     "copy_schema_pre_data",

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 
-def _populated_tables(
+def populated_tables(
     conn: psycopg.Connection[Any], tables: Sequence[TableName]
 ) -> tuple[list[TableName], list[TableName]]:
     """The tables of ``tables`` that exist on the target, and those of them holding rows."""
@@ -96,7 +96,7 @@ WHERE i.indrelid = %s::regclass AND i.indisprimary AND a.attname = ANY(%s::text[
 """
 
 
-def _read_shapes(
+def read_shapes(
     source_dsn: str, publication: str, tables: Sequence[TableName], snapshot_name: str
 ) -> dict[TableName, PublishedShape]:
     """What ``publication`` sends of the tables it narrows, as of the exported snapshot; a
@@ -135,7 +135,7 @@ WHERE a.attrelid = %s::regclass AND a.attname = ANY(%s::text[])
 """
 
 
-def _let_unpublished_be_empty(
+def let_unpublished_be_empty(
     target_dsn: str, shapes: Mapping[TableName, PublishedShape]
 ) -> list[str]:
     """Drop ``NOT NULL`` on the target from the columns a column list leaves out that have no
@@ -179,7 +179,7 @@ def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
                 return
 
 
-def _start_spark_if_needed(
+def start_spark_if_needed(
     src: psycopg.Connection[Any],
     tables: Sequence[TableName],
     spark: SparkSession | Callable[[], SparkSession],
@@ -243,7 +243,7 @@ def take_base_snapshot(
         )
         resolved = check_source(src, tables, free_slots_needed=0 if slot_exists else 1)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
-        existing, populated = _populated_tables(tgt, resolved)
+        existing, populated = populated_tables(tgt, resolved)
         check_origin_rights(tgt)
         check_room_for(tgt, origin)
     if populated and not resnapshot:
@@ -269,7 +269,7 @@ def take_base_snapshot(
 
     with connect(source_dsn, role="source", autocommit=True) as src:
         ensure_publication(src, publication, resolved)
-        spark = _start_spark_if_needed(src, resolved, spark, driver_max_rows)
+        spark = start_spark_if_needed(src, resolved, spark, driver_max_rows)
 
     exported = create_slot_with_snapshot(source_dsn, slot_name)
     slot = exported.slot
@@ -281,9 +281,9 @@ def take_base_snapshot(
         )
         with exported:
             progress.phase("schema")
-            shapes = _read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
+            shapes = read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
             pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
-            loosened = _let_unpublished_be_empty(target_dsn, shapes)
+            loosened = let_unpublished_be_empty(target_dsn, shapes)
             copy_started = time.perf_counter()
             if armed("snapshot.copying"):
                 threading.Thread(

@@ -1,0 +1,151 @@
+"""Tables added to a running replication, each copied as of a consistent point of its own.
+
+A table the publication starts sending after the base snapshot (``ALTER PUBLICATION ... ADD
+TABLE``, or this module itself) has changes in the stream and no rows on the target. Its rows
+are copied here as native logical replication's table sync copies them: in the exported
+snapshot of a temporary slot created now, whose consistent point ``X`` splits the table's
+history. Its changes committed at or before ``X`` are in the copy; those after ``X`` arrive
+through the chain's own slot, since the table is in the publication before the temporary slot
+exists. The apply skips the table's changes at or before ``X`` (``Chain.synced_from``, see
+:func:`~..apply.apply_range`); ``X`` is at or past the target's origin, which cannot move while
+the range lock is held.
+
+Crash anywhere: the caller (:func:`~..pipeline.add_tables`) holds the range lock and records the
+tables as being added (``Chain.adding``) before the target changes, and as added once this
+returns. Until then no range is applied; the next add copies them again, truncating what the
+killed one left. The temporary slot goes with its connection, however that ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from psycopg import sql
+
+from ..connect import connect
+from ..failpoints import failpoint
+from ..identifiers import TableName
+from ..lsn import Lsn
+from ..published import PublishedShape
+from ..sequences import sync_sequences
+from .base import (
+    let_unpublished_be_empty,
+    populated_tables,
+    read_shapes,
+    start_spark_if_needed,
+)
+from .common import (
+    DEFAULT_DRIVER_MAX_ROWS,
+    SchemaRestoreResult,
+    TableCopyResult,
+    TargetNotEmptyError,
+)
+from .scheduling import copy_tables
+from .schema import copy_schema_post_data, copy_schema_pre_data
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+@dataclass(frozen=True)
+class AddedTablesResult:
+    """What an add copied, and the consistent point its copy stands at."""
+
+    tables: tuple[TableCopyResult, ...]
+    consistent_point: Lsn
+    shapes: dict[TableName, PublishedShape]
+    pre_data: SchemaRestoreResult
+    post_data: SchemaRestoreResult
+    not_null_dropped: tuple[str, ...]
+    seconds: float
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+
+def temporary_slot_name(slot_name: str) -> str:
+    """The add's own slot: temporary, named after the chain's slot and this process."""
+    return f"{slot_name[:40]}_add_{os.getpid()}"
+
+
+def add_tables(
+    source_dsn: str,
+    target_dsn: str,
+    slot_name: str,
+    publication: str,
+    tables: Sequence[TableName],
+    *,
+    spark: SparkSession | Callable[[], SparkSession],
+    redo: Collection[TableName],
+    begin: Callable[[Sequence[TableName]], None],
+    driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
+) -> AddedTablesResult:
+    """Copy ``tables`` (schema, rows, keys) onto the target as of a new consistent point, with
+    ``publication`` extended to send them first.
+
+    ``redo``: tables an earlier add left unfinished; their rows on the target are truncated
+    before the copy. Any other table that holds rows on the target is refused (an added table
+    is copied whole), before anything changes. ``begin`` is called with the resolved tables
+    once the guards passed and before anything changes (the caller records them as being
+    added there)."""
+    from ..preflight import check_source
+    from ..publication import ensure_publication
+    from ..slot import create_slot_with_snapshot
+
+    started = time.perf_counter()
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        resolved = check_source(src, tables, free_slots_needed=1)
+    with connect(target_dsn, role="target", autocommit=True) as tgt:
+        existing, populated = populated_tables(tgt, resolved)
+    held = [t for t in populated if t not in redo]
+    if held:
+        names = ", ".join(str(t) for t in held)
+        raise TargetNotEmptyError(
+            f"target table(s) {names} already hold rows: a table already replicated needs no "
+            "adding, and an added table is copied whole; if those rows are not the replica's, "
+            "empty the table(s) on the target (TRUNCATE ...) and add again"
+        )
+    begin(resolved)
+    failpoint("add.after_begin")
+    if populated:  # what a killed add copied
+        with connect(target_dsn, role="target") as tgt:
+            tgt.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(t.sql for t in populated)))
+            tgt.commit()
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        ensure_publication(src, publication, resolved)
+        spark = start_spark_if_needed(src, resolved, spark, driver_max_rows)
+
+    with create_slot_with_snapshot(
+        source_dsn, temporary_slot_name(slot_name), temporary=True
+    ) as exported:
+        slot = exported.slot
+        shapes = read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
+        pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
+        loosened = let_unpublished_be_empty(target_dsn, shapes)
+        copies = copy_tables(
+            spark,
+            source_dsn,
+            target_dsn,
+            slot.snapshot_name,
+            resolved,
+            driver_max_rows=driver_max_rows,
+            new_tables=set(resolved).difference(existing),
+            shapes=shapes,
+        )
+    post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
+    sync_sequences(source_dsn, target_dsn)
+    failpoint("add.after_copy")
+    return AddedTablesResult(
+        tables=tuple(copies),
+        consistent_point=slot.consistent_point,
+        shapes=shapes,
+        pre_data=pre_data,
+        post_data=post_data,
+        not_null_dropped=tuple(loosened),
+        seconds=time.perf_counter() - started,
+    )
