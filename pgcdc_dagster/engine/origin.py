@@ -208,5 +208,15 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
 
 
 def mark_transaction(conn: psycopg.Connection[Any], lsn: Lsn, commit_time: dt.datetime) -> None:
-    """Inside the apply transaction: its COMMIT moves the session origin to ``lsn``."""
-    conn.execute("SELECT pg_replication_origin_xact_setup(%s::pg_lsn, %s)", (str(lsn), commit_time))
+    """Inside the apply transaction: its COMMIT moves the session origin to ``lsn``.
+
+    The transaction is given a transaction id here (``pg_current_xact_id``): the origin moves
+    with the COMMIT record, and a transaction that wrote nothing has none. A range whose
+    changes net to nothing on the target (a row inserted and deleted inside it, a job queue's
+    whole life; or a table's changes its own copy already holds) then left the origin where
+    it was: the next range found a gap, and every re-run applied the same range again and
+    stopped at the same place."""
+    conn.execute(
+        "SELECT pg_replication_origin_xact_setup(%s::pg_lsn, %s), pg_current_xact_id()",
+        (str(lsn), commit_time),
+    )

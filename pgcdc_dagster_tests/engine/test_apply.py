@@ -179,6 +179,26 @@ def test_insert_update_delete_of_one_key_in_one_range_nets_out(make_replica, sta
     assert '(2,"",12,)' in replica.target_rows("items")
 
 
+def test_a_range_that_nets_to_nothing_on_the_target_still_moves_the_origin(make_replica, staged):
+    """A row inserted and deleted inside one range (a job queue's whole life) writes nothing
+    on the target. The origin still moves to the range's end, with the transaction's COMMIT
+    (before, no row written meant no COMMIT record and no move: the next range found a gap,
+    and every re-run stopped there again)."""
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name, n) VALUES (1, 'a', 1)")
+    replica.sync()
+    replica.source(
+        "INSERT INTO items (id, name, n) VALUES (4, 'job', 4)", "DELETE FROM items WHERE id = 4"
+    )
+    stored = replica.receive()
+    result = replica.apply(stored)
+    assert result.status == ApplyStatus.APPLIED and result.changes == 2
+    assert str(replica.progress()) == stored.manifest.result.transform_lsn == result.replay_lsn
+    replica.source("UPDATE items SET name = 'after' WHERE id = 1")
+    assert replica.sync().status == ApplyStatus.APPLIED  # no gap behind it
+    replica.assert_in_sync()
+
+
 def test_primary_key_update_moves_the_row_and_its_unsent_toast_value(make_replica):
     replica = make_replica(ITEMS, ["items"])
     replica.source(
