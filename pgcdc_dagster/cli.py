@@ -349,6 +349,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "source_rows": record.data["source_rows"],
                 "target_rows": record.data["target_rows"],
                 "equal": bool(evaluation.passed),
+                "missing_on": record.data.get("missing_on"),
             }
         )
     tables.sort(key=lambda t: t["table"])
@@ -362,6 +363,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for t in tables:
             mark = "ok  " if t["equal"] else "DIFF"
+            if t["missing_on"] == "target":
+                print(f"{mark} {t['table']}: not on the target (pgcdc add-table {t['table']})")
+                continue
             print(
                 f"{mark} {t['table']}: source {t['source_rows']} rows, "
                 f"target {t['target_rows']} rows"
@@ -400,6 +404,36 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"({int(report['bytes_removed']) / 1e6:.1f} MB); the chain's stored ranges begin at "
             f"{report['pruned_through'] or 'its consistent point'}, oldest kept "
             f"{report['oldest_kept'] or 'none'}"
+        )
+    return 0
+
+
+def cmd_add_table(args: argparse.Namespace) -> int:
+    """Runs the add_tables job: the tables copied as of a consistent point of their own, the
+    apply then taking their changes from there (see :mod:`.engine.snapshot.added`)."""
+    from .defs.jobs import ADD_TABLES_JOB
+    from .engine.identifiers import TableName
+
+    settings = ReplicationSettings.from_env()  # a wrong setting is one line before Dagster loads
+    try:
+        tables = [str(TableName.parse(name)) for name in args.tables]
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table")
+    config = {"ops": {"add_tables": {"config": {"tables": tables}}}}
+    result = run_job(ADD_TABLES_JOB, run_config=config)
+    report: dict[str, Any] = {}
+    for event in result.all_events:
+        if event.is_asset_observation:
+            observation = event.asset_observation_data.asset_observation
+            report = {k: v.value for k, v in observation.metadata.items() if k != "tables"}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"added {report['added_tables']}: {report['rows']} rows copied as of "
+            f"{report['consistent_point']}, their changes past it applied by the next catchup "
+            "or follow"
         )
     return 0
 
@@ -502,6 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_prune)
+    p = sub.add_parser(
+        "add-table",
+        help="add tables to the running replication: copied as of now, their changes from then",
+    )
+    p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
+    p.set_defaults(func=cmd_add_table)
     p = sub.add_parser("spark", help="a warm local Spark Connect server every run then uses")
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--master", default="local[*]", help="the server's master (local[*])")

@@ -434,3 +434,33 @@ def test_a_publication_that_narrows_its_table_from_the_command_line(cli_env, cap
         assert conn.execute(
             "SELECT count(*), count(name), min(id), max(id) FROM items"
         ).fetchone() == (50, 0, 0, 50)
+
+
+def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, capsys):
+    """The user adds a table to the publication after the snapshot: verify and catchup say
+    it is not on the target and name the command that adds it; pgcdc add-table copies it, and
+    the next catchup applies its changes past that copy."""
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE later (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO later VALUES (1, 'before')")
+        conn.execute("ALTER PUBLICATION pgcdc_pub ADD TABLE later")
+        conn.execute("INSERT INTO later VALUES (2, 'published')")
+
+    code, out, err = run_cli(capsys, "verify")
+    assert code != 0
+    assert "DIFF public.later: not on the target (pgcdc add-table public.later)" in out
+    code, _, err = run_cli(capsys, "catchup")
+    assert code != 0 and "run pgcdc add-table public.later" in err
+
+    code, out, err = run_cli(capsys, "add-table", "later", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["added_tables"] == "public.later" and report["rows"] == 2
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True

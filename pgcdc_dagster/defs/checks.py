@@ -18,7 +18,7 @@ from ..engine.identifiers import TableName
 from ..engine.retention import retention_status
 from ..engine.slot import SlotError
 from .assets import DECODED_CHANGES_KEY, ENGINE_ERRORS, SLOT_KEY, target_key
-from .metadata import comparison_metadata, number, text
+from .metadata import comparison_metadata, differs, number, text
 from .resources import PgcdcResource
 
 
@@ -141,10 +141,7 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
                 passed=comparison.equal,
                 severity=AssetCheckSeverity.ERROR,
                 metadata=comparison_metadata([comparison]),
-                description=None
-                if comparison.equal
-                else f"{comparison.table} differs: source {comparison.source_rows} rows, "
-                f"target {comparison.target_rows} rows (or same count, different content)",
+                description=None if comparison.equal else differs(comparison),
             )
 
     return target_matches_source

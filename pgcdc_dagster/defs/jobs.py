@@ -1,5 +1,6 @@
-"""The ops jobs: ``follow`` (one long-lived run that receives and applies continuously) and
-``prune`` (the store's retention, on demand).
+"""The ops jobs: ``follow`` (one long-lived run that receives and applies continuously),
+``prune`` (the store's retention, on demand) and ``add_tables`` (tables added to a running
+replication, ``pgcdc add-table``).
 
 ``pgcdc follow`` runs it until stopped, ``pgcdc catchup --endpos L`` runs it up to ``L``, and the
 slot sensor in ``follow`` mode keeps one alive. The run holds the range lock for its whole life
@@ -35,16 +36,18 @@ from ..engine.retention import prune
 from ..engine.settings import parse_duration
 from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
-from .keys import DECODED_CHANGES_KEY
-from .metadata import prune_metadata
+from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY
+from .metadata import added_metadata, prune_metadata
+from .progress_log import logged
 from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .runner import keep_storage_connections
-from .runs import RANGE_LOCK_TAG
+from .runs import RANGE_LOCK_TAG, lock_holder_name
 
 FOLLOW_JOB = "follow"
 PRUNE_JOB = "prune"
-OP_JOBS = (FOLLOW_JOB, PRUNE_JOB)
+ADD_TABLES_JOB = "add_tables"
+OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB)
 """The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
@@ -153,3 +156,55 @@ def build_prune_job() -> JobDefinition:
         prune_store()
 
     return prune_job
+
+
+class AddTablesConfig(Config):
+    tables: list[str]
+    """The tables to add, each ``schema.table`` (``table`` alone: in ``public``)."""
+
+
+def build_add_tables_job() -> JobDefinition:
+    @op(
+        name="add_tables",
+        out={},  # it yields its observation only
+        description="Add tables to the running replication: the publication extended, each "
+        "copied as of a consistent point of its own, and the apply told to take their changes "
+        "from there.",
+    )
+    def add_tables(
+        context: OpExecutionContext,
+        config: AddTablesConfig,
+        pgcdc: PgcdcResource,
+        spark: SparkResource,
+    ) -> Iterator[Any]:
+        settings = pgcdc.settings(spark)
+        try:
+            tables = [TableName.parse(name) for name in config.tables]
+            with logged(context):
+                result = pipeline.add_tables(
+                    settings,
+                    tables,
+                    lambda: spark.spark_session,
+                    lock_holder=lock_holder_name(context.run.run_id),
+                )
+        except (*ENGINE_ERRORS, ValueError) as exc:
+            raise as_failure(exc) from None
+        yield AssetObservation(
+            BASE_SNAPSHOT_KEY,
+            description="tables added to the replication",
+            metadata=added_metadata(result),
+        )
+        context.log.info(
+            f"added {', '.join(str(t.table) for t in result.tables)} ({result.rows} rows) at "
+            f"consistent point {result.consistent_point}: their changes past it are applied"
+        )
+
+    @job(
+        name=ADD_TABLES_JOB,
+        executor_def=in_process_executor,
+        description="Add tables to the running replication (pgcdc add-table).",
+    )
+    def add_tables_job() -> None:
+        add_tables()
+
+    return add_tables_job

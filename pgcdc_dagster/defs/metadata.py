@@ -11,6 +11,7 @@ ever carries a connection string.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableRecord, TableSchema
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from ..engine.apply import ApplyResult
     from ..engine.catalog import ColumnInfo
     from ..engine.identifiers import TableName
+    from ..engine.published import PublishedShape
     from ..engine.retention import PruneResult
-    from ..engine.snapshot import BaseSnapshotResult
+    from ..engine.snapshot import AddedTablesResult, BaseSnapshotResult, TableCopyResult
     from ..engine.store import RangeResult
     from ..engine.verify import TableComparison
 
@@ -151,16 +153,22 @@ def table_of(rows: list[dict[str, Any]], columns: dict[str, str]) -> MetadataVal
     return MetadataValue.table([TableRecord(row) for row in rows], schema=schema)
 
 
-def _narrowed(result: BaseSnapshotResult, table: TableName) -> dict[str, str | None]:
+def _narrowed(
+    shapes: Mapping[TableName, PublishedShape], table: TableName
+) -> dict[str, str | None]:
     """How the publication narrows ``table`` (only that was copied, as only that streams)."""
-    shape = result.shapes.get(table)
+    shape = shapes.get(table)
     if shape is None:
         return {"row_filter": None, "columns_left_out": None}
     return {"row_filter": shape.row_filter, "columns_left_out": ", ".join(shape.unpublished)}
 
 
-def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
-    tables = table_of(
+def copied_tables(
+    tables: Sequence[TableCopyResult], shapes: Mapping[TableName, PublishedShape]
+) -> MetadataValue:
+    """A copy's per-table table: rows, bytes and seconds, how each was loaded, and what its
+    publication leaves out."""
+    return table_of(
         [
             {
                 "table": str(t.table),
@@ -169,9 +177,9 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
                 "seconds": None if t.seconds is None else round(float(t.seconds), 3),
                 "frozen": t.frozen,
                 "bundled_with": t.bundled_with,
-                **_narrowed(result, t.table),
+                **_narrowed(shapes, t.table),
             }
-            for t in result.tables
+            for t in tables
         ],
         {
             "table": "string",
@@ -184,23 +192,53 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
             "columns_left_out": "string",
         },
     )
-    loosened = (
-        {"not_null_dropped": text(", ".join(result.not_null_dropped))}
-        if result.not_null_dropped
-        else {}
-    )
+
+
+def _loosened(not_null_dropped: Sequence[str]) -> dict[str, Any]:
+    if not not_null_dropped:
+        return {}
+    return {"not_null_dropped": text(", ".join(not_null_dropped))}
+
+
+def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
     return {
-        **loosened,
+        **_loosened(result.not_null_dropped),
         "slot": text(result.slot_name),
         "snapshot_name": text(result.snapshot_name),
         "consistent_point": text(result.consistent_point),
         "origin": text(result.origin_name),
-        "tables": tables,
+        "tables": copied_tables(result.tables, result.shapes),
         ROW_COUNT: number(result.rows),
         "rows": number(result.rows),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),
         "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
     }
+
+
+def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
+    """Tables added to the replication: their copy, and the consistent point it stands at
+    (their changes at or before it are skipped by the apply)."""
+    return {
+        **_loosened(result.not_null_dropped),
+        "added_tables": text(", ".join(str(t.table) for t in result.tables)),
+        "consistent_point": text(result.consistent_point),
+        "tables": copied_tables(result.tables, result.shapes),
+        "rows": number(result.rows),
+        "seconds": MetadataValue.float(round(float(result.seconds), 3)),
+    }
+
+
+def differs(comparison: TableComparison) -> str:
+    """One line on how a table differs between source and target, with the fix when known."""
+    if comparison.missing_on == "target":
+        return (
+            f"{comparison.table} does not exist on the target (the publication sends it, the "
+            f"base snapshot did not copy it): pgcdc add-table {comparison.table} copies it"
+        )
+    return (
+        f"{comparison.table} differs: source {comparison.source_rows} rows, target "
+        f"{comparison.target_rows} rows (or same count, different content)"
+    )
 
 
 def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
@@ -212,10 +250,17 @@ def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
                 "source_rows": c.source_rows,
                 "target_rows": c.target_rows,
                 "equal": c.equal,
+                "missing_on": c.missing_on,
             }
             for c in comparisons
         ],
-        {"table": "string", "source_rows": "int", "target_rows": "int", "equal": "bool"},
+        {
+            "table": "string",
+            "source_rows": "int",
+            "target_rows": "int",
+            "equal": "bool",
+            "missing_on": "string",
+        },
     )
     return {"tables": tables, "differing_tables": text(", ".join(differing) or "none")}
 

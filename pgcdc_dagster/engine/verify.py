@@ -31,10 +31,17 @@ class TableComparison:
     target_rows: int
     source_hash: str
     target_hash: str
+    missing_on: str | None = None
+    """``target`` when the table does not exist there (a table the publication sends that
+    was never copied: added to it after the base snapshot)."""
 
     @property
     def equal(self) -> bool:
-        return self.source_rows == self.target_rows and self.source_hash == self.target_hash
+        return (
+            self.missing_on is None
+            and self.source_rows == self.target_rows
+            and self.source_hash == self.target_hash
+        )
 
 
 _COMPARABLE_SESSION = (
@@ -75,6 +82,7 @@ def compare_tables(
         for conn in (src, tgt):
             conn.execute(_COMPARABLE_SESSION)
         source_columns = table_columns(src, tables)
+        on_target = set(table_columns(tgt, tables))
         shapes = published_shapes(src, settings.publication, tables)
         for table in tables:
             shape = shapes.get(table)
@@ -82,6 +90,9 @@ def compare_tables(
             columns = [c.name for c in source_columns.get(table, []) if c.name not in left_out]
             row_filter = shape.row_filter if shape else None
             s_rows, s_hash = _table_fingerprint(src, table, columns, row_filter)
+            if table not in on_target:
+                results.append(TableComparison(table, s_rows, 0, s_hash, "", "target"))
+                continue
             t_rows, t_hash = _table_fingerprint(tgt, table, columns)
             results.append(TableComparison(table, s_rows, t_rows, s_hash, t_hash))
     return results
