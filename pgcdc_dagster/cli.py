@@ -420,7 +420,7 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table")
-    config = {"ops": {"add_tables": {"config": {"tables": tables}}}}
+    config = {"ops": {"copy_added_tables": {"config": {"tables": tables}}}}
     result = run_job(ADD_TABLES_JOB, run_config=config)
     report: dict[str, Any] = {}
     for event in result.all_events:

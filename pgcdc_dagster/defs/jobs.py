@@ -165,13 +165,13 @@ class AddTablesConfig(Config):
 
 def build_add_tables_job() -> JobDefinition:
     @op(
-        name="add_tables",
+        name="copy_added_tables",
         out={},  # it yields its observation only
         description="Add tables to the running replication: the publication extended, each "
         "copied as of a consistent point of its own, and the apply told to take their changes "
         "from there.",
     )
-    def add_tables(
+    def copy_added_tables(
         context: OpExecutionContext,
         config: AddTablesConfig,
         pgcdc: PgcdcResource,
@@ -205,6 +205,6 @@ def build_add_tables_job() -> JobDefinition:
         description="Add tables to the running replication (pgcdc add-table).",
     )
     def add_tables_job() -> None:
-        add_tables()
+        copy_added_tables()
 
     return add_tables_job
