@@ -469,9 +469,10 @@ def read_target_tables(
     if missing:
         raise ApplyError(
             f"table(s) {', '.join(missing)} of the range do not exist on the target: the "
-            "publication sends them, but the base snapshot did not copy them (added to the "
-            f"publication later): run pgcdc add-table {' '.join(missing)}, which copies their "
-            "rows as of now and has the apply take their changes from there"
+            "publication sends them, but the base snapshot did not copy them. Added to the "
+            f"publication later: run pgcdc add-table {' '.join(missing)}, which copies their "
+            "rows as of now and has the apply take their changes from there; renamed on the "
+            "source: rename them on the target too"
         )
     unique: dict[TableName, list[frozenset[str]]] = {t: [] for t in tables}
     for schema, rel, names in conn.execute(_TARGET_UNIQUE_KEYS, params).fetchall():
