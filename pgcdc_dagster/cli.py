@@ -295,6 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "replay_lsn": str(replay) if replay else None,
         "next_step": next_step,
         "runs_in_flight": _runs_in_flight(settings),
+        "no_longer_published": [str(t) for t in pipeline.no_longer_published(settings)],
     }
     if args.json:
         print(json.dumps(status, indent=2))
@@ -338,10 +339,16 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Runs the verify job (the ``target_matches_source`` check on every target table) and
-    reports its evaluations: the comparison is done once, inside the run the UI shows."""
-    result = run_job("verify", allow_failure=True)
+    reports its evaluations: the comparison is done once, inside the run the UI shows. Then
+    names the tables replicated once that the publication no longer sends (their target copy
+    is stale, and no check covers them: they are no longer assets)."""
+    from .engine import pipeline
+
+    settings = ReplicationSettings.from_env()
+    # No published table, no verify job (its checks are per table): only the stale ones.
+    result = run_job("verify", allow_failure=True) if pipeline.replicated_tables(settings) else None
     tables = []
-    for evaluation in result.get_asset_check_evaluations():
+    for evaluation in result.get_asset_check_evaluations() if result else []:
         (record,) = evaluation.metadata["tables"].value.records
         tables.append(
             {
@@ -354,10 +361,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     tables.sort(key=lambda t: t["table"])
     differing = [t["table"] for t in tables if not t["equal"]]
+    stale = [str(t) for t in pipeline.no_longer_published(settings)]
     if args.json:
         print(
             json.dumps(
-                {"equal": not differing, "differing_tables": differing, "tables": tables}, indent=2
+                {
+                    "equal": not differing and not stale,
+                    "differing_tables": differing,
+                    "no_longer_published": stale,
+                    "tables": tables,
+                },
+                indent=2,
             )
         )
     else:
@@ -370,9 +384,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"{mark} {t['table']}: source {t['source_rows']} rows, "
                 f"target {t['target_rows']} rows"
             )
-    if differing:
-        raise CliError(f"tables differ between source and target: {', '.join(differing)}")
-    if not result.success:
+        for table in stale:
+            print(
+                f"STALE {table}: replicated, but the publication no longer sends it (dropped "
+                "and created again on the source, or dropped from the publication), so its "
+                "target copy is no longer kept in sync: empty it on the target and run pgcdc "
+                f"add-table {table}, or drop it on the target"
+            )
+    if differing or stale:
+        names = ", ".join([*differing, *stale])
+        raise CliError(f"tables differ between source and target: {names}")
+    if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
     return 0
 

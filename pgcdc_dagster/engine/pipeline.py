@@ -102,6 +102,7 @@ def take_snapshot(
             settings.slot,
             result.consistent_point,
             result.snapshot_name,
+            [t.table for t in result.tables],
             {table: shape.unpublished for table, shape in result.shapes.items()},
         )
     return result
@@ -276,6 +277,25 @@ def apply_stored_range(
 def origin_progress(settings: ReplicationSettings) -> Lsn | None:
     """What the target has applied: the replication origin's durable progress."""
     return progress_of(settings.target_dsn, settings.origin)
+
+
+def no_longer_published(settings: ReplicationSettings) -> list[TableName]:
+    """The tables the chain replicates (:attr:`~.store.Chain.tables`) that the publication no
+    longer sends and the target still holds: their copy there is no longer kept in sync. A
+    table dropped and created again on the source is one (a publication lists tables by
+    identity, so the new one is not in it), as is one dropped from the publication."""
+    from .catalog import table_columns
+
+    chain = store_of(settings).chain()
+    if chain is None or not chain.tables:
+        return []
+    published = set(replicated_tables(settings))
+    gone = [t for t in chain.tables if t not in published]
+    if not gone:
+        return []
+    with connect(settings.target_dsn, role="target", autocommit=True) as conn:
+        on_target = set(table_columns(conn, gone))
+    return [t for t in gone if t in on_target]
 
 
 def replicated_tables(settings: ReplicationSettings) -> list[TableName]:

@@ -226,6 +226,10 @@ class Chain:
     pruned_at: float | None = None
     """When a prune last looked (Unix time), whether or not it removed anything: prunes are
     spaced by this, across processes."""
+    tables: tuple[TableName, ...] = ()
+    """The tables the chain replicates: those its base snapshot copied, and those added since
+    (``pgcdc add-table``). A table here that the publication no longer sends is no longer
+    kept in sync on the target (:func:`~.pipeline.no_longer_published`)."""
     unpublished: dict[TableName, tuple[str, ...]] = field(default_factory=dict)
     """Per table, the columns the publication's column list left out when the table was
     copied (:class:`~.published.PublishedShape`): the target keeps them, empty, and the apply
@@ -252,12 +256,16 @@ class Chain:
 
 def _put_tables(
     record: dict[str, Any],
+    tables: Sequence[TableName],
     unpublished: Mapping[TableName, Sequence[str]],
     adding: Sequence[TableName] = (),
     synced_from: Mapping[TableName, Lsn] | None = None,
 ) -> None:
-    """Write a chain's per-table fields (:attr:`Chain.unpublished`, :attr:`Chain.adding`,
-    :attr:`Chain.synced_from`) into its ``record``, each only when it holds something."""
+    """Write a chain's per-table fields (:attr:`Chain.tables`, :attr:`Chain.unpublished`,
+    :attr:`Chain.adding`, :attr:`Chain.synced_from`) into its ``record``, each only when it
+    holds something."""
+    if tables:
+        record["tables"] = [[t.schema, t.name] for t in sorted(tables)]
     if any(unpublished.values()):
         record["unpublished"] = [
             [t.schema, t.name, list(cols)] for t, cols in sorted(unpublished.items()) if cols
@@ -569,11 +577,12 @@ class OutputStore:
         slot: str,
         consistent_point: Lsn,
         snapshot_name: str,
+        tables: Sequence[TableName] = (),
         unpublished: Mapping[TableName, Sequence[str]] | None = None,
     ) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
-        last step, after the target's origin is set. ``unpublished``: see
-        :attr:`Chain.unpublished`.
+        last step, after the target's origin is set. ``tables``: those it copied;
+        ``unpublished``: see :attr:`Chain.unpublished`.
 
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
@@ -584,7 +593,7 @@ class OutputStore:
             "consistent_point": str(consistent_point),
             "snapshot": snapshot_name,
         }
-        _put_tables(record, unpublished or {})
+        _put_tables(record, tables, unpublished or {})
         with self.chain_lock():
             self._write_chain(record)
 
@@ -647,6 +656,7 @@ class OutputStore:
                         **{t: c for t, c in complete.unpublished.items() if t not in done},
                         **{t: tuple(c) for t, c in unpublished.items() if c},
                     },
+                    tables=sorted({*complete.tables, *done}),
                     adding=[t for t in complete.adding if t not in done],
                     synced_from={**complete.synced_from, **dict.fromkeys(done, consistent_point)},
                 )
@@ -677,6 +687,7 @@ class OutputStore:
             last = chain.pruned_last_commit
             record["pruned_last_commit"] = None if last is None else str(last)
         fields = {
+            "tables": chain.tables,
             "unpublished": chain.unpublished,
             "adding": chain.adding,
             "synced_from": chain.synced_from,
@@ -753,6 +764,7 @@ class OutputStore:
             pruned_through=None if pruned is None else Lsn.parse(pruned),
             pruned_last_commit=None if pruned_commit is None else Lsn.parse(pruned_commit),
             pruned_at=raw.get("pruned_at"),
+            tables=tuple(TableName(schema, name) for schema, name in raw.get("tables", [])),
             unpublished={
                 TableName(schema, name): tuple(columns)
                 for schema, name, columns in raw.get("unpublished", [])
