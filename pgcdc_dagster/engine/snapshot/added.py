@@ -32,12 +32,7 @@ from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published import PublishedShape
 from ..sequences import sync_sequences
-from .base import (
-    let_unpublished_be_empty,
-    populated_tables,
-    read_shapes,
-    start_spark_if_needed,
-)
+from .base import populated_tables, prepare_published, start_spark_if_needed
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     SchemaRestoreResult,
@@ -45,7 +40,7 @@ from .common import (
     TargetNotEmptyError,
 )
 from .scheduling import copy_tables
-from .schema import copy_schema_post_data, copy_schema_pre_data
+from .schema import copy_schema_post_data
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -124,9 +119,9 @@ def add_tables(
         source_dsn, temporary_slot_name(slot_name), temporary=True
     ) as exported:
         slot = exported.slot
-        shapes = read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
-        pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
-        loosened = let_unpublished_be_empty(target_dsn, shapes)
+        schema = prepare_published(
+            source_dsn, target_dsn, publication, resolved, slot.snapshot_name
+        )
         copies = copy_tables(
             spark,
             source_dsn,
@@ -135,7 +130,7 @@ def add_tables(
             resolved,
             driver_max_rows=driver_max_rows,
             new_tables=set(resolved).difference(existing),
-            shapes=shapes,
+            shapes=schema.shapes,
         )
     post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
     sync_sequences(source_dsn, target_dsn)
@@ -143,9 +138,9 @@ def add_tables(
     return AddedTablesResult(
         tables=tuple(copies),
         consistent_point=slot.consistent_point,
-        shapes=shapes,
-        pre_data=pre_data,
+        shapes=schema.shapes,
+        pre_data=schema.pre_data,
         post_data=post_data,
-        not_null_dropped=tuple(loosened),
+        not_null_dropped=schema.not_null_dropped,
         seconds=time.perf_counter() - started,
     )

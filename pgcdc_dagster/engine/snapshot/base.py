@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from .common import (
     RESOLVE_TABLES,
     BaseSnapshotResult,
     CopyFormat,
+    SchemaRestoreResult,
     SnapshotError,
     TargetNotEmptyError,
     snapshot_transaction,
@@ -96,7 +98,7 @@ WHERE i.indrelid = %s::regclass AND i.indisprimary AND a.attname = ANY(%s::text[
 """
 
 
-def read_shapes(
+def _read_shapes(
     source_dsn: str, publication: str, tables: Sequence[TableName], snapshot_name: str
 ) -> dict[TableName, PublishedShape]:
     """What ``publication`` sends of the tables it narrows, as of the exported snapshot; a
@@ -135,7 +137,7 @@ WHERE a.attrelid = %s::regclass AND a.attname = ANY(%s::text[])
 """
 
 
-def let_unpublished_be_empty(
+def _let_unpublished_be_empty(
     target_dsn: str, shapes: Mapping[TableName, PublishedShape]
 ) -> list[str]:
     """Drop ``NOT NULL`` on the target from the columns a column list leaves out that have no
@@ -163,6 +165,33 @@ def let_unpublished_be_empty(
                 changed.append(f"{table}.{column}")
         tgt.commit()
     return changed
+
+
+@dataclass(frozen=True)
+class PublishedSchema:
+    """What is in place on the target before tables' rows are copied as the publication sends
+    them (:func:`prepare_published`)."""
+
+    shapes: dict[TableName, PublishedShape]
+    pre_data: SchemaRestoreResult
+    not_null_dropped: tuple[str, ...]
+
+
+def prepare_published(
+    source_dsn: str,
+    target_dsn: str,
+    publication: str,
+    tables: Sequence[TableName],
+    snapshot_name: str,
+) -> PublishedSchema:
+    """In the exported snapshot ``snapshot_name``: what ``publication`` sends of ``tables``
+    (refused when it leaves out a key column), their schema created on the target (pre-data),
+    and the columns it leaves out let be empty there. The base snapshot and a table added
+    later both do this before their copy (:func:`~.scheduling.copy_tables` with ``shapes``)."""
+    shapes = _read_shapes(source_dsn, publication, tables, snapshot_name)
+    pre_data = copy_schema_pre_data(source_dsn, target_dsn, tables, snapshot_name)
+    loosened = _let_unpublished_be_empty(target_dsn, shapes)
+    return PublishedSchema(shapes, pre_data, tuple(loosened))
 
 
 def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
@@ -281,9 +310,9 @@ def take_base_snapshot(
         )
         with exported:
             progress.phase("schema")
-            shapes = read_shapes(source_dsn, publication, resolved, slot.snapshot_name)
-            pre_data = copy_schema_pre_data(source_dsn, target_dsn, resolved, slot.snapshot_name)
-            loosened = let_unpublished_be_empty(target_dsn, shapes)
+            schema = prepare_published(
+                source_dsn, target_dsn, publication, resolved, slot.snapshot_name
+            )
             copy_started = time.perf_counter()
             if armed("snapshot.copying"):
                 threading.Thread(
@@ -303,7 +332,7 @@ def take_base_snapshot(
                     consistent_point=slot.consistent_point,
                     driver_max_rows=driver_max_rows,
                     new_tables=set(resolved).difference(existing),
-                    shapes=shapes,
+                    shapes=schema.shapes,
                 )
             copy_seconds = time.perf_counter() - copy_started
             watch_stop.set()
@@ -331,12 +360,12 @@ def take_base_snapshot(
         origin_name=origin,
         publication=publication,
         tables=tuple(copies),
-        pre_data=pre_data,
+        pre_data=schema.pre_data,
         post_data=post_data,
         sequences=sequences,
         seconds=time.perf_counter() - started,
         copy_seconds=copy_seconds,
         export_path=None if export_store is None else str(Path(export_store) / "snapshot"),
-        shapes=shapes,
-        not_null_dropped=tuple(loosened),
+        shapes=schema.shapes,
+        not_null_dropped=schema.not_null_dropped,
     )
