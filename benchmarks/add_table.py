@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import psycopg
 from apply import bench_clusters, warm_command_server
-from many_tables import pgcdc_env, timed_command
+from many_tables import emit_report, native_schema, pgcdc_env, timed_command, wait_ready
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
-from pgcdc_dagster.engine.connect import libpq_tool
 from pgcdc_dagster.engine.lsn import Lsn
 
 POLL_S = 0.02
@@ -59,42 +55,15 @@ def native_subscription(source_dsn: str, target: LocalCluster, run: int) -> str:
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     dsn = target.dsn(name)
-    _schema(source_dsn, dsn, "a")
+    native_schema(source_dsn, dsn, "a")
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION native").format(
                 sql.Identifier(name), sql.Literal(source_dsn)
             )
         )
-        _wait_ready(conn, name)
+        wait_ready(conn, name)
     return dsn
-
-
-def _schema(source_dsn: str, target_dsn: str, table: str) -> None:
-    schema = subprocess.run(
-        [libpq_tool("pg_dump"), "--schema-only", "-t", table, "-d", source_dsn],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(
-        [libpq_tool("psql"), "-q", "-X", "-v", "ON_ERROR_STOP=1", "-d", target_dsn],
-        input=schema,
-        check=True,
-        capture_output=True,
-    )
-
-
-def _wait_ready(conn: psycopg.Connection[Any], name: str) -> None:
-    states = (
-        "SELECT count(*), count(*) FILTER (WHERE r.srsubstate = 'r') "
-        "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
-        "WHERE s.subname = %s"
-    )
-    while True:
-        (known, ready) = conn.execute(states, (name,)).fetchone()  # type: ignore[misc]
-        if known and known == ready:
-            return
-        time.sleep(POLL_S)
 
 
 def make_added(source_dsn: str, rows: int) -> None:
@@ -111,12 +80,12 @@ def native_add(source_dsn: str, native_dsn: str, run: int) -> float:
     started = time.perf_counter()
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("ALTER PUBLICATION native ADD TABLE b")
-    _schema(source_dsn, native_dsn, "b")
+    native_schema(source_dsn, native_dsn, "b")
     with psycopg.connect(native_dsn, autocommit=True) as conn:
         conn.execute(
             sql.SQL("ALTER SUBSCRIPTION {} REFRESH PUBLICATION").format(sql.Identifier(name))
         )
-        _wait_ready(conn, name)
+        wait_ready(conn, name)
     return time.perf_counter() - started
 
 
@@ -182,10 +151,7 @@ def main() -> None:
         "median_ratio": statistics.median(r["ratio"] for r in runs),
         "runs": runs,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    emit_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -125,22 +125,43 @@ def timed_command(env: dict[str, str], work: Path, *args: str) -> float:
     return seconds
 
 
+def native_schema(source_dsn: str, target_dsn: str, *tables: str) -> None:
+    """``pg_dump --schema-only`` of the source (only ``tables``, when named) into the target:
+    native replication needs its tables there before it subscribes."""
+    selection = [arg for table in tables for arg in ("-t", table)]
+    schema = subprocess.run(
+        [libpq_tool("pg_dump"), "--schema-only", *selection, "-d", source_dsn],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(
+        [libpq_tool("psql"), "-q", "-X", "-v", "ON_ERROR_STOP=0", "-d", target_dsn],
+        input=schema,
+        check=True,
+        capture_output=True,
+    )
+
+
+def wait_ready(conn: psycopg.Connection[Any], name: str) -> None:
+    """Until every table of subscription ``name`` is ``ready`` (its initial sync done)."""
+    states = (
+        "SELECT count(*), count(*) FILTER (WHERE r.srsubstate = 'r') "
+        "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
+        "WHERE s.subname = %s"
+    )
+    while True:
+        (known, ready) = conn.execute(states, (name,)).fetchone()  # type: ignore[misc]
+        if known and known == ready:
+            return
+        time.sleep(POLL_S)
+
+
 def native_initial_sync(source_dsn: str, target: LocalCluster, run: int) -> tuple[str, float]:
     name = f"native_{run}"
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     dsn = target.dsn(name)
-    schema = subprocess.run(
-        [libpq_tool("pg_dump"), "--schema-only", "-d", source_dsn],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(
-        [libpq_tool("psql"), "-q", "-X", "-v", "ON_ERROR_STOP=0", "-d", dsn],
-        input=schema,
-        check=True,
-        capture_output=True,
-    )
+    native_schema(source_dsn, dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         started = time.perf_counter()
         conn.execute(
@@ -148,16 +169,7 @@ def native_initial_sync(source_dsn: str, target: LocalCluster, run: int) -> tupl
                 sql.Identifier(name), sql.Literal(source_dsn)
             )
         )
-        states = (
-            "SELECT count(*), count(*) FILTER (WHERE r.srsubstate = 'r') "
-            "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
-            "WHERE s.subname = %s"
-        )
-        while True:
-            (known, ready) = conn.execute(states, (name,)).fetchone()  # type: ignore[misc]
-            if known and known == ready:
-                break
-            time.sleep(POLL_S)
+        wait_ready(conn, name)
         seconds = time.perf_counter() - started
         conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(sql.Identifier(name)))
     return dsn, seconds
@@ -247,10 +259,15 @@ def main() -> None:
         "median_catchup_ratio": statistics.median(r["catchup_ratio"] for r in runs),
         "runs": runs,
     }
+    emit_report(report, args.json)
+
+
+def emit_report(report: dict[str, Any], path: str | None) -> None:
+    """Print ``report`` as JSON, and write it to ``path`` too when given."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    if path:
+        Path(path).write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -436,17 +436,27 @@ def test_a_publication_that_narrows_its_table_from_the_command_line(cli_env, cap
         ).fetchone() == (50, 0, 0, 50)
 
 
+def _snapshot_then(cli_env: dict[str, str], capsys, *statements: str) -> None:
+    """``pgcdc snapshot``, then ``statements`` on the source."""
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
 def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, capsys):
     """The user adds a table to the publication after the snapshot: verify and catchup say
     it is not on the target and name the command that adds it; pgcdc add-table copies it, and
     the next catchup applies its changes past that copy."""
-    code, _, err = run_cli(capsys, "snapshot")
-    assert code == 0, err
-    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-        conn.execute("CREATE TABLE later (id int PRIMARY KEY, v text)")
-        conn.execute("INSERT INTO later VALUES (1, 'before')")
-        conn.execute("ALTER PUBLICATION pgcdc_pub ADD TABLE later")
-        conn.execute("INSERT INTO later VALUES (2, 'published')")
+    _snapshot_then(
+        cli_env,
+        capsys,
+        "CREATE TABLE later (id int PRIMARY KEY, v text)",
+        "INSERT INTO later VALUES (1, 'before')",
+        "ALTER PUBLICATION pgcdc_pub ADD TABLE later",
+        "INSERT INTO later VALUES (2, 'published')",
+    )
 
     code, out, err = run_cli(capsys, "verify")
     assert code != 0
@@ -470,12 +480,13 @@ def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env,
     """A replicated table dropped and created again on the source is no longer in the
     publication (it lists tables by identity): its changes stop arriving, silently for the
     apply. Status and verify name it; emptied on the target and added again, it converges."""
-    code, _, err = run_cli(capsys, "snapshot")
-    assert code == 0, err
-    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-        conn.execute("DROP TABLE items")
-        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text)")
-        conn.execute("INSERT INTO items VALUES (1, 'reborn')")
+    _snapshot_then(
+        cli_env,
+        capsys,
+        "DROP TABLE items",
+        "CREATE TABLE items (id int PRIMARY KEY, name text)",
+        "INSERT INTO items VALUES (1, 'reborn')",
+    )
     code, _, err = run_cli(capsys, "catchup")
     assert code == 0, err  # nothing it is sent fails
 
