@@ -342,6 +342,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports its evaluations: the comparison is done once, inside the run the UI shows. Then
     names the tables replicated once that the publication no longer sends (their target copy
     is stale, and no check covers them: they are no longer assets)."""
+    from .defs.metadata import no_longer_published
     from .engine import pipeline
 
     settings = ReplicationSettings.from_env()
@@ -361,14 +362,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     tables.sort(key=lambda t: t["table"])
     differing = [t["table"] for t in tables if not t["equal"]]
-    stale = [str(t) for t in pipeline.no_longer_published(settings)]
+    stale = pipeline.no_longer_published(settings)
     if args.json:
         print(
             json.dumps(
                 {
                     "equal": not differing and not stale,
                     "differing_tables": differing,
-                    "no_longer_published": stale,
+                    "no_longer_published": [str(t) for t in stale],
                     "tables": tables,
                 },
                 indent=2,
@@ -385,14 +386,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"target {t['target_rows']} rows"
             )
         for table in stale:
-            print(
-                f"STALE {table}: replicated, but the publication no longer sends it (dropped "
-                "and created again on the source, or dropped from the publication), so its "
-                "target copy is no longer kept in sync: empty it on the target and run pgcdc "
-                f"add-table {table}, or drop it on the target"
-            )
+            print(f"STALE {no_longer_published(table)}")
     if differing or stale:
-        names = ", ".join([*differing, *stale])
+        names = ", ".join([*differing, *map(str, stale)])
         raise CliError(f"tables differ between source and target: {names}")
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")

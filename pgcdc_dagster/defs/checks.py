@@ -18,7 +18,7 @@ from ..engine.identifiers import TableName
 from ..engine.retention import retention_status
 from ..engine.slot import SlotError
 from .assets import DECODED_CHANGES_KEY, ENGINE_ERRORS, SLOT_KEY, target_key
-from .metadata import comparison_metadata, differs, number, text
+from .metadata import comparison_metadata, differs, no_longer_published, number, text
 from .resources import PgcdcResource
 
 
@@ -134,6 +134,8 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
         pgcdc: PgcdcResource,
     ) -> Iterator[AssetCheckResult]:
         settings = pgcdc.settings()
+        for stale in pipeline.no_longer_published(settings):  # no asset, so no check: a line
+            context.log.warning(no_longer_published(stale))
         for comparison in verify.compare_tables(settings, tables):
             yield AssetCheckResult(
                 asset_key=target_key(comparison.table),

@@ -241,6 +241,16 @@ def differs(comparison: TableComparison) -> str:
     )
 
 
+def no_longer_published(table: TableName) -> str:
+    """One line on a replicated table the publication no longer sends, with the fix."""
+    return (
+        f"{table}: replicated, but the publication no longer sends it (dropped and created "
+        "again on the source, or dropped from the publication), so its target copy is no "
+        f"longer kept in sync: empty it on the target and run pgcdc add-table {table}, or drop "
+        "it on the target"
+    )
+
+
 def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
     differing = [str(c.table) for c in comparisons if not c.equal]
     tables = table_of(
