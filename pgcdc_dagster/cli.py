@@ -347,7 +347,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     settings = ReplicationSettings.from_env()
     # No published table, no verify job (its checks are per table): only the stale ones.
-    result = run_job("verify", allow_failure=True) if pipeline.replicated_tables(settings) else None
+    published = pipeline.replicated_tables(settings)
+    result = run_job("verify", allow_failure=True) if published else None
     tables = []
     for evaluation in result.get_asset_check_evaluations() if result else []:
         (record,) = evaluation.metadata["tables"].value.records
@@ -362,7 +363,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     tables.sort(key=lambda t: t["table"])
     differing = [t["table"] for t in tables if not t["equal"]]
-    stale = pipeline.no_longer_published(settings)
+    stale = pipeline.no_longer_published(settings, published)
     if args.json:
         print(
             json.dumps(

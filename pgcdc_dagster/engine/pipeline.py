@@ -279,18 +279,21 @@ def origin_progress(settings: ReplicationSettings) -> Lsn | None:
     return progress_of(settings.target_dsn, settings.origin)
 
 
-def no_longer_published(settings: ReplicationSettings) -> list[TableName]:
+def no_longer_published(
+    settings: ReplicationSettings, published: Sequence[TableName] | None = None
+) -> list[TableName]:
     """The tables the chain replicates (:attr:`~.store.Chain.tables`) that the publication no
-    longer sends and the target still holds: their copy there is no longer kept in sync. A
-    table dropped and created again on the source is one (a publication lists tables by
-    identity, so the new one is not in it), as is one dropped from the publication."""
+    longer sends (``published``, when the caller has read it) and the target still holds:
+    their copy there is no longer kept in sync. A table dropped and created again on the
+    source is one (a publication lists tables by identity, so the new one is not in it), as
+    is one dropped from the publication."""
     from .catalog import table_columns
 
     chain = store_of(settings).chain()
     if chain is None or not chain.tables:
         return []
-    published = set(replicated_tables(settings))
-    gone = [t for t in chain.tables if t not in published]
+    sent = set(replicated_tables(settings) if published is None else published)
+    gone = [t for t in chain.tables if t not in sent]
     if not gone:
         return []
     with connect(settings.target_dsn, role="target", autocommit=True) as conn:

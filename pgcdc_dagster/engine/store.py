@@ -587,15 +587,16 @@ class OutputStore:
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
         """
-        record: dict[str, Any] = {
-            "slot": slot,
-            "state": CHAIN_COMPLETE,
-            "consistent_point": str(consistent_point),
-            "snapshot": snapshot_name,
-        }
-        _put_tables(record, tables, unpublished or {})
+        chain = Chain(
+            slot,
+            CHAIN_COMPLETE,
+            consistent_point,
+            snapshot_name,
+            tables=tuple(tables),
+            unpublished={t: tuple(c) for t, c in (unpublished or {}).items()},
+        )
         with self.chain_lock():
-            self._write_chain(record)
+            self._write_chain(self._record_of(chain))
 
     @contextlib.contextmanager
     def chain_lock(self) -> Iterator[Chain | None]:
