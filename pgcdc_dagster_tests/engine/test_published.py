@@ -4,6 +4,11 @@ published, as native logical replication's initial sync and apply keep it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import psycopg
 import pytest
 
@@ -166,3 +171,39 @@ def test_a_column_list_without_a_key_column_is_refused_before_the_target_changes
         ).fetchone() == (0,)
     with psycopg.connect(target_dsn) as conn:  # refused before the schema was copied
         assert conn.execute("SELECT to_regclass('people')").fetchone() == (None,)
+
+
+SNAPSHOT_IN_CHILD = (
+    "import sys; from pgcdc_dagster.engine import pipeline; "
+    "from pgcdc_dagster.engine.settings import ReplicationSettings; "
+    "pipeline.take_snapshot(ReplicationSettings.model_validate_json(sys.argv[1]), None)"
+)
+
+
+def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """SIGKILL of a real snapshot process once the narrowed copy is on the target (the left-out
+    column's NOT NULL dropped, the filtered rows in): the next snapshot redoes it from the
+    start, and the target converges to what is published, each row once."""
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "killed", publication="mine")
+    child = subprocess.run(
+        [sys.executable, "-c", SNAPSHOT_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": "snapshot.after_copy=kill@1"},
+        capture_output=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    with psycopg.connect(target_dsn) as conn:  # what the killed snapshot left
+        assert conn.execute("SELECT count(*) FROM orders").fetchone() == (10,)
+
+    result = pipeline.take_snapshot(settings, spark)  # finds the unfinished one: redone
+    assert {t.table: t.rows for t in result.tables} == {ORDERS: 10, USERS: 10, M: 30, WHOLE: 2}
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(CHANGES)
+    catch_up(settings)
+    assert all(equal for _, equal in equal_tables(settings))
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*), count(ssn) FROM users").fetchone() == (10, 0)
