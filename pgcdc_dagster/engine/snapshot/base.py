@@ -91,11 +91,34 @@ def _reset_target(target_dsn: str, existing: Sequence[TableName], origin: str) -
 
 
 _KEY_COLUMNS = """
-SELECT a.attname
-FROM pg_index i
-JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
-WHERE i.indrelid = %s::regclass AND i.indisprimary AND a.attname = ANY(%s::text[])
+SELECT u.rel, a.attname
+FROM unnest(%s::text[], %s::text[]) AS u(rel, col)
+JOIN pg_index i ON i.indrelid = u.rel::regclass AND i.indisprimary
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) AND a.attname = u.col
 """
+"""Of the given (table, column) pairs, those in their table's primary key."""
+
+_STRICT_COLUMNS = """
+SELECT u.rel, a.attname
+FROM unnest(%s::text[], %s::text[]) AS u(rel, col)
+JOIN pg_attribute a ON a.attrelid = u.rel::regclass AND a.attname = u.col
+WHERE a.attnotnull AND NOT a.atthasdef
+"""
+"""Of the given (table, column) pairs, those ``NOT NULL`` without a default."""
+
+
+def _left_out_where(
+    conn: psycopg.Connection[Any], query: str, shapes: Mapping[TableName, PublishedShape]
+) -> list[tuple[TableName, str]]:
+    """The columns the publication leaves out that ``query`` (over ``(table, column)`` pairs
+    given as two arrays) returns: one statement for every table, not one a table."""
+    names = {t.sql.as_string(conn): t for t, s in shapes.items() if s.unpublished}
+    pairs = [(rel, col) for rel, t in names.items() for col in shapes[t].unpublished]
+    if not pairs:
+        return []
+    rels, cols = zip(*pairs, strict=True)
+    rows = conn.execute(query, (list(rels), list(cols))).fetchall()
+    return [(names[rel], col) for rel, col in rows]
 
 
 def _read_shapes(
@@ -110,14 +133,10 @@ def _read_shapes(
         snapshot_transaction(src, snapshot_name),
     ):
         shapes = published_shapes(src, publication, tables)
-        for table, shape in shapes.items():
-            if not shape.unpublished:
-                continue
-            keys = src.execute(
-                _KEY_COLUMNS, (table.sql.as_string(src), list(shape.unpublished))
-            ).fetchall()
-            if keys:
-                raise _key_left_out(table, keys[0][0], "it is in the table's primary key")
+        keys = _left_out_where(src, _KEY_COLUMNS, shapes)
+    if keys:
+        table, column = keys[0]
+        raise _key_left_out(table, column, "it is in the table's primary key")
     return shapes
 
 
@@ -129,14 +148,6 @@ def _key_left_out(table: TableName, column: str, why: str) -> SnapshotError:
     )
 
 
-_UNPUBLISHED_NOT_NULL = """
-SELECT a.attname
-FROM pg_attribute a
-WHERE a.attrelid = %s::regclass AND a.attname = ANY(%s::text[])
-  AND a.attnotnull AND NOT a.atthasdef
-"""
-
-
 def _let_unpublished_be_empty(
     target_dsn: str, shapes: Mapping[TableName, PublishedShape]
 ) -> list[str]:
@@ -145,26 +156,21 @@ def _let_unpublished_be_empty(
     every insert after it). Returns ``table.column`` of each one changed. In a table that was
     there before the snapshot too: a redo after a crash finds the tables the killed snapshot
     made, and a table that can hold no row is no one's intent."""
-    changed: list[str] = []
-    todo = [(t, s.unpublished) for t, s in shapes.items() if s.unpublished]
-    if not todo:
-        return changed
+    if not any(s.unpublished for s in shapes.values()):
+        return []
     with connect(target_dsn, role="target") as tgt:
-        for table, columns in todo:
-            regclass = table.sql.as_string(tgt)
-            strict = tgt.execute(_UNPUBLISHED_NOT_NULL, (regclass, list(columns))).fetchall()
-            for (column,) in strict:
-                try:
-                    tgt.execute(
-                        sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
-                            table.sql, sql.Identifier(column)
-                        )
+        strict = _left_out_where(tgt, _STRICT_COLUMNS, shapes)
+        for table, column in strict:
+            try:
+                tgt.execute(
+                    sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
+                        table.sql, sql.Identifier(column)
                     )
-                except errors.InvalidTableDefinition as exc:  # a key of the target's own
-                    raise _key_left_out(table, column, server_message(exc)) from None
-                changed.append(f"{table}.{column}")
+                )
+            except errors.InvalidTableDefinition as exc:  # a key of the target's own
+                raise _key_left_out(table, column, server_message(exc)) from None
         tgt.commit()
-    return changed
+    return [f"{table}.{column}" for table, column in strict]
 
 
 @dataclass(frozen=True)
