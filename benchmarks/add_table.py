@@ -15,25 +15,39 @@ Per repeat, on fresh clusters: a source database with a small table ``a``, repli
 Then a few changes to ``b`` on the source, ``pgcdc catchup`` (untimed) and native caught up,
 and both targets' ``b`` compared with the source's (row count and an aggregate).
 
+``--while-following``: the add is made while replication runs (``pgcdc follow`` started
+before, as a user runs it; the native subscription enabled throughout), with a probe row
+inserted into ``a`` every 50 ms and both targets polled for it every 20 ms. Each side's
+freshness of ``a`` is reported for the probes committed during its own add (median and
+worst): ours makes way for the add (no range applied while it copies), native goes on
+applying ``a`` while ``b`` syncs. The follow's own account (``made_way_s``) comes from its
+``--json`` totals once it is stopped.
+
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/add_table.py [--rows 1000000]
-[--repeat 1] [--server off|warm] [--json F]``.
+[--repeat 1] [--server off|warm] [--while-following] [--json F]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import signal
 import statistics
+import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 from apply import bench_clusters, warm_command_server
-from many_tables import emit_report, native_schema, pgcdc_env, timed_command, wait_ready
+from many_tables import PGCDC, emit_report, native_schema, pgcdc_env, timed_command, wait_ready
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
 from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.range_lock import lock_holders
 
 POLL_S = 0.02
 
@@ -96,17 +110,148 @@ def fingerprint(dsn: str) -> tuple[int, int]:
         ).fetchone()
 
 
+def count_a(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT count(*) FROM a").fetchone()[0]  # type: ignore[index]
+
+
 def native_caught_up(source_dsn: str, native_dsn: str, run: int) -> None:
+    caught_up(source_dsn, f"native_{run}")
+
+
+def caught_up(source_dsn: str, slot: str, position: str = "confirmed_flush_lsn") -> None:
+    """Until ``slot``'s ``position`` is at least the source's WAL position as of now."""
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
         while True:
             (confirmed,) = conn.execute(  # type: ignore[misc]
-                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                (f"native_{run}",),
+                sql.SQL("SELECT {}::text FROM pg_replication_slots WHERE slot_name = %s").format(
+                    sql.Identifier(position)
+                ),
+                (slot,),
             ).fetchone()
             if confirmed is not None and Lsn.parse(confirmed) >= Lsn.parse(end):
                 return
             time.sleep(POLL_S)
+
+
+class Probes:
+    """Probe rows inserted into ``a`` on the source, and when each target first had them."""
+
+    FIRST = 10_000_000
+
+    def __init__(self, source_dsn: str, targets: dict[str, str]) -> None:
+        self.committed: dict[int, float] = {}
+        self.seen: dict[str, dict[int, float]] = {name: {} for name in targets}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._insert, args=(source_dsn,))] + [
+            threading.Thread(target=self._poll, args=(name, dsn)) for name, dsn in targets.items()
+        ]
+
+    def _insert(self, dsn: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            n = self.FIRST
+            while not self._stop.is_set():
+                n += 1
+                conn.execute("INSERT INTO a VALUES (%s, 'probe')", (n,))
+                self.committed[n] = time.monotonic()
+                time.sleep(0.05)
+
+    def _poll(self, name: str, dsn: str) -> None:
+        seen, last = self.seen[name], self.FIRST
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not self._stop.is_set():
+                (top,) = conn.execute("SELECT coalesce(max(id), 0) FROM a").fetchone()  # type: ignore[misc]
+                now = time.monotonic()
+                for n in range(last + 1, top + 1):
+                    seen[n] = now
+                last = max(last, top)
+                time.sleep(0.02)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Probes]:
+        for thread in self._threads:
+            thread.start()
+        try:
+            yield self
+        finally:
+            time.sleep(1.0)  # the last probes arrive
+            self._stop.set()
+            for thread in self._threads:
+                thread.join()
+
+    def freshness(self, name: str, began: float, ended: float) -> dict[str, Any]:
+        """Seconds from commit to visible on ``name`` for the probes committed in the window."""
+        lags = [
+            self.seen[name][n] - t
+            for n, t in self.committed.items()
+            if began <= t <= ended and n in self.seen[name]
+        ]
+        missing = sum(
+            1 for n, t in self.committed.items() if began <= t <= ended and n not in self.seen[name]
+        )
+        return {
+            "probes": len(lags),
+            "not_seen": missing,
+            "median_s": round(statistics.median(lags), 3) if lags else None,
+            "worst_s": round(max(lags), 3) if lags else None,
+        }
+
+
+def run_while_following(
+    env: dict[str, str], work: Any, source_dsn: str, native_dsn: str, run: int
+) -> dict[str, Any]:
+    """The two adds while each side's replication runs, with probes (see the docstring)."""
+    follow = subprocess.Popen(
+        [PGCDC, "follow", "--json"],
+        env=env,
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while not any(
+            h.holder.startswith("run ")
+            for h in lock_holders(env["PGCDC_TARGET_DSN"], env["PGCDC_SLOT"])
+        ):
+            if follow.poll() is not None:
+                raise RuntimeError(f"pgcdc follow ended: {follow.communicate()[1][-3000:]}")
+            time.sleep(0.1)
+        # b's rows, written before the follow started, are WAL every peek decodes again (and
+        # filters out) until the slot's restart point is past them: about 15 s (see README).
+        caught_up(source_dsn, env["PGCDC_SLOT"], "restart_lsn")
+        with Probes(
+            source_dsn, {"ours": env["PGCDC_TARGET_DSN"], "native": native_dsn}
+        ).running() as probes:
+            time.sleep(3.0)  # both sides steady
+            steady = (time.monotonic() - 2.0, time.monotonic())
+            began = time.monotonic()
+            ours = timed_command(env, work, "add-table", "b")
+            ours_window = (began, time.monotonic())
+            time.sleep(2.0)
+            began = time.monotonic()
+            native = native_add(source_dsn, native_dsn, run)
+            native_window = (began, time.monotonic())
+            time.sleep(2.0)
+    finally:
+        follow.send_signal(signal.SIGTERM)
+        out, err = follow.communicate(timeout=300)
+    if follow.returncode != 0:
+        raise RuntimeError(f"pgcdc follow failed: {err[-3000:]}")
+    totals = json.loads(out)["follow"]
+    return {
+        "ours_add_s": round(ours, 3),
+        "native_add_s": round(native, 3),
+        "ours_made_way_s": totals.get("made_way_s"),
+        "ours_follow_said": [
+            line for line in err.splitlines() if "made way" in line or "going on" in line
+        ],
+        "ours_freshness_before": probes.freshness("ours", *steady),
+        "native_freshness_before": probes.freshness("native", *steady),
+        "ours_freshness_during_its_add": probes.freshness("ours", *ours_window),
+        "native_freshness_during_its_add": probes.freshness("native", *native_window),
+    }
 
 
 def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
@@ -120,8 +265,13 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
             if args.server == "warm":
                 env = {**env, "PGCDC_SERVER": "auto"}
                 stack.enter_context(warm_command_server(env))
-            ours = timed_command(env, work, "add-table", "b")
-            native = native_add(source_dsn, native_dsn, run)
+            if args.while_following:
+                following = run_while_following(env, work, source_dsn, native_dsn, run)
+                ours, native = following["ours_add_s"], following["native_add_s"]
+            else:
+                following = {}
+                ours = timed_command(env, work, "add-table", "b")
+                native = native_add(source_dsn, native_dsn, run)
             with psycopg.connect(source_dsn, autocommit=True) as conn:
                 conn.execute("UPDATE b SET abalance = abalance + 1 WHERE id % 1000 = 0")
                 conn.execute("DELETE FROM b WHERE id % 1000 = 1")
@@ -134,6 +284,10 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
             "ratio": round(native / ours, 3),
             "ours_equal": fingerprint(env["PGCDC_TARGET_DSN"]) == expected,
             "native_equal": fingerprint(native_dsn) == expected,
+            "a_equal": count_a(env["PGCDC_TARGET_DSN"])
+            == count_a(source_dsn)
+            == count_a(native_dsn),
+            **following,
         }
 
 
@@ -142,12 +296,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--server", choices=("off", "warm"), default="off")
+    parser.add_argument(
+        "--while-following", action="store_true", help="add while pgcdc follow runs, with probes"
+    )
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     runs = [one_run(args, i) for i in range(args.repeat)]
     report = {
         "rows": args.rows,
         "command_server": args.server,
+        "while_following": args.while_following,
         "median_ratio": statistics.median(r["ratio"] for r in runs),
         "runs": runs,
     }

@@ -59,7 +59,9 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
     config = {"ops": {"base_snapshot": {"config": {"resnapshot": resnapshot}}}}
     with shown(), _head_start(settings, "snapshot", start) as started:
-        clear_the_way(dagster_instance(), settings, args.wait, "pgcdc snapshot", holding=started)
+        clear_the_way(
+            dagster_instance(), settings, args.wait, "pgcdc snapshot", waiting=not started
+        )
         result = run_job("snapshot", run_config=config)
     meta = materialization_metadata(result, "base_snapshot")
     print(
@@ -101,7 +103,7 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     ):
         # While Dagster loads, the follower is already at work (when the lock was free).
         instance = dagster_instance()
-        clear_the_way(instance, settings, args.wait, command, holding=started)
+        clear_the_way(instance, settings, args.wait, command, waiting=not started)
         from .defs.jobs import NO_ENDPOS
 
         config = {"endpos": str(target) if target else NO_ENDPOS}
@@ -438,8 +440,9 @@ def cmd_add_table(args: argparse.Namespace) -> int:
         tables = [str(TableName.parse(name)) for name in args.tables]
     except ValueError as exc:
         raise CliError(str(exc)) from None
-    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table")
-    config = {"ops": {"copy_added_tables": {"config": {"tables": tables}}}}
+    # Its run waits for the range itself, up to --wait: a live follow makes way for it.
+    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table", waiting=False)
+    config = {"ops": {"copy_added_tables": {"config": {"tables": tables, "wait_s": args.wait}}}}
     result = run_job(ADD_TABLES_JOB, run_config=config)
     report: dict[str, Any] = {}
     for event in result.all_events:
@@ -561,7 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the range (a running follow makes way in about a second)",
+    )
     p.set_defaults(func=cmd_add_table)
     p = sub.add_parser("spark", help="a warm local Spark Connect server every run then uses")
     p.add_argument("action", choices=["start", "stop", "status"])

@@ -476,6 +476,50 @@ def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, cap
     assert code == 0 and json.loads(out)["equal"] is True
 
 
+def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, capsys):
+    """``pgcdc add-table`` while ``pgcdc follow`` runs (its Dagster run holding the range
+    lock): the add does not wait for the follow to end (it never would) but has it make way,
+    and the same follow then applies the added table's changes; it still stops cleanly."""
+    import signal
+    import subprocess
+    import time
+
+    from pgcdc_dagster.engine.range_lock import lock_holders
+
+    _snapshot_then(
+        cli_env,
+        capsys,
+        "CREATE TABLE later (id int PRIMARY KEY, v text)",
+        "INSERT INTO later SELECT g, 'before' FROM generate_series(1, 500) g",
+    )
+    follow = _pgcdc("follow", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(
+            h.holder.startswith("run ")
+            for h in lock_holders(cli_env["PGCDC_TARGET_DSN"], cli_env["PGCDC_SLOT"])
+        ):
+            assert follow.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+
+        code, out, err = run_cli(capsys, "add-table", "later", "--wait", "60")
+        assert code == 0, err
+        assert out.startswith("added public.later: 500 rows copied")
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+            conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
+        with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
+            while conn.execute("SELECT v FROM later WHERE id = 1").fetchone() != ("after",):
+                assert follow.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        follow.send_signal(signal.SIGTERM)
+        _, err = follow.communicate(timeout=120)
+    assert follow.returncode == 0, err
+    assert "made way for pgcdc add-table (run " in err, err
+    code, out, _ = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True
+
+
 def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env, capsys):
     """A replicated table dropped and created again on the source is no longer in the
     publication (it lists tables by identity): its changes stop arriving, silently for the

@@ -93,6 +93,12 @@ def follow_events(
             else ""
         )
         + (
+            f"; made way for pgcdc add-table {summary.made_way} time(s), "
+            f"{summary.made_way_s} s in all"
+            if summary.made_way
+            else ""
+        )
+        + (
             f"; recorded through {storage.outages.count} outage(s) of Dagster's storage, "
             f"{storage.outages.total_s} s in all"
             if storage.outages.count
@@ -105,8 +111,9 @@ def follow_summary_metadata(
     summary: FollowSummary, storage: StorageRide | None = None
 ) -> dict[str, Any]:
     """How the run ended and where its time went: receive and apply busy seconds, how long
-    both ran at once (the pipelining), the CPU each side spent in the follower itself, and the
-    outages it rode through (of its servers, and of Dagster's storage)."""
+    both ran at once (the pipelining), the CPU each side spent in the follower itself, the
+    outages it rode through (of its servers, and of Dagster's storage), and the time it made
+    way for ``pgcdc add-table``."""
     return {
         "stopped_by": summary.stopped_by,
         "ranges": summary.ranges,
@@ -120,6 +127,8 @@ def follow_summary_metadata(
         "apply_cpu_s": summary.apply_cpu_s,
         "outages": summary.outages,
         "outage_s": summary.outage_s,
+        "made_way": summary.made_way,
+        "made_way_s": summary.made_way_s,
         "storage_outages": storage.outages.count if storage else 0,
         "storage_outage_s": storage.outages.total_s if storage else 0.0,
     }

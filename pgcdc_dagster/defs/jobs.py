@@ -161,6 +161,9 @@ def build_prune_job() -> JobDefinition:
 class AddTablesConfig(Config):
     tables: list[str]
     """The tables to add, each ``schema.table`` (``table`` alone: in ``public``)."""
+    wait_s: float = 120.0
+    """How long to wait for the range: for a follow holding it to make way, or for another
+    catch-up (a snapshot, a per-range run) to end."""
 
 
 def build_add_tables_job() -> JobDefinition:
@@ -186,6 +189,7 @@ def build_add_tables_job() -> JobDefinition:
                     tables,
                     lambda: spark.spark_session,
                     lock_holder=lock_holder_name(context.run.run_id),
+                    wait_s=config.wait_s,
                 )
         except (*ENGINE_ERRORS, ValueError) as exc:
             raise as_failure(exc) from None

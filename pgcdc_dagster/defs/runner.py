@@ -244,15 +244,17 @@ def clear_the_way(
     wait_s: float,
     command: str,
     *,
-    holding: bool = False,
+    waiting: bool = True,
 ) -> None:
     """Before a run that takes the range lock: fail the runs whose worker died (saying so),
     cancel queued per-range runs (this command does their work), and wait for a live run to
     finish, or refuse after ``wait_s`` seconds. Runs started here and runs the daemon launches
     obey the same rule: one holder of the range lock at a time.
 
-    ``holding``: this process already holds the lock (a head start), so no other run can be
-    alive; nothing to wait for (a run launched meanwhile fails at once on the lock)."""
+    ``waiting=False``: nothing to wait for here. Either this process already holds the lock (a
+    head start), so no other run can be alive (a run launched meanwhile fails at once on the
+    lock), or the command takes the range in its run, where a live follow makes way for it
+    (``pgcdc add-table``, see :func:`~pgcdc_dagster.engine.range_lock.range_lock_or_way`)."""
     from dagster import DagsterRunStatus
 
     from ..engine.range_lock import lock_holders
@@ -269,7 +271,7 @@ def clear_the_way(
                 f"{dead.reason}; marked it failed",
                 file=sys.stderr,
             )
-        waiting = []
+        live = []
         for verdict in verdicts:
             if verdict.state == QUEUED and verdict.run.job_name == "catchup":
                 if verdict.run.status == DagsterRunStatus.QUEUED:
@@ -278,13 +280,13 @@ def clear_the_way(
                         message=f"superseded by {command}, which takes the range itself",
                     )
             elif verdict.state in (ALIVE, QUEUED):
-                waiting.append(verdict)
-        if holding or (not waiting and not holders):
+                live.append(verdict)
+        if not waiting or (not live and not holders):
             return
         if time.monotonic() > deadline:
             who = (
-                f"run {waiting[0].run.run_id} ({waiting[0].reason})"
-                if waiting
+                f"run {live[0].run.run_id} ({live[0].reason})"
+                if live
                 else f"{holders[0].holder}, holding the range lock"
             )
             raise RunFailedError(

@@ -46,6 +46,14 @@ again, or ends (:class:`RangeTakenError`) if another catch-up took it meanwhile.
 after ``follow_retry`` seconds of outage; a follow that never reached its servers, or with an
 endpos (``catchup``), fails at once, as does any error that is not an outage.
 
+Making way for ``pgcdc add-table``: the follower looks once a second (:data:`ADD_POLL_S`) for an
+add asking for the range; then its session ends at a range boundary as for a stop, it runs none
+while the add has the range (:mod:`.range_lock`'s docstring says what must hold), and a new
+session starts from the durable state, the added tables with it. An add that ended before
+finishing leaves its tables in the store's chain as being added; a follow without an endpos then
+applies nothing and says so until an add runs again, rather than failing on every range (the
+apply refuses them) and being started again by the sensor to fail again.
+
 Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
 endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
 or SIGINT, a Dagster termination, the caller closing the generator). A stop lets the range being
@@ -59,6 +67,7 @@ import collections
 import contextlib
 import os
 import queue
+import select
 import sys
 import threading
 import time
@@ -87,7 +96,16 @@ from .pipeline import (
     next_step,
     store_of,
 )
-from .range_lock import RangeBusyError, lent_lock, lock_holders, range_lock, who_holds
+from .range_lock import (
+    RangeBusyError,
+    adders,
+    lent_lock,
+    listen_for_adders,
+    lock_holders,
+    make_way,
+    range_lock,
+    who_holds,
+)
 from .receive import receive, receive_in_cuts
 from .settings import MiB, ReplicationSettings
 from .slot import current_flush_lsn
@@ -115,6 +133,12 @@ PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
 a second at a time."""
+ADD_POLL_S = 1.0
+"""How often a follower looks for a ``pgcdc add-table`` asking for the range (one query on a
+target connection of its own) when no notification woke it first: an add waits about the range
+being received and those queued, at most this long more, for the follow to make way."""
+MAKE_WAY_POLL_S = 0.2
+"""How often a follower that made way looks whether the add has ended."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
@@ -190,6 +214,11 @@ class FollowSummary:
     """Times a server went away under the follow and it waited until it was back."""
     outage_s: float = 0.0
     """Seconds spent waiting for servers that went away."""
+    made_way: int = 0
+    """Times it made way for ``pgcdc add-table`` (or waited for an unfinished add to be run
+    again), running no session meanwhile."""
+    made_way_s: float = 0.0
+    """Seconds it ran no session for those."""
     receive_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,
@@ -372,6 +401,12 @@ class Follower:
         self._relocked = contextlib.ExitStack()
         """A range lock taken again after an outage, held until the follower ends."""
         self._reached_endpos = False
+        self._add_asked = False
+        """An add asked for the range: the session ends at a boundary, and :meth:`_make_way`."""
+        self._ended = threading.Event()
+        """Set once the follower is closing: the watcher of adds ends (woken by
+        :attr:`_wake`)."""
+        self._wake: tuple[int, int] | None = None
         self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
         self._started = time.monotonic()
         self._lead: threading.Thread | None = None
@@ -409,7 +444,11 @@ class Follower:
             track(self)
             self._started = time.monotonic()
             self._lead = threading.Thread(target=self._lead_loop, name="pgcdc-follow", daemon=True)
+            watcher = threading.Thread(target=self._watch_adds, name="pgcdc-adds", daemon=True)
+            self._threads.append(watcher)
+            self._wake = os.pipe()
         self._lead.start()
+        watcher.start()
         return self
 
     def run(self) -> Iterator[Followed]:
@@ -428,6 +467,9 @@ class Follower:
     def close(self, reason: str) -> None:
         """Stop at the next range boundary and wait for the threads to get there."""
         self.stop(reason)
+        self._ended.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         for thread in [self._lead, *self._threads]:
             while thread is not None and thread.is_alive():
                 try:
@@ -435,6 +477,10 @@ class Follower:
                 except self.interrupts:
                     continue  # already stopping: finish the boundary
         self._relocked.close()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         untrack(self)
         self._outages.ended()  # stopped while it waited: that outage counts too
         self.summary.outages, self.summary.outage_s = self._outages.count, self._outages.total_s
@@ -449,8 +495,12 @@ class Follower:
         try:
             while True:
                 try:
+                    self._make_way()
+                    if self._stop_requested:
+                        return
                     self._session()
-                    return
+                    if not self._add_asked or self._stop_requested or self._reached_endpos:
+                        return
                 except BaseException as exc:
                     if not self._wait_out(exc):
                         raise
@@ -557,6 +607,84 @@ class Follower:
             f"range lock ({who_holds(holders)}): this follow ends here and that one goes on "
             "(pgcdc status shows it)"
         )
+
+    # -- making way for pgcdc add-table (see range_lock's docstring) ---------------------------
+
+    def _watch_adds(self) -> None:
+        """Look for an add asking for the range when it notifies, else every
+        :data:`ADD_POLL_S`, and end the session at the next range boundary when one does. A
+        failed look is left to the session (a server away is its business): the next one
+        connects again."""
+        assert self._wake is not None
+        conn: psycopg.Connection[Any] | None = None
+        try:
+            while not self._ended.is_set():
+                try:
+                    if conn is None or conn.closed:
+                        conn = connect(
+                            self.settings.target_dsn,
+                            role="target",
+                            autocommit=True,
+                            connect_timeout=5,
+                        )
+                        listen_for_adders(conn, self.settings.slot)
+                    select.select([conn.fileno(), self._wake[0]], [], [], ADD_POLL_S)
+                    if self._ended.is_set():
+                        return
+                    if adders(conn, self.settings.slot):
+                        self._add_asked = True
+                        self._stop.set()
+                except (psycopg.Error, PgcdcError):
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    self._ended.wait(ADD_POLL_S)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _make_way(self) -> None:
+        """Between sessions: run none while an add has the range, nor, without an endpos,
+        while an add that ended before finishing waits to be run again (the apply would refuse
+        every range meanwhile; a catch-up with an endpos goes on, and the apply says so).
+        Returns at once otherwise, and on a stop."""
+        settings = self.settings
+        store = store_of(settings)
+        began, said, made = time.monotonic(), "", False
+        with connect(settings.target_dsn, role="target", autocommit=True) as conn:
+            while not self._stop_requested:
+                self._add_asked = False
+                asking = adders(conn, settings.slot)
+                if asking and not made:
+                    make_way(conn, settings.slot, True)
+                    made = True
+                elif made and not asking:
+                    make_way(conn, settings.slot, False)
+                    made = False
+                    continue  # looked for again with the way closed: an add may have just asked
+                if asking:
+                    note = (
+                        f"made way for pgcdc add-table ({who_holds(asking)}): it has the range "
+                        "until it ends"
+                    )
+                else:
+                    chain = store.chain() if self.endpos is None else None
+                    if chain is None or not chain.adding:
+                        break
+                    names = " ".join(str(t) for t in chain.adding)
+                    note = (
+                        f"adding {names} did not finish, so nothing is applied: run pgcdc "
+                        f"add-table {names} again"
+                    )
+                if note != said:
+                    self._report(None, note=note, retrying=True)
+                    said = note
+                time.sleep(MAKE_WAY_POLL_S)
+        if said:
+            waited = time.monotonic() - began
+            self.summary.made_way += 1
+            self.summary.made_way_s = round(self.summary.made_way_s + waited, 3)
+            self._report(None, note=f"going on after {waited:.1f} s without a session")
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------
 

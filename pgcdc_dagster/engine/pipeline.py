@@ -22,7 +22,7 @@ from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .origin import progress_of
-from .range_lock import RangeBusyError, RangeLock
+from .range_lock import RangeBusyError, RangeLock, range_lock_or_way
 from .range_lock import range_lock as hold_range_lock
 from .receive import receive
 from .retention import prune_if_due
@@ -114,19 +114,23 @@ def add_tables(
     spark: SparkSession | Callable[[], SparkSession],
     *,
     lock_holder: str | None = None,
+    wait_s: float = 120.0,
 ) -> AddedTablesResult:
     """Add ``tables`` to the replication (:mod:`.snapshot.added`): copied as of a consistent
     point of their own, the apply then skipping their changes at or before it.
 
-    Crash-safe in two records of the store's chain, under the range lock (no apply runs
-    meanwhile): the tables enter ``adding`` before the target changes, and ``synced_from``
-    once their copy is done. A killed add leaves them in ``adding``: every apply refuses until
+    Crash-safe in two records of the store's chain, with the range to itself (no apply runs
+    meanwhile): the range lock, or a follow that holds it and made way for the add until it
+    ends (:func:`~.range_lock.range_lock_or_way`, waiting up to ``wait_s`` seconds for either).
+    The tables enter ``adding`` before the target changes, and ``synced_from`` once their copy
+    is done. A killed add leaves them in ``adding``: every apply refuses (a follow waits) until
     the next add copies them again from scratch."""
     from .snapshot import add_tables as copy_added
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
-    with range_lock(settings, lock_holder):
+    holder = lock_holder or f"pid {os.getpid()}"
+    with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
         result = copy_added(
             settings.source_dsn,

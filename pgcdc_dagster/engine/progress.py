@@ -91,10 +91,11 @@ class FollowProgress:
     range_key: str | None = None
     """The range this report follows (``None``: a report of an outage)."""
     note: str = ""
-    """What a follow riding through an outage says: a server went away and when it tries
-    again, or that the servers are back."""
+    """What a follow riding through an outage says (a server went away and when it tries
+    again, or that the servers are back), or one that made way for ``pgcdc add-table``."""
     retrying: bool = False
-    """Waiting for a server that went away (the phase ``retrying``, shown at once)."""
+    """Waiting, not following: for a server that went away, or for an add that has the range
+    (the phase ``retrying``, shown at once)."""
 
     @property
     def phase(self) -> str:

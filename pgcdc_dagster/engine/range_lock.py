@@ -14,6 +14,24 @@ process exits.
 The lock is an orchestration aid, not what keeps data correct: two appliers are excluded by
 the replication origin's session (:mod:`.origin`), two receivers by the slot being in use, and
 two writers of one range by the store's atomic rename.
+
+**Making way for an add.** ``pgcdc add-table`` needs the range to itself (:mod:`.snapshot.added`),
+while a follow holds the lock for days. So a follow makes way instead of being stopped, with two
+more advisory locks of the slot (:func:`lock_key`'s kinds), both session-level so a process that
+dies drops them:
+
+* the adder holds :data:`ADDING` from before it asks until its add has ended (one add at a time);
+* a follow that sees it (:func:`adders`) ends its session at a range boundary, nothing queued left
+  unapplied, and holds :data:`MADE_WAY` while it runs no session; the adder goes on under the
+  follow's lock once it sees that (:func:`range_lock_or_way`), and the follow starts its next
+  session once :data:`ADDING` is gone.
+
+What must hold: the adder never works while a follow runs a session. The adder takes
+:data:`ADDING` and only then looks for :data:`MADE_WAY`; the follow releases :data:`MADE_WAY`
+and only then looks for :data:`ADDING` (taking it again if it is there). The server's lock table
+orders the four steps, so either the follow sees the adder or the adder sees no way made. A
+follow that dies meanwhile frees the range lock; a catch-up that takes it then finds the store's
+chain saying tables are being added and refuses to apply (:mod:`.apply`).
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from .connect import connect, server_errors
 from .errors import PgcdcError
@@ -54,9 +73,15 @@ class LockHolder:
     client_addr: str | None
 
 
-def lock_key(slot: str) -> int:
-    """The advisory lock key of ``slot``: 32 bits, so it reads back from ``pg_locks.objid``."""
-    return zlib.crc32(f"pgcdc:{slot}".encode())
+RANGE, ADDING, MADE_WAY = 0, 1, 2
+"""The kinds of lock a slot has: the range lock, an add asking for the range, a follow that made
+way for it (see the module docstring)."""
+
+
+def lock_key(slot: str, kind: int = RANGE) -> int:
+    """The advisory lock key of ``slot``'s lock of ``kind``: the kind in the high 32 bits, a
+    hash of the slot in the low 32, so they read back from ``pg_locks.classid`` and ``objid``."""
+    return (kind << 32) | zlib.crc32(f"pgcdc:{slot}".encode())
 
 
 class RangeLock:
@@ -187,13 +212,88 @@ def _holders(conn: psycopg.Connection[Any], key: int) -> list[LockHolder]:
         """
         SELECT a.application_name, a.pid, a.client_addr::text
         FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-        WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objid = %s::oid
-          AND l.objsubid = 1 AND l.database = (SELECT oid FROM pg_database
-                                                WHERE datname = current_database())
+        WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s::oid
+          AND l.objid = %s::oid AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
         """,
-        (key,),
+        (key >> 32, key & 0xFFFFFFFF),
     ).fetchall()
     return [
         LockHolder(name.removeprefix(APPLICATION_PREFIX), int(pid), addr)
         for name, pid, addr in rows
     ]
+
+
+# -- making way for an add (see the module docstring) -------------------------------------------
+
+
+def adders(conn: psycopg.Connection[Any], slot: str) -> list[LockHolder]:
+    """The ``pgcdc add-table`` asking for the range of ``slot`` now (at most one)."""
+    return _holders(conn, lock_key(slot, ADDING))
+
+
+def _asking_channel(slot: str) -> str:
+    return f"pgcdc_add_{lock_key(slot) & 0xFFFFFFFF:08x}"
+
+
+def listen_for_adders(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Have ``conn``'s socket turn readable when an add asks for the range of ``slot`` (it
+    notifies once it holds :data:`ADDING`), so a follow sees it at once rather than at its
+    next look (:func:`adders` stays the answer: a notification is only a wake-up)."""
+    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(_asking_channel(slot))))
+
+
+def make_way(conn: psycopg.Connection[Any], slot: str, made: bool) -> None:
+    """Say on ``conn`` (a follow's, running no session) that the way is made (``made``), or no
+    longer: the follow must look for :func:`adders` again after taking it back."""
+    statement = "SELECT pg_advisory_lock(%s)" if made else "SELECT pg_advisory_unlock(%s)"
+    conn.execute(statement, (lock_key(slot, MADE_WAY),))
+
+
+_ASK_POLL_S = 0.1
+
+
+@contextmanager
+def range_lock_or_way(target_dsn: str, slot: str, holder: str, wait_s: float) -> Iterator[str]:
+    """The range of ``slot`` for an add, as ``holder``: the range lock taken here, or a follow
+    holding it that made way (see the module docstring). Yields who holds the lock: ``holder``,
+    or the follow. Raises :class:`RangeBusyError` after ``wait_s`` seconds of another add, or
+    of a holder that does not make way (a snapshot, a per-range run, an older follow)."""
+    conn = connect(
+        target_dsn,
+        role="target",
+        autocommit=True,
+        application_name=(APPLICATION_PREFIX + holder)[:63],
+        options=_KEEPALIVES,
+    )
+    deadline = time.monotonic() + wait_s
+    try:
+        asking = lock_key(slot, ADDING)
+        while not conn.execute("SELECT pg_try_advisory_lock(%s)", (asking,)).fetchone()[0]:  # type: ignore[index]
+            if time.monotonic() > deadline:
+                raise RangeBusyError(
+                    f"another pgcdc add-table of slot {slot} is running "
+                    f"({who_holds(_holders(conn, asking))}) after {wait_s:.0f} s: wait for it "
+                    "to finish, or pass a longer --wait"
+                )
+            time.sleep(_ASK_POLL_S)
+        conn.execute("SELECT pg_notify(%s, '')", (_asking_channel(slot),))
+        while True:
+            others = _try_lock(conn, lock_key(slot))
+            if others is None:
+                yield holder
+                return
+            if _holders(conn, lock_key(slot, MADE_WAY)):
+                yield who_holds(others)
+                return
+            if time.monotonic() > deadline:
+                raise RangeBusyError(
+                    f"another catch-up of slot {slot} is running ({who_holds(others)}) and did "
+                    f"not make way for this add in {wait_s:.0f} s (a follow makes way; a "
+                    "snapshot or a per-range run does not): wait for it to finish, or pass a "
+                    "longer --wait",
+                    others,
+                )
+            time.sleep(_ASK_POLL_S)
+    finally:
+        conn.close()  # the locks taken here go with the session

@@ -7,12 +7,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
 
 from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.apply import ApplyError
+from pgcdc_dagster.engine.follow import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot import TargetNotEmptyError
@@ -142,3 +147,135 @@ def test_an_add_killed_anywhere_holds_the_apply_until_an_add_again_converges(
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
     with psycopg.connect(target_dsn) as conn:
         assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
+
+
+def _writes_to_a_and_b(dsn: str, stop: threading.Event) -> None:
+    """One transaction after another writing ``a`` and ``b`` together, published or not."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        n = 1000
+        while not stop.is_set():
+            n += 1
+            with conn.transaction():
+                conn.execute("INSERT INTO a VALUES (%s, 'w')", (n,))
+                conn.execute("INSERT INTO b VALUES (%s, 'w')", (n,))
+            time.sleep(0.005)
+
+
+@contextmanager
+def _following_while_writing(
+    source_dsn, target_dsn, tmp_path, spark, prefix
+) -> Iterator[tuple[ReplicationSettings, Follower, list[Followed]]]:
+    """A follow (no endpos, under the range lock, on a thread) of ``a`` only, with ``b``
+    (no key) on the source and not published, while both are written; on the way out the
+    writes stop, the follow is stopped, and a catch-up takes the rest."""
+    _source(
+        source_dsn, "CREATE TABLE a (id int PRIMARY KEY, v text)", "INSERT INTO a VALUES (1, 'x')"
+    )
+    settings = settings_for(source_dsn, target_dsn, tmp_path, prefix)
+    pipeline.take_snapshot(settings, spark)
+    _source(
+        source_dsn,
+        "CREATE TABLE b (k int, v text)",
+        "ALTER TABLE b REPLICA IDENTITY FULL",
+        "INSERT INTO b SELECT g, 'before' FROM generate_series(1, 1000) g",
+    )
+    follower, done = Follower(settings), []
+
+    def follow() -> None:
+        with pipeline.range_lock(settings):
+            for followed in follower.run():
+                done.append(followed)
+
+    stop_writing = threading.Event()
+    threads = [
+        threading.Thread(target=_writes_to_a_and_b, args=(source_dsn, stop_writing)),
+        threading.Thread(target=follow),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        _wait_for(lambda: follower.summary.ranges >= 3)
+        yield settings, follower, done
+        assert threads[1].is_alive(), "the follow ended while tables were added"
+    finally:
+        stop_writing.set()
+        threads[0].join()
+        follower.stop("test")
+        threads[1].join(timeout=120)
+    catch_up(settings)
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _b_applied(done: list[Followed]) -> int:
+    """Changes to ``b`` the follow applied."""
+    return sum(c.changes for f in done if (c := f.done.applied.tables.get("public.b")) is not None)
+
+
+def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_table(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """``pgcdc add-table`` with a follow holding the range lock: the follow makes way at a
+    range boundary (nothing applied while the add has the range), the add puts ``b`` in the
+    publication and copies it, and the same follow goes on, applying ``b``'s changes past the
+    copy exactly once (``b`` has no key: a change applied twice is a row too many)."""
+    with _following_while_writing(source_dsn, target_dsn, tmp_path, spark, "makeway") as (
+        settings,
+        follower,
+        done,
+    ):
+        began = time.monotonic()
+        added = pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
+        took = time.monotonic() - began
+        assert added.tables[0].rows > 1000
+        assert took < 15, took  # a second to be seen, the ranges in hand applied, the copy
+        _wait_for(lambda: _b_applied(done) > 0)
+        assert follower.summary.made_way == 1
+        chain = OutputStore(settings.store).chain()
+        assert chain is not None and chain.adding == () and ADDED in chain.synced_from
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as dst:
+        assert (
+            src.execute("SELECT count(*) FROM b").fetchone()
+            == dst.execute("SELECT count(*) FROM b").fetchone()
+        )
+
+
+def test_an_add_killed_while_a_follow_made_way_holds_that_follow_until_an_add_again_converges(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """SIGKILL of a real add process once its copy is on the target, while a follow made way
+    for it: the follow neither fails (the sensor would start follow after follow, each to
+    fail) nor applies anything (the copy may be partial); it waits, saying what to run, and
+    goes on once the add is run again, exactly once."""
+    with _following_while_writing(source_dsn, target_dsn, tmp_path, spark, "makeway_kill") as (
+        settings,
+        follower,
+        done,
+    ):
+        child = subprocess.run(
+            [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
+            env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=kill@1"},
+            capture_output=True,
+            timeout=300,
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+        ranges = follower.summary.ranges
+        time.sleep(3)  # the writes go on; the follow applies none of them
+        assert follower.summary.ranges == ranges
+        assert follower.summary.made_way == 0  # still waiting: counted once it goes on
+
+        pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
+        _wait_for(lambda: _b_applied(done) > 0)
+        assert follower.summary.made_way == 1
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as dst:
+        assert (
+            src.execute("SELECT count(*) FROM b").fetchone()
+            == dst.execute("SELECT count(*) FROM b").fetchone()
+        )
