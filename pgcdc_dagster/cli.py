@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .cli_progress import shown
 from .defs.runner import (
@@ -29,6 +29,9 @@ from .defs.runner import (
 )
 from .engine.errors import PgcdcError
 from .engine.settings import ReplicationSettings, SettingsError
+
+if TYPE_CHECKING:
+    from .engine.identifiers import TableName
 
 
 class CliError(PgcdcError):
@@ -344,7 +347,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports its evaluations: the comparison is done once, inside the run the UI shows. Then
     names the tables replicated once that the publication no longer sends (their target copy
     is stale, and no check covers them: they are no longer assets)."""
-    from .defs.metadata import no_longer_published
     from .engine import pipeline
 
     settings = ReplicationSettings.from_env()
@@ -379,22 +381,78 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         )
     else:
-        for t in tables:
-            mark = "ok  " if t["equal"] else "DIFF"
-            if t["missing_on"] == "target":
-                print(f"{mark} {t['table']}: not on the target (pgcdc add-table {t['table']})")
-                continue
-            print(
-                f"{mark} {t['table']}: source {t['source_rows']} rows, "
-                f"target {t['target_rows']} rows"
-            )
-        for table in stale:
-            print(f"STALE {no_longer_published(table)}")
+        _print_tables(tables, stale)
+    _refuse_differing(differing, stale)
+    if result is not None and not result.success:
+        raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
+    return 0
+
+
+def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> None:
+    """A line a table compared (``ok``, ``DIFF``), and one a table no longer published."""
+    from .defs.metadata import no_longer_published
+
+    for t in tables:
+        mark = "ok  " if t["equal"] else "DIFF"
+        if t["missing_on"] == "target":
+            print(f"{mark} {t['table']}: not on the target (pgcdc add-table {t['table']})")
+            continue
+        rows = f"source {t['source_rows']} rows, target {t['target_rows']} rows"
+        print(f"{mark} {t['table']}: {rows}")
+    for table in stale:
+        print(f"STALE {no_longer_published(table)}")
+
+
+def _refuse_differing(differing: Sequence[str], stale: Sequence[TableName]) -> None:
     if differing or stale:
         names = ", ".join([*differing, *map(str, stale)])
         raise CliError(f"tables differ between source and target: {names}")
-    if result is not None and not result.success:
-        raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
+
+
+def cmd_cutover(args: argparse.Namespace) -> int:
+    """Runs the cutover job (catch up to the endpos, copy sequence values, compare every
+    table) under the range: a running follow makes way for it, and goes on after it (see
+    :func:`~pgcdc_dagster.engine.range_lock.range_lock_or_way`). Exits non-zero when a table
+    differs or is no longer published."""
+    from .engine import pipeline
+    from .engine.range_lock import range_lock_or_way
+
+    settings = ReplicationSettings.from_env()
+    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc cutover", waiting=False)
+    holder = f"cutover pid {os.getpid()}"
+    with range_lock_or_way(
+        settings.target_dsn, settings.slot, holder, args.wait, lend=True
+    ) as lock:
+        if lock.made_way_by and not args.json:
+            print(f"pgcdc: {lock.made_way_by} made way for this cutover", file=sys.stderr)
+        config = {"ops": {"cutover": {"config": {"endpos": args.endpos}}}}
+        result = run_job("cutover_job", run_config=config)
+    metadata = materialization_metadata(result, "cutover")
+    tables = sorted(
+        (record.data for record in metadata["tables"].records), key=lambda t: t["table"]
+    )
+    differing = [t["table"] for t in tables if not t["equal"]]
+    stale = pipeline.no_longer_published(settings)
+    report = {
+        "endpos": metadata["endpos"],
+        "endpos_outcome": metadata["endpos_outcome"],
+        "ranges": metadata["ranges"],
+        "sequences_synced": metadata["sequences_synced"],
+        "made_way_by": lock.made_way_by,
+        "equal": not differing and not stale,
+        "differing_tables": differing,
+        "no_longer_published": [str(t) for t in stale],
+        "tables": tables,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_tables(tables, stale)
+        print(
+            f"cut over at {report['endpos']} ({report['endpos_outcome']}): {report['ranges']} "
+            f"range(s) applied, {report['sequences_synced']} sequence(s) set to the source's"
+        )
+    _refuse_differing(differing, stale)
     return 0
 
 
@@ -553,6 +611,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="compare every table on source and target")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser(
+        "cutover",
+        help="catch up to endpos, copy sequence values, compare every table (a follow makes way)",
+    )
+    p.add_argument("--endpos", default="current", help="LSN X/Y or 'current' (default)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the range (a running follow makes way in about a second)",
+    )
+    p.set_defaults(func=cmd_cutover)
     p = sub.add_parser("prune", help="remove applied ranges older than the store's retention")
     p.add_argument("--retention", help="instead of PGCDC_STORE_RETENTION: 7d, 12h, 30m, 0")
     p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")

@@ -480,11 +480,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
     """``pgcdc add-table`` while ``pgcdc follow`` runs (its Dagster run holding the range
     lock): the add does not wait for the follow to end (it never would) but has it make way,
     and the same follow then applies the added table's changes; it still stops cleanly."""
-    import signal
-    import subprocess
     import time
-
-    from pgcdc_dagster.engine.range_lock import lock_holders
 
     _snapshot_then(
         cli_env,
@@ -492,32 +488,87 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
         "CREATE TABLE later (id int PRIMARY KEY, v text)",
         "INSERT INTO later SELECT g, 'before' FROM generate_series(1, 500) g",
     )
-    follow = _pgcdc("follow", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    follow = _follow_running(cli_env)
     try:
-        deadline = time.monotonic() + 120
-        while not any(
-            h.holder.startswith("run ")
-            for h in lock_holders(cli_env["PGCDC_TARGET_DSN"], cli_env["PGCDC_SLOT"])
-        ):
-            assert follow.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-
         code, out, err = run_cli(capsys, "add-table", "later", "--wait", "60")
         assert code == 0, err
         assert out.startswith("added public.later: 500 rows copied")
         with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
             conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
+        deadline = time.monotonic() + 60
         with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
             while conn.execute("SELECT v FROM later WHERE id = 1").fetchone() != ("after",):
                 assert follow.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
     finally:
-        follow.send_signal(signal.SIGTERM)
-        _, err = follow.communicate(timeout=120)
-    assert follow.returncode == 0, err
-    assert "made way for pgcdc add-table (run " in err, err
+        err = _stopped(follow)
+    assert "made way for run " in err, err
     code, out, _ = run_cli(capsys, "verify", "--json")
     assert code == 0 and json.loads(out)["equal"] is True
+
+
+def _follow_running(cli_env: dict[str, str]):
+    """``pgcdc follow`` in a process of its own, once its Dagster run holds the range lock."""
+    import subprocess
+    import time
+
+    from pgcdc_dagster.engine.range_lock import lock_holders
+
+    follow = _pgcdc("follow", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not any(
+        h.holder.startswith("run ")
+        for h in lock_holders(cli_env["PGCDC_TARGET_DSN"], cli_env["PGCDC_SLOT"])
+    ):
+        assert follow.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    return follow
+
+
+def _stopped(follow) -> str:
+    """SIGTERM the follow; it must end cleanly. Its standard error."""
+    import signal
+
+    follow.send_signal(signal.SIGTERM)
+    _, err = follow.communicate(timeout=120)
+    assert follow.returncode == 0, err
+    return err
+
+
+def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_env, capsys):
+    """``pgcdc cutover`` with ``pgcdc follow`` running: the follow makes way, the cutover
+    catches up to the source's position, sets the target's sequences to the source's (which
+    logical replication does not carry: a target promoted without would hand out used keys)
+    and compares every table; the follow goes on afterwards and still stops cleanly."""
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, v text)")
+    _snapshot_then(cli_env, capsys, "INSERT INTO orders (v) VALUES ('a'), ('b'), ('c')")
+    follow = _follow_running(cli_env)
+    try:
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+            conn.execute("INSERT INTO items SELECT g, 'late' FROM generate_series(101, 300) g")
+        code, out, err = run_cli(capsys, "cutover", "--json", "--wait", "60")
+        assert code == 0, err
+    finally:
+        err = _stopped(follow)
+    report = json.loads(out)
+    assert report["made_way_by"].startswith("run ") and report["equal"] is True
+    assert [t["target_rows"] for t in report["tables"] if t["table"] == "public.items"] == [300]
+    assert "made way for cutover pid " in err, err
+    with (
+        psycopg.connect(cli_env["PGCDC_SOURCE_DSN"]) as src,
+        psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as dst,
+    ):
+        src.execute("SELECT nextval('orders_id_seq')")
+        src.execute("SELECT nextval('orders_id_seq')")
+        src.commit()
+        query = "SELECT last_value, is_called FROM orders_id_seq"
+        expected = src.execute(query).fetchone()
+    code, out, err = run_cli(capsys, "cutover", "--json")
+    assert code == 0, err
+    assert json.loads(out)["made_way_by"] is None and json.loads(out)["sequences_synced"] >= 1
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as dst:
+        assert dst.execute(query).fetchone() == expected == (5, True)
 
 
 def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env, capsys):

@@ -273,7 +273,9 @@ def _cutover(tables: Sequence[TableName]) -> Any:
 
         settings = pgcdc.settings(spark)
         try:
-            follower = new_follower(settings, config.endpos, spark)
+            # Under the run's lock: a cutover run by pgcdc cutover holds the session it asked
+            # for the range on, which its own follower must not make way for.
+            follower = new_follower(settings, config.endpos, spark, range_lock.held())
             target_lsn = follower.endpos
             for event in follow_events(context, settings, tables, follower):
                 context.log_event(event)

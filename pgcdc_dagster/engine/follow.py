@@ -46,10 +46,12 @@ again, or ends (:class:`RangeTakenError`) if another catch-up took it meanwhile.
 after ``follow_retry`` seconds of outage; a follow that never reached its servers, or with an
 endpos (``catchup``), fails at once, as does any error that is not an outage.
 
-Making way for ``pgcdc add-table``: the follower looks once a second (:data:`ADD_POLL_S`) for an
-add asking for the range; then its session ends at a range boundary as for a stop, it runs none
-while the add has the range (:mod:`.range_lock`'s docstring says what must hold), and a new
-session starts from the durable state, the added tables with it. An add that ended before
+Making way for ``pgcdc add-table`` and ``pgcdc cutover``: the follower looks for a command asking
+for the range when one notifies it (at the latest every :data:`ASK_POLL_S`); then its session
+ends at a range boundary as for a stop, it runs none while the command has the range
+(:mod:`.range_lock`'s docstring says what must hold), and a new session starts from the durable
+state (with the tables an add added). A follower running under the asking session itself (the
+cutover's own catch-up) does not make way for it. An add that ended before
 finishing leaves its tables in the store's chain as being added; a follow without an endpos then
 applies nothing and says so until an add runs again, rather than failing on every range (the
 apply refuses them) and being started again by the sensor to fail again.
@@ -97,10 +99,11 @@ from .pipeline import (
     store_of,
 )
 from .range_lock import (
+    LockHolder,
     RangeBusyError,
-    adders,
+    askers,
     lent_lock,
-    listen_for_adders,
+    listen_for_askers,
     lock_holders,
     make_way,
     range_lock,
@@ -133,9 +136,9 @@ PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
 a second at a time."""
-ADD_POLL_S = 1.0
-"""How often a follower looks for a ``pgcdc add-table`` asking for the range (one query on a
-target connection of its own) when no notification woke it first: an add waits about the range
+ASK_POLL_S = 1.0
+"""How often a follower looks for a command asking for the range (one query on a target
+connection of its own) when no notification woke it first: the command waits about the range
 being received and those queued, at most this long more, for the follow to make way."""
 MAKE_WAY_POLL_S = 0.2
 """How often a follower that made way looks whether the add has ended."""
@@ -401,10 +404,10 @@ class Follower:
         self._relocked = contextlib.ExitStack()
         """A range lock taken again after an outage, held until the follower ends."""
         self._reached_endpos = False
-        self._add_asked = False
-        """An add asked for the range: the session ends at a boundary, and :meth:`_make_way`."""
+        self._asked = False
+        """A command asked for the range: the session ends at a boundary, and :meth:`_make_way`."""
         self._ended = threading.Event()
-        """Set once the follower is closing: the watcher of adds ends (woken by
+        """Set once the follower is closing: the watcher of askers ends (woken by
         :attr:`_wake`)."""
         self._wake: tuple[int, int] | None = None
         self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
@@ -444,7 +447,7 @@ class Follower:
             track(self)
             self._started = time.monotonic()
             self._lead = threading.Thread(target=self._lead_loop, name="pgcdc-follow", daemon=True)
-            watcher = threading.Thread(target=self._watch_adds, name="pgcdc-adds", daemon=True)
+            watcher = threading.Thread(target=self._watch_askers, name="pgcdc-askers", daemon=True)
             self._threads.append(watcher)
             self._wake = os.pipe()
         self._lead.start()
@@ -499,7 +502,7 @@ class Follower:
                     if self._stop_requested:
                         return
                     self._session()
-                    if not self._add_asked or self._stop_requested or self._reached_endpos:
+                    if not self._asked or self._stop_requested or self._reached_endpos:
                         return
                 except BaseException as exc:
                     if not self._wait_out(exc):
@@ -610,9 +613,9 @@ class Follower:
 
     # -- making way for pgcdc add-table (see range_lock's docstring) ---------------------------
 
-    def _watch_adds(self) -> None:
-        """Look for an add asking for the range when it notifies, else every
-        :data:`ADD_POLL_S`, and end the session at the next range boundary when one does. A
+    def _watch_askers(self) -> None:
+        """Look for a command asking for the range when it notifies, else every
+        :data:`ASK_POLL_S`, and end the session at the next range boundary when one does. A
         failed look is left to the session (a server away is its business): the next one
         connects again."""
         assert self._wake is not None
@@ -627,45 +630,49 @@ class Follower:
                             autocommit=True,
                             connect_timeout=5,
                         )
-                        listen_for_adders(conn, self.settings.slot)
-                    select.select([conn.fileno(), self._wake[0]], [], [], ADD_POLL_S)
+                        listen_for_askers(conn, self.settings.slot)
+                    select.select([conn.fileno(), self._wake[0]], [], [], ASK_POLL_S)
                     if self._ended.is_set():
                         return
-                    if adders(conn, self.settings.slot):
-                        self._add_asked = True
+                    if self._askers(conn):
+                        self._asked = True
                         self._stop.set()
                 except (psycopg.Error, PgcdcError):
                     if conn is not None:
                         conn.close()
                     conn = None
-                    self._ended.wait(ADD_POLL_S)
+                    self._ended.wait(ASK_POLL_S)
         finally:
             if conn is not None:
                 conn.close()
 
+    def _askers(self, conn: psycopg.Connection[Any]) -> list[LockHolder]:
+        """The command asking for the range, unless it is the one this follower runs under."""
+        return [h for h in askers(conn, self.settings.slot) if h.backend_pid != self.lock_session]
+
     def _make_way(self) -> None:
-        """Between sessions: run none while an add has the range, nor, without an endpos,
-        while an add that ended before finishing waits to be run again (the apply would refuse
-        every range meanwhile; a catch-up with an endpos goes on, and the apply says so).
-        Returns at once otherwise, and on a stop."""
+        """Between sessions: run none while a command that asked for the range has it (an
+        add, a cutover), nor, without an endpos, while an add that ended before finishing waits
+        to be run again (the apply would refuse every range meanwhile; a catch-up with an
+        endpos goes on, and the apply says so). Returns at once otherwise, and on a stop."""
         settings = self.settings
         store = store_of(settings)
         began, said, made = time.monotonic(), "", False
         with connect(settings.target_dsn, role="target", autocommit=True) as conn:
             while not self._stop_requested:
-                self._add_asked = False
-                asking = adders(conn, settings.slot)
+                self._asked = False
+                asking = self._askers(conn)
                 if asking and not made:
                     make_way(conn, settings.slot, True)
                     made = True
                 elif made and not asking:
                     make_way(conn, settings.slot, False)
                     made = False
-                    continue  # looked for again with the way closed: an add may have just asked
+                    continue  # looked for again with the way closed: one may have just asked
                 if asking:
                     note = (
-                        f"made way for pgcdc add-table ({who_holds(asking)}): it has the range "
-                        "until it ends"
+                        f"made way for {who_holds(asking)}, which asked for the range: it has "
+                        "it until it ends"
                     )
                 else:
                     chain = store.chain() if self.endpos is None else None

@@ -15,23 +15,26 @@ The lock is an orchestration aid, not what keeps data correct: two appliers are 
 the replication origin's session (:mod:`.origin`), two receivers by the slot being in use, and
 two writers of one range by the store's atomic rename.
 
-**Making way for an add.** ``pgcdc add-table`` needs the range to itself (:mod:`.snapshot.added`),
-while a follow holds the lock for days. So a follow makes way instead of being stopped, with two
-more advisory locks of the slot (:func:`lock_key`'s kinds), both session-level so a process that
-dies drops them:
+**Making way.** ``pgcdc add-table`` and ``pgcdc cutover`` need the range to themselves for a
+while, and a follow holds the lock for days. So a follow makes way instead of being stopped,
+with two more advisory locks of the slot (:func:`lock_key`'s kinds), both session-level so a
+process that dies drops them:
 
-* the adder holds :data:`ADDING` from before it asks until its add has ended (one add at a time);
-* a follow that sees it (:func:`adders`) ends its session at a range boundary, nothing queued left
-  unapplied, and holds :data:`MADE_WAY` while it runs no session; the adder goes on under the
-  follow's lock once it sees that (:func:`range_lock_or_way`), and the follow starts its next
-  session once :data:`ADDING` is gone.
+* the command asking holds :data:`ASKING` from before it asks until it has ended (one at a
+  time), and notifies the follow (:func:`listen_for_askers`);
+* a follow that sees it (:func:`askers`) ends its session at a range boundary, nothing queued
+  left unapplied, and holds :data:`MADE_WAY` while it runs no session; the command goes on
+  under the follow's lock once it sees that (:func:`range_lock_or_way`), and the follow starts
+  its next session once :data:`ASKING` is gone.
 
-What must hold: the adder never works while a follow runs a session. The adder takes
-:data:`ADDING` and only then looks for :data:`MADE_WAY`; the follow releases :data:`MADE_WAY`
-and only then looks for :data:`ADDING` (taking it again if it is there). The server's lock table
-orders the four steps, so either the follow sees the adder or the adder sees no way made. A
-follow that dies meanwhile frees the range lock; a catch-up that takes it then finds the store's
-chain saying tables are being added and refuses to apply (:mod:`.apply`).
+What must hold: the command never works while a follow runs a session. The command takes
+:data:`ASKING` and only then looks for :data:`MADE_WAY`; the follow releases :data:`MADE_WAY`
+and only then looks for :data:`ASKING` (taking it again if it is there). The server's lock table
+orders the four steps, so either the follow sees the command or the command sees no way made.
+A follow that dies meanwhile frees the range lock; a catch-up that takes it then (a new follow
+makes way too) finds the store's chain saying tables are being added and refuses to apply
+(:mod:`.apply`). A follow run by the command itself (the cutover's catch-up) runs under the
+asking session and does not make way for it.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ class LockHolder:
     client_addr: str | None
 
 
-RANGE, ADDING, MADE_WAY = 0, 1, 2
-"""The kinds of lock a slot has: the range lock, an add asking for the range, a follow that made
-way for it (see the module docstring)."""
+RANGE, ASKING, MADE_WAY = 0, 1, 2
+"""The kinds of lock a slot has: the range lock, a command asking for the range, a follow that
+made way for it (see the module docstring)."""
 
 
 def lock_key(slot: str, kind: int = RANGE) -> int:
@@ -97,6 +100,9 @@ class RangeLock:
         self.slot = slot
         self.holder = holder
         self._target_dsn = target_dsn
+        self.made_way_by: str | None = None
+        """The follow holding the range lock that made way for this session (see
+        :func:`range_lock_or_way`); ``None``: this session holds it."""
 
     def rename(self, holder: str) -> None:
         """Hold on under another name (a run taking over the lock its command lent it). A
@@ -224,28 +230,28 @@ def _holders(conn: psycopg.Connection[Any], key: int) -> list[LockHolder]:
     ]
 
 
-# -- making way for an add (see the module docstring) -------------------------------------------
+# -- making way (see the module docstring) -----------------------------------------------------
 
 
-def adders(conn: psycopg.Connection[Any], slot: str) -> list[LockHolder]:
-    """The ``pgcdc add-table`` asking for the range of ``slot`` now (at most one)."""
-    return _holders(conn, lock_key(slot, ADDING))
+def askers(conn: psycopg.Connection[Any], slot: str) -> list[LockHolder]:
+    """The command asking for the range of ``slot`` now (at most one)."""
+    return _holders(conn, lock_key(slot, ASKING))
 
 
 def _asking_channel(slot: str) -> str:
-    return f"pgcdc_add_{lock_key(slot) & 0xFFFFFFFF:08x}"
+    return f"pgcdc_ask_{lock_key(slot) & 0xFFFFFFFF:08x}"
 
 
-def listen_for_adders(conn: psycopg.Connection[Any], slot: str) -> None:
-    """Have ``conn``'s socket turn readable when an add asks for the range of ``slot`` (it
-    notifies once it holds :data:`ADDING`), so a follow sees it at once rather than at its
-    next look (:func:`adders` stays the answer: a notification is only a wake-up)."""
+def listen_for_askers(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Have ``conn``'s socket turn readable when a command asks for the range of ``slot`` (it
+    notifies once it holds :data:`ASKING`), so a follow sees it at once rather than at its
+    next look (:func:`askers` stays the answer: a notification is only a wake-up)."""
     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(_asking_channel(slot))))
 
 
 def make_way(conn: psycopg.Connection[Any], slot: str, made: bool) -> None:
     """Say on ``conn`` (a follow's, running no session) that the way is made (``made``), or no
-    longer: the follow must look for :func:`adders` again after taking it back."""
+    longer: the follow must look for :func:`askers` again after taking it back."""
     statement = "SELECT pg_advisory_lock(%s)" if made else "SELECT pg_advisory_unlock(%s)"
     conn.execute(statement, (lock_key(slot, MADE_WAY),))
 
@@ -254,11 +260,16 @@ _ASK_POLL_S = 0.1
 
 
 @contextmanager
-def range_lock_or_way(target_dsn: str, slot: str, holder: str, wait_s: float) -> Iterator[str]:
-    """The range of ``slot`` for an add, as ``holder``: the range lock taken here, or a follow
-    holding it that made way (see the module docstring). Yields who holds the lock: ``holder``,
-    or the follow. Raises :class:`RangeBusyError` after ``wait_s`` seconds of another add, or
-    of a holder that does not make way (a snapshot, a per-range run, an older follow)."""
+def range_lock_or_way(
+    target_dsn: str, slot: str, holder: str, wait_s: float, *, lend: bool = False
+) -> Iterator[RangeLock]:
+    """The range of ``slot`` for a command that needs it to itself for a while (an add, a
+    cutover), as ``holder``: the range lock taken here, or a follow holding it that made way
+    (see the module docstring). Yields a :class:`RangeLock` on the asking session
+    (:attr:`RangeLock.made_way_by`: the follow, if one made way). ``lend``: to a run this
+    process starts, as :func:`range_lock` lends. Raises :class:`RangeBusyError` after
+    ``wait_s`` seconds of another such command, or of a holder that does not make way (a
+    snapshot, a per-range run)."""
     conn = connect(
         target_dsn,
         role="target",
@@ -268,11 +279,11 @@ def range_lock_or_way(target_dsn: str, slot: str, holder: str, wait_s: float) ->
     )
     deadline = time.monotonic() + wait_s
     try:
-        asking = lock_key(slot, ADDING)
+        asking = lock_key(slot, ASKING)
         while not conn.execute("SELECT pg_try_advisory_lock(%s)", (asking,)).fetchone()[0]:  # type: ignore[index]
             if time.monotonic() > deadline:
                 raise RangeBusyError(
-                    f"another pgcdc add-table of slot {slot} is running "
+                    f"another command needing the range of slot {slot} to itself is running "
                     f"({who_holds(_holders(conn, asking))}) after {wait_s:.0f} s: wait for it "
                     "to finish, or pass a longer --wait"
                 )
@@ -280,20 +291,24 @@ def range_lock_or_way(target_dsn: str, slot: str, holder: str, wait_s: float) ->
         conn.execute("SELECT pg_notify(%s, '')", (_asking_channel(slot),))
         while True:
             others = _try_lock(conn, lock_key(slot))
-            if others is None:
-                yield holder
-                return
-            if _holders(conn, lock_key(slot, MADE_WAY)):
-                yield who_holds(others)
-                return
+            if others is None or _holders(conn, lock_key(slot, MADE_WAY)):
+                break
             if time.monotonic() > deadline:
                 raise RangeBusyError(
                     f"another catch-up of slot {slot} is running ({who_holds(others)}) and did "
-                    f"not make way for this add in {wait_s:.0f} s (a follow makes way; a "
-                    "snapshot or a per-range run does not): wait for it to finish, or pass a "
-                    "longer --wait",
+                    f"not make way in {wait_s:.0f} s (a follow makes way; a snapshot or a "
+                    "per-range run does not): wait for it to finish, or pass a longer --wait",
                     others,
                 )
             time.sleep(_ASK_POLL_S)
+        lock = RangeLock(conn, slot, holder, target_dsn)
+        lock.made_way_by = None if others is None else who_holds(others)
+        if lend:
+            with _lent_lock:
+                _lent[(target_dsn, slot)] = lock
+        yield lock
     finally:
+        if lend:
+            with _lent_lock:
+                _lent.pop((target_dsn, slot), None)
         conn.close()  # the locks taken here go with the session
