@@ -438,6 +438,7 @@ def cmd_cutover(args: argparse.Namespace) -> int:
         "endpos_outcome": metadata["endpos_outcome"],
         "ranges": metadata["ranges"],
         "sequences_synced": metadata["sequences_synced"],
+        "foreign_keys_completed": metadata["foreign_keys_completed"],
         "made_way_by": lock.made_way_by,
         "equal": not differing and not stale,
         "differing_tables": differing,
@@ -450,7 +451,8 @@ def cmd_cutover(args: argparse.Namespace) -> int:
         _print_tables(tables, stale)
         print(
             f"cut over at {report['endpos']} ({report['endpos_outcome']}): {report['ranges']} "
-            f"range(s) applied, {report['sequences_synced']} sequence(s) set to the source's"
+            f"range(s) applied, {report['sequences_synced']} sequence(s) set to the source's; "
+            f"foreign keys completed: {report['foreign_keys_completed']}"
         )
     _refuse_differing(differing, stale)
     return 0

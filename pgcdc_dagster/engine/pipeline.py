@@ -140,6 +140,7 @@ def add_tables(
             tables,
             spark=spark,
             redo=chain.adding if chain else (),
+            replicated=chain.tables if chain else (),
             begin=store.begin_adding,
             driver_max_rows=settings.driver_max_rows(),
         )

@@ -21,6 +21,7 @@ from pgcdc_dagster.engine.follow import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot import TargetNotEmptyError
+from pgcdc_dagster.engine.snapshot.foreign_keys import complete
 from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
@@ -279,3 +280,105 @@ def test_an_add_killed_while_a_follow_made_way_holds_that_follow_until_an_add_ag
             src.execute("SELECT count(*) FROM b").fetchone()
             == dst.execute("SELECT count(*) FROM b").fetchone()
         )
+
+
+def _orders_of_customers(source_dsn, target_dsn, tmp_path, spark, prefix) -> ReplicationSettings:
+    """``customers`` replicated; then ``orders`` created, referencing a customer the target
+    has yet to receive and ``items`` (not replicated), and added."""
+    _source(
+        source_dsn,
+        "CREATE TABLE customers (id int PRIMARY KEY, name text)",
+        "CREATE TABLE items (id int PRIMARY KEY, label text)",
+        "INSERT INTO customers VALUES (1, 'one')",
+        "INSERT INTO items VALUES (1, 'gone soon')",
+    )
+    settings = settings_for(source_dsn, target_dsn, tmp_path, prefix, tables="public.customers")
+    pipeline.take_snapshot(settings, spark)
+    _source(
+        source_dsn,
+        "INSERT INTO customers VALUES (2, 'new')",  # not applied to the target yet
+        "CREATE TABLE orders (id int PRIMARY KEY, customer int REFERENCES customers,"
+        " item int REFERENCES items)",
+        "INSERT INTO orders VALUES (1, 1, 1), (2, 2, NULL)",
+    )
+    added = pipeline.add_tables(settings, [TableName("public", "orders")], spark)
+    assert added.foreign_keys.not_valid == ("orders_customer_fkey on public.orders",)
+    assert added.foreign_keys.skipped == (
+        "orders_item_fkey on public.orders: public.items is not replicated (add it to keep "
+        "the key)",
+    )
+    return settings
+
+
+FOREIGN_KEYS = "SELECT conname, convalidated FROM pg_constraint WHERE contype = 'f' ORDER BY 1"
+
+
+def _validated_at_cutover(settings: ReplicationSettings) -> None:
+    replicated = pipeline.replicated_tables(settings)
+    assert complete(settings.source_dsn, settings.target_dsn, replicated) == [
+        "orders_customer_fkey on public.orders: validated",
+        "orders_item_fkey on public.orders: validated",
+    ]
+    assert complete(settings.source_dsn, settings.target_dsn, replicated) == []
+    with psycopg.connect(settings.target_dsn) as conn:
+        assert conn.execute(FOREIGN_KEYS).fetchall() == [
+            ("orders_customer_fkey", True),
+            ("orders_item_fkey", True),
+        ]
+    assert equal_tables(settings) == [
+        ("public.customers", True),
+        ("public.items", True),
+        ("public.orders", True),
+    ]
+
+
+def test_foreign_keys_between_an_added_table_and_the_replicated_ones_hold_once_caught_up(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """An added table is copied as of a later point than the target's: its rows may
+    reference rows the target has yet to receive (a customer created since), and rows of the
+    target may reference its rows the source has since deleted. Created valid, such a key
+    failed the add, and every add after it (the apply refuses while one is unfinished, so the
+    missing rows never came). So its foreign keys, both ways, are created ``NOT VALID``
+    (enforced for new writes, the old rows not checked), and the cutover, once caught up,
+    validates them."""
+    settings = _orders_of_customers(source_dsn, target_dsn, tmp_path, spark, "addfk")
+    catch_up(settings)
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute(FOREIGN_KEYS).fetchall() == [("orders_customer_fkey", False)]
+
+    # items added too: the key from orders to it, NOT VALID, though an item deleted on the
+    # source meanwhile is still referenced on the target until caught up.
+    _source(source_dsn, "UPDATE orders SET item = NULL", "DELETE FROM items")
+    added = pipeline.add_tables(settings, [TableName("public", "items")], spark)
+    assert added.foreign_keys.not_valid == ("orders_item_fkey on public.orders",)
+    catch_up(settings)
+    _validated_at_cutover(settings)
+
+
+ADD_ITEMS_IN_CHILD = ADD_IN_CHILD.replace("'b'", "'items'")
+
+
+def test_an_add_killed_after_creating_keys_to_its_table_is_redone(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """SIGKILL once ``items``' copy and the key ``orders`` holds to it are on the target: the
+    next add must empty ``items`` again, which that key forbids, so it drops the key first and
+    creates it again; the replication converges exactly once."""
+    settings = _orders_of_customers(source_dsn, target_dsn, tmp_path, spark, "addfk_kill")
+    child = subprocess.run(
+        [sys.executable, "-c", ADD_ITEMS_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=kill@1"},
+        capture_output=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    with psycopg.connect(target_dsn) as conn:
+        assert ("orders_item_fkey", False) in conn.execute(FOREIGN_KEYS).fetchall()
+
+    _source(source_dsn, "INSERT INTO items VALUES (2, 'later')")
+    added = pipeline.add_tables(settings, [TableName("public", "items")], spark)
+    assert [(t.table.name, t.rows) for t in added.tables] == [("items", 2)]
+    assert added.foreign_keys.not_valid == ("orders_item_fkey on public.orders",)
+    catch_up(settings)
+    _validated_at_cutover(settings)

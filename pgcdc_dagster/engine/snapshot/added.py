@@ -10,6 +10,9 @@ exists. The apply skips the table's changes at or before ``X`` (``Chain.synced_f
 :func:`~..apply.apply_range`); ``X`` is at or past the target's origin, which cannot move while
 the range lock is held.
 
+Foreign keys from or to the added tables are created ``NOT VALID``: the copy stands at ``X``,
+the target's other tables at its origin (see :mod:`.foreign_keys`); the cutover validates them.
+
 Crash anywhere: the caller (:func:`~..pipeline.add_tables`) holds the range lock and records the
 tables as being added (``Chain.adding``) before the target changes, and as added once this
 returns. Until then no range is applied; the next add copies them again, truncating what the
@@ -39,6 +42,7 @@ from .common import (
     TableCopyResult,
     TargetNotEmptyError,
 )
+from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
 from .scheduling import copy_tables
 from .schema import copy_schema_post_data
 
@@ -55,6 +59,7 @@ class AddedTablesResult:
     shapes: dict[TableName, PublishedShape]
     pre_data: SchemaRestoreResult
     post_data: SchemaRestoreResult
+    foreign_keys: AddedKeys
     not_null_dropped: tuple[str, ...]
     seconds: float
 
@@ -77,6 +82,7 @@ def add_tables(
     *,
     spark: SparkSession | Callable[[], SparkSession],
     redo: Collection[TableName],
+    replicated: Sequence[TableName],
     begin: Callable[[Sequence[TableName]], None],
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
 ) -> AddedTablesResult:
@@ -85,9 +91,10 @@ def add_tables(
 
     ``redo``: tables an earlier add left unfinished; their rows on the target are truncated
     before the copy. Any other table that holds rows on the target is refused (an added table
-    is copied whole), before anything changes. ``begin`` is called with the resolved tables
-    once the guards passed and before anything changes (the caller records them as being
-    added there)."""
+    is copied whole), before anything changes. ``replicated``: the tables replicated already
+    (a foreign key between an added table and one of them is created ``NOT VALID``; to any
+    other, skipped). ``begin`` is called with the resolved tables once the guards passed and
+    before anything changes (the caller records them as being added there)."""
     from ..preflight import check_source
     from ..publication import ensure_publication
     from ..slot import create_slot_with_snapshot
@@ -109,6 +116,7 @@ def add_tables(
     failpoint("add.after_begin")
     if populated:  # what a killed add copied
         with connect(target_dsn, role="target") as tgt:
+            drop_incoming(tgt, populated)
             tgt.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(t.sql for t in populated)))
             tgt.commit()
     with connect(source_dsn, role="source", autocommit=True) as src:
@@ -132,7 +140,8 @@ def add_tables(
             new_tables=set(resolved).difference(existing),
             shapes=schema.shapes,
         )
-    post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
+    post_data = copy_schema_post_data(source_dsn, target_dsn, resolved, foreign_keys=False)
+    foreign_keys = add_not_valid(source_dsn, target_dsn, resolved, replicated)
     sync_sequences(source_dsn, target_dsn)
     failpoint("add.after_copy")
     return AddedTablesResult(
@@ -141,6 +150,7 @@ def add_tables(
         shapes=schema.shapes,
         pre_data=schema.pre_data,
         post_data=post_data,
+        foreign_keys=foreign_keys,
         not_null_dropped=schema.not_null_dropped,
         seconds=time.perf_counter() - started,
     )

@@ -388,10 +388,13 @@ def copy_schema_post_data(
     target_dsn: str,
     tables: Sequence[TableName],
     snapshot_name: str | None = None,
+    *,
+    foreign_keys: bool = True,
 ) -> SchemaRestoreResult:
     """Create the tables' indexes, primary/unique/exclusion keys, foreign keys, triggers, rules
     and policies on the target, once the rows are in (building an index once is far cheaper than
-    maintaining it row by row).
+    maintaining it row by row). ``foreign_keys=False``: not the foreign keys (tables copied at
+    another point than the target's others, see :mod:`.foreign_keys`).
 
     What already exists on the target is kept. A foreign key is created only when the table it
     references exists on the target; otherwise it is listed in ``skipped``. Trigger functions
@@ -435,6 +438,8 @@ def copy_schema_post_data(
                 _FOREIGN_KEY_TARGETS, ([e.objid for e in toc if e.classid == _PG_CONSTRAINT],)
             ).fetchall()
         }
+        if not foreign_keys:
+            toc = [e for e in toc if e.objid not in references]
         missing, present = _split_by_presence(tgt, toc, addresses)
         on_target = _present_all(
             tgt, [references[e.objid] for e in missing if e.objid in references]
