@@ -140,6 +140,9 @@ ASK_POLL_S = 1.0
 """How often a follower looks for a command asking for the range (one query on a target
 connection of its own) when no notification woke it first: the command waits about the range
 being received and those queued, at most this long more, for the follow to make way."""
+WATCHING = "pgcdc follow (asked for the range?)"
+"""The ``application_name`` of a follower's sessions that look for a command asking for the
+range: named apart from its applying and receiving sessions."""
 MAKE_WAY_POLL_S = 0.2
 """How often a follower that made way looks whether the add has ended."""
 CUT_LOOKAHEAD_BYTES = 1 * MiB
@@ -629,6 +632,7 @@ class Follower:
                             role="target",
                             autocommit=True,
                             connect_timeout=5,
+                            application_name=WATCHING,
                         )
                         listen_for_askers(conn, self.settings.slot)
                     select.select([conn.fileno(), self._wake[0]], [], [], ASK_POLL_S)
@@ -658,7 +662,9 @@ class Follower:
         settings = self.settings
         store = store_of(settings)
         began, said, made = time.monotonic(), "", False
-        with connect(settings.target_dsn, role="target", autocommit=True) as conn:
+        with connect(
+            settings.target_dsn, role="target", autocommit=True, application_name=WATCHING
+        ) as conn:
             while not self._stop_requested:
                 self._asked = False
                 asking = self._askers(conn)
