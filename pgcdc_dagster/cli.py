@@ -270,6 +270,7 @@ def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, A
 def cmd_status(args: argparse.Namespace) -> int:
     from .engine import pipeline
     from .engine.errors import PgcdcError
+    from .engine.snapshot.foreign_keys import not_valid_foreign_keys
 
     settings = ReplicationSettings.from_env()
     positions = pipeline.source_positions(settings)
@@ -283,6 +284,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
     except PgcdcError as exc:
         next_step = f"blocked: {exc}"
+    if chain_record is not None and chain_record.adding:  # every apply refuses until then
+        names = " ".join(str(t) for t in chain_record.adding)
+        next_step = f"blocked: adding {names} did not finish: run pgcdc add-table {names} again"
     status = {
         "slot": settings.slot,
         "confirmed_flush_lsn": str(positions.slot.confirmed_flush_lsn),
@@ -301,6 +305,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "next_step": next_step,
         "runs_in_flight": _runs_in_flight(settings),
         "no_longer_published": [str(t) for t in pipeline.no_longer_published(settings)],
+        "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
     }
     if args.json:
         print(json.dumps(status, indent=2))

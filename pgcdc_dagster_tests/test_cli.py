@@ -571,6 +571,49 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
         assert dst.execute(query).fetchone() == expected == (5, True)
 
 
+def test_an_add_killed_is_named_by_status_and_its_keys_are_validated_by_cutover(cli_env, capsys):
+    """A real SIGKILL of ``pgcdc add-table`` once its copy (and its table's key, ``NOT
+    VALID``) is on the target: ``pgcdc status`` says the replication is blocked and the
+    command that unblocks it, and lists the key; the add run again and ``pgcdc cutover``
+    leave nothing of either."""
+    import os
+    import signal
+    import subprocess
+
+    _snapshot_then(
+        cli_env,
+        capsys,
+        "CREATE TABLE later (id int PRIMARY KEY, item int REFERENCES items)",
+        "INSERT INTO later SELECT g, g FROM generate_series(1, 50) g",
+    )
+    killed = _pgcdc(
+        "add-table",
+        "later",
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=kill@1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    code, out, _ = run_cli(capsys, "status", "--json")
+    status = json.loads(out)
+    assert code == 0 and status["next_step"] == (
+        "blocked: adding public.later did not finish: run pgcdc add-table public.later again"
+    )
+    assert status["foreign_keys_not_valid"] == ["later_item_fkey on public.later"]
+
+    code, _, err = run_cli(capsys, "add-table", "later")
+    assert code == 0, err
+    code, out, err = run_cli(capsys, "cutover", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["equal"] is True
+    assert report["foreign_keys_completed"] == "later_item_fkey on public.later: validated"
+    code, out, _ = run_cli(capsys, "status", "--json")
+    status = json.loads(out)
+    assert status["foreign_keys_not_valid"] == [] and not status["next_step"].startswith("blocked")
+
+
 def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env, capsys):
     """A replicated table dropped and created again on the source is no longer in the
     publication (it lists tables by identity): its changes stop arriving, silently for the

@@ -100,6 +100,13 @@ def _on_target(tgt: psycopg.Connection[Any]) -> dict[tuple[TableName, str], bool
     }
 
 
+def not_valid_foreign_keys(target_dsn: str) -> list[str]:
+    """The target's foreign keys ``NOT VALID`` (an added table's, until the cutover)."""
+    with connect(target_dsn, role="target", autocommit=True, connect_timeout=5) as tgt:
+        keys = _on_target(tgt)
+    return [f"{name} on {table}" for (table, name), valid in keys.items() if not valid]
+
+
 def _add(tgt: psycopg.Connection[Any], key: _Key, not_valid: bool) -> None:
     definition = key.definition.removesuffix(" NOT VALID")
     tgt.execute(
