@@ -549,12 +549,18 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
             conn.execute("INSERT INTO items SELECT g, 'late' FROM generate_series(101, 300) g")
         code, out, err = run_cli(capsys, "cutover", "--json", "--wait", "60")
         assert code == 0, err
+        # The cutover job launched as the UI launches it (no command lending it the range):
+        # the follow makes way for its run too.
+        from pgcdc_dagster.defs.runner import run_job
+
+        ui_run = run_job("cutover_job")
     finally:
         err = _stopped(follow)
     report = json.loads(out)
     assert report["made_way_by"].startswith("run ") and report["equal"] is True
     assert [t["target_rows"] for t in report["tables"] if t["table"] == "public.items"] == [300]
     assert "made way for cutover pid " in err, err
+    assert f"made way for run {ui_run.run_id}" in err, err
     with (
         psycopg.connect(cli_env["PGCDC_SOURCE_DSN"]) as src,
         psycopg.connect(cli_env["PGCDC_TARGET_DSN"]) as dst,

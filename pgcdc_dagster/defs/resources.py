@@ -111,10 +111,17 @@ class PgcdcResource(ConfigurableResource):
         )
 
 
+CUTOVER_WAIT_S = 120.0
+"""How long a cutover run launched from the UI waits for the range: for a follow to make way,
+or for another catch-up to end."""
+
+
 class RangeLockResource(ConfigurableResource):
     """The slot's range lock (:mod:`pgcdc_dagster.engine.range_lock`), held from the moment the
     run's resources are built until they are torn down: the whole run, every step of it, under the
-    run's id. A run that finds the lock taken fails at once, naming the holder.
+    run's id. A run that finds the lock taken fails at once, naming the holder; a cutover run
+    has a running follow make way for it instead (see
+    :func:`pgcdc_dagster.engine.range_lock.range_lock_or_way`), as ``pgcdc cutover`` does.
 
     Required by every asset and op that receives, applies or snapshots; the jobs that run them
     execute in one process, so the lock is taken once per run. The run is also tagged with its
@@ -128,16 +135,21 @@ class RangeLockResource(ConfigurableResource):
     @contextmanager
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
         from ..engine import processes
-        from ..engine.range_lock import range_lock, take_over
-        from .runs import PROCESS_TAG, lock_holder_name
+        from ..engine.range_lock import range_lock, range_lock_or_way, take_over
+        from .runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
 
         settings = self.pgcdc.settings()
         run = context.run
         holder = lock_holder_name(run.run_id if run is not None else "unknown")
         # A lock the command that started this run lends it is renamed for the run, and
         # range_lock hands that one out instead of taking its own.
-        take_over(settings.target_dsn, settings.slot, holder)
-        with range_lock(settings.target_dsn, settings.slot, holder) as lock:
+        lent = take_over(settings.target_dsn, settings.slot, holder)
+        if lent is None and run is not None and run.tags.get(RANGE_LOCK_TAG) == "cutover":
+            # Launched from the UI: a running follow makes way for it, as for pgcdc cutover.
+            taking = range_lock_or_way(settings.target_dsn, settings.slot, holder, CUTOVER_WAIT_S)
+        else:
+            taking = range_lock(settings.target_dsn, settings.slot, holder)
+        with taking as lock:
             if context.instance is not None and run is not None:
                 context.instance.add_run_tags(run.run_id, {PROCESS_TAG: processes.identity()})
             self._lock = lock

@@ -690,7 +690,7 @@ class Follower:
                         f"add-table {names} again"
                     )
                 if note != said:
-                    self._report(None, note=note, retrying=True)
+                    self._report(None, note=note, waiting_for=note)
                     said = note
                 time.sleep(MAKE_WAY_POLL_S)
         if said:
@@ -945,6 +945,7 @@ class Follower:
         range_key: str | None = None,
         note: str = "",
         retrying: bool = False,
+        waiting_for: str = "",
     ) -> None:
         if not progress.active():
             return
@@ -966,5 +967,6 @@ class Follower:
                 range_key,
                 note,
                 retrying,
+                waiting_for,
             )
         )

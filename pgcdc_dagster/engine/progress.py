@@ -94,13 +94,18 @@ class FollowProgress:
     """What a follow riding through an outage says (a server went away and when it tries
     again, or that the servers are back), or one that made way for ``pgcdc add-table``."""
     retrying: bool = False
-    """Waiting, not following: for a server that went away, or for an add that has the range
-    (the phase ``retrying``, shown at once)."""
+    """Waiting for a server that went away (the phase ``retrying``, shown at once)."""
+    waiting_for: str = ""
+    """Whom the follow made way for, or what it waits for instead of following: a phase of its
+    own for each, so each is shown at once."""
 
     @property
     def phase(self) -> str:
-        """``retrying`` while waiting for a server, ``noted`` for the report that the servers
-        are back (a phase of its own, so a throttled log shows it at once), else ``follow``."""
+        """``retrying`` while waiting for a server, ``waiting for ...`` while it made way,
+        ``noted`` for the report that the servers are back or that it goes on (a phase of its
+        own, so a throttled log shows it at once), else ``follow``."""
+        if self.waiting_for:
+            return f"waiting for {self.waiting_for}"
         return "retrying" if self.retrying else "noted" if self.note else "follow"
 
     def line(self) -> str:
