@@ -267,15 +267,35 @@ def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, A
     }
 
 
+def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        width = max(len(k) for k in status)
+        for key, value in status.items():
+            print(f"{key.ljust(width)}  {value}")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .engine import pipeline
     from .engine.errors import PgcdcError
     from .engine.snapshot.foreign_keys import not_valid_foreign_keys
 
     settings = ReplicationSettings.from_env()
-    positions = pipeline.source_positions(settings)
     store = pipeline.store_of(settings)
     chain_record = store.chain()
+    if chain_record is not None and chain_record.finished_at is not None:
+        _print_status(
+            args,
+            {
+                "slot": settings.slot,
+                "finished_at": str(chain_record.finished_at),
+                "next_step": "none: the replication was finished (pgcdc finish) and its slot "
+                "dropped; pgcdc snapshot --resnapshot starts a new one",
+            },
+        )
+        return 0
+    positions = pipeline.source_positions(settings)
     complete = chain_record is not None and chain_record.complete
     last_range = store.last_chain_range() if complete else None
     pruned = chain_record.pruned_through if chain_record else None
@@ -307,12 +327,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "no_longer_published": [str(t) for t in pipeline.no_longer_published(settings)],
         "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
     }
-    if args.json:
-        print(json.dumps(status, indent=2))
-    else:
-        width = max(len(k) for k in status)
-        for key, value in status.items():
-            print(f"{key.ljust(width)}  {value}")
+    _print_status(args, status)
     return 0
 
 
@@ -525,6 +540,34 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_finish(args: argparse.Namespace) -> int:
+    """Runs the finish job: the replication recorded as ended, the source's slot and the
+    target's origin dropped (see :mod:`.engine.finish`); a running follow makes way, then
+    stops."""
+    from .defs.jobs import FINISH_JOB
+
+    settings = ReplicationSettings.from_env()
+    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc finish", waiting=False)
+    config = {"abandon": args.abandon, "wait_s": args.wait}
+    result = run_job(FINISH_JOB, run_config={"ops": {"end_replication": {"config": config}}})
+    report: dict[str, Any] = {}
+    for event in result.all_events:
+        if event.is_asset_observation:
+            observation = event.asset_observation_data.asset_observation
+            report = {k: v.value for k, v in observation.metadata.items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(
+            f"replication of slot {settings.slot} finished, the target at "
+            f"{report['finished_at']}: the slot "
+            f"{'dropped' if report['slot_dropped'] else 'was already gone'}, the origin "
+            f"{'dropped' if report['origin_dropped'] else 'was already gone'}; publication "
+            f"{report['publication_kept']} left (DROP PUBLICATION it if nothing else uses it)"
+        )
+    return 0
+
+
 def cmd_spark(args: argparse.Namespace) -> int:
     """Start, stop or show the warm Spark Connect server recorded in the store (see
     :mod:`pgcdc_dagster.engine.spark_server`)."""
@@ -631,6 +674,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the range (a running follow makes way in about a second)",
     )
     p.set_defaults(func=cmd_cutover)
+    p = sub.add_parser(
+        "finish",
+        help="end the replication: drop the source's slot and the target's origin",
+    )
+    p.add_argument(
+        "--abandon",
+        action="store_true",
+        help="end it though the target lacks changes the source published (they are lost)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the range (a running follow makes way in about a second)",
+    )
+    p.set_defaults(func=cmd_finish)
     p = sub.add_parser("prune", help="remove applied ranges older than the store's retention")
     p.add_argument("--retention", help="instead of PGCDC_STORE_RETENTION: 7d, 12h, 30m, 0")
     p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")

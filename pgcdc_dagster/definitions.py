@@ -39,7 +39,12 @@ from .defs.assets import (
     target_key,
 )
 from .defs.checks import build_consistency_check, build_slot_health, store_retention
-from .defs.jobs import build_add_tables_job, build_follow_job, build_prune_job
+from .defs.jobs import (
+    build_add_tables_job,
+    build_finish_job,
+    build_follow_job,
+    build_prune_job,
+)
 from .defs.resources import default_resources
 from .defs.runs import RANGE_LOCK_TAG
 from .defs.sensors import CATCHUP_JOB, build_slot_sensor
@@ -172,7 +177,12 @@ def build_definitions(
 
 def op_jobs(tables: list[TableName]) -> list[Any]:
     """The location's op jobs: they need the table list, not the asset graph."""
-    return [build_follow_job(tables), build_prune_job(), build_add_tables_job()]
+    return [
+        build_follow_job(tables),
+        build_prune_job(),
+        build_add_tables_job(),
+        build_finish_job(),
+    ]
 
 
 def op_job_definitions() -> Definitions:

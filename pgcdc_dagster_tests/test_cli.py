@@ -620,6 +620,44 @@ def test_an_add_killed_is_named_by_status_and_its_keys_are_validated_by_cutover(
     assert status["foreign_keys_not_valid"] == [] and not status["next_step"].startswith("blocked")
 
 
+def test_a_migration_ends_with_cutover_then_finish_which_stops_the_follow(cli_env, capsys):
+    """The last two commands of a migration with ``pgcdc follow`` running: after ``pgcdc
+    cutover``, ``pgcdc finish`` drops the slot (or the old source keeps its WAL for ever) and
+    the origin; the follow that made way for it ends by itself, cleanly, and status says the
+    replication is finished."""
+    _snapshot_then(cli_env, capsys)
+    follow = _follow_running(cli_env)
+    try:
+        with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as src:
+            src.execute("INSERT INTO items VALUES (101, 'late')")
+        code, _, err = run_cli(capsys, "cutover")
+        assert code == 0, err
+        code, out, err = run_cli(capsys, "finish", "--json")
+        assert code == 0, err
+        _, err = follow.communicate(timeout=60)  # it ends by itself
+    finally:
+        if follow.poll() is None:
+            _stopped(follow)
+    assert follow.returncode == 0, err
+    report = json.loads(out)
+    assert report["slot_dropped"] is True and report["origin_dropped"] is True
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"]) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s",
+            (cli_env["PGCDC_SLOT"],),
+        ).fetchone() == (0,)
+    code, out, _ = run_cli(capsys, "status", "--json")
+    assert code == 0 and json.loads(out)["finished_at"] == report["finished_at"]
+
+
+def test_pgcdc_finish_refuses_while_the_target_lacks_a_change(cli_env, capsys):
+    _snapshot_then(cli_env, capsys, "INSERT INTO items VALUES (101, 'not yet received')")
+    code, _, err = run_cli(capsys, "finish")
+    assert code != 0
+    assert "holds published changes the target has not received" in err, err
+    assert "pgcdc cutover" in err and "--abandon" in err
+
+
 def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env, capsys):
     """A replicated table dropped and created again on the source is no longer in the
     publication (it lists tables by identity): its changes stop arriving, silently for the

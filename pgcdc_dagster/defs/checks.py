@@ -37,9 +37,23 @@ def build_slot_health(retained_wal_limit: int) -> Any:
     return slot_health
 
 
+def finished_at(settings: pipeline.ReplicationSettings) -> str | None:
+    """When the replication was ended (``pgcdc finish``), what to say instead of watching its
+    slot, which is gone by design; else ``None``."""
+    chain = pipeline.store_of(settings).chain()
+    if chain is None or chain.finished_at is None:
+        return None
+    return (
+        f"the replication was finished at {chain.finished_at} (pgcdc finish): its slot is "
+        "dropped, nothing to follow; pgcdc snapshot --resnapshot starts a new one"
+    )
+
+
 def slot_health_result(
     settings: pipeline.ReplicationSettings, retained_wal_limit: int
 ) -> AssetCheckResult:
+    if (ended := finished_at(settings)) is not None:
+        return AssetCheckResult(passed=True, description=ended)
     try:
         positions = pipeline.source_positions(settings, timeout_s=5)
     except SlotError as exc:

@@ -1,6 +1,6 @@
 """The ops jobs: ``follow`` (one long-lived run that receives and applies continuously),
-``prune`` (the store's retention, on demand) and ``add_tables`` (tables added to a running
-replication, ``pgcdc add-table``).
+``prune`` (the store's retention, on demand), ``add_tables`` (tables added to a running
+replication, ``pgcdc add-table``) and ``finish`` (the replication ended, ``pgcdc finish``).
 
 ``pgcdc follow`` runs it until stopped, ``pgcdc catchup --endpos L`` runs it up to ``L``, and the
 slot sensor in ``follow`` mode keeps one alive. The run holds the range lock for its whole life
@@ -36,8 +36,8 @@ from ..engine.retention import prune
 from ..engine.settings import parse_duration
 from .assets import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
-from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY
-from .metadata import added_metadata, prune_metadata
+from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY, SLOT_KEY
+from .metadata import added_metadata, finish_metadata, prune_metadata
 from .progress_log import logged
 from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
@@ -47,7 +47,8 @@ from .runs import RANGE_LOCK_TAG, lock_holder_name
 FOLLOW_JOB = "follow"
 PRUNE_JOB = "prune"
 ADD_TABLES_JOB = "add_tables"
-OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB)
+FINISH_JOB = "finish"
+OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, FINISH_JOB)
 """The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
@@ -212,3 +213,54 @@ def build_add_tables_job() -> JobDefinition:
         copy_added_tables()
 
     return add_tables_job
+
+
+class FinishConfig(Config):
+    abandon: bool = False
+    """End even though the target lacks changes the source published (they are lost)."""
+    wait_s: float = 120.0
+    """How long to wait for the range: for a follow holding it to make way, or for another
+    catch-up to end."""
+
+
+def build_finish_job() -> JobDefinition:
+    @op(
+        name="end_replication",
+        out={},  # it yields its observation only
+        description="End the replication: record it finished, drop the source's slot (it "
+        "retains WAL for as long as it exists) and the target's replication origin.",
+    )
+    def end_replication(
+        context: OpExecutionContext, config: FinishConfig, pgcdc: PgcdcResource
+    ) -> Iterator[Any]:
+        from ..engine.finish import finish
+
+        settings = pgcdc.settings()
+        try:
+            with logged(context):
+                result = finish(
+                    settings,
+                    lock_holder_name(context.run.run_id),
+                    config.wait_s,
+                    abandon=config.abandon,
+                )
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        yield AssetObservation(
+            SLOT_KEY, description="the replication ended", metadata=finish_metadata(result)
+        )
+        context.log.info(
+            f"replication of slot {settings.slot} finished at {result.finished_at}: slot "
+            f"{'dropped' if result.slot_dropped else 'already gone'}, origin "
+            f"{'dropped' if result.origin_dropped else 'already gone'}"
+        )
+
+    @job(
+        name=FINISH_JOB,
+        executor_def=in_process_executor,
+        description="End the replication (pgcdc finish): the slot and the origin dropped.",
+    )
+    def finish_job() -> None:
+        end_replication()
+
+    return finish_job

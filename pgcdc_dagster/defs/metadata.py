@@ -19,6 +19,7 @@ from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableRec
 if TYPE_CHECKING:
     from ..engine.apply import ApplyResult
     from ..engine.catalog import ColumnInfo
+    from ..engine.finish import FinishResult
     from ..engine.identifiers import TableName
     from ..engine.published import PublishedShape
     from ..engine.retention import PruneResult
@@ -228,6 +229,16 @@ def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
         "foreign_keys_not_valid": text("; ".join(result.foreign_keys.not_valid) or "none"),
         "foreign_keys_skipped": text("; ".join(result.foreign_keys.skipped) or "none"),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),
+    }
+
+
+def finish_metadata(result: FinishResult) -> dict[str, Any]:
+    """The replication's end: where the target stood, what was dropped, what was left."""
+    return {
+        "finished_at": text(result.finished_at),
+        "slot_dropped": MetadataValue.bool(result.slot_dropped),
+        "origin_dropped": MetadataValue.bool(result.origin_dropped),
+        "publication_kept": text(result.publication),
     }
 
 

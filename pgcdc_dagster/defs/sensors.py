@@ -36,6 +36,7 @@ from ..engine.failpoints import failpoint
 from ..engine.next_step import CaughtUp
 from ..engine.range_lock import lock_holders
 from .assets import ENGINE_ERRORS
+from .checks import finished_at
 from .jobs import FOLLOW_JOB
 from .keys import SLOT_KEY
 from .metadata import number, text
@@ -63,6 +64,8 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
         pgcdc: PgcdcResource,
     ) -> SensorResult:
         settings = pgcdc.settings()
+        if (ended := finished_at(settings)) is not None:
+            return SensorResult(skip_reason=ended)
         try:
             positions = pipeline.source_positions(settings, timeout_s=3)
         except ENGINE_ERRORS as exc:

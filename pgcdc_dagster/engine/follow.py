@@ -658,7 +658,9 @@ class Follower:
         """Between sessions: run none while a command that asked for the range has it (an
         add, a cutover), nor, without an endpos, while an add that ended before finishing waits
         to be run again (the apply would refuse every range meanwhile; a catch-up with an
-        endpos goes on, and the apply says so). Returns at once otherwise, and on a stop."""
+        endpos goes on, and the apply says so). Returns at once otherwise, and on a stop.
+        Stops the follower when the replication was ended (:mod:`.finish`): nothing is left to
+        follow."""
         settings = self.settings
         store = store_of(settings)
         began, said, made = time.monotonic(), "", False
@@ -693,10 +695,14 @@ class Follower:
                     self._report(None, note=note, waiting_for=note)
                     said = note
                 time.sleep(MAKE_WAY_POLL_S)
+        waited = time.monotonic() - began
         if said:
-            waited = time.monotonic() - began
             self.summary.made_way += 1
             self.summary.made_way_s = round(self.summary.made_way_s + waited, 3)
+        chain = store.chain()
+        if chain is not None and chain.finished_at is not None:  # pgcdc finish ended it
+            self.stop(f"the replication was finished at {chain.finished_at} (pgcdc finish)")
+        elif said:
             self._report(None, note=f"going on after {waited:.1f} s without a session")
 
     # -- before streaming: ranges an earlier run stored and did not apply ------------------

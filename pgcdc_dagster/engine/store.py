@@ -240,6 +240,9 @@ class Chain:
     synced_from: dict[TableName, Lsn] = field(default_factory=dict)
     """Per table added after the base snapshot, its own copy's consistent point: the copy
     holds its changes committed at or before it, so the apply skips those in the stream."""
+    finished_at: Lsn | None = None
+    """The replication was ended (``pgcdc finish``, :mod:`.finish`) with the target's origin
+    here: its slot is dropped, and nothing follows it again until a new base snapshot."""
 
     @property
     def complete(self) -> bool:
@@ -663,12 +666,20 @@ class OutputStore:
                 )
             )
 
+    def record_finished(self, at: Lsn) -> None:
+        """Record that the current chain's replication is ended, the target at ``at``
+        (:attr:`Chain.finished_at`; a later call keeps the first position)."""
+        with self.chain_lock() as chain:
+            complete = self._complete(chain)
+            if complete.finished_at is None:
+                finished = dataclasses.replace(complete, finished_at=at)
+                self._write_chain(self._record_of(finished))
+
     @staticmethod
     def _complete(chain: Chain | None) -> Chain:
         if chain is None or not chain.complete:
             raise StoreError(
-                "there is no complete base snapshot in the store: take one (pgcdc snapshot) "
-                "before adding tables to it"
+                "there is no complete base snapshot in the store: take one (pgcdc snapshot) first"
             )
         return chain
 
@@ -687,6 +698,8 @@ class OutputStore:
             record["pruned_through"] = str(chain.pruned_through)
             last = chain.pruned_last_commit
             record["pruned_last_commit"] = None if last is None else str(last)
+        if chain.finished_at is not None:
+            record["finished_at"] = str(chain.finished_at)
         fields = {
             "tables": chain.tables,
             "unpublished": chain.unpublished,
@@ -775,6 +788,7 @@ class OutputStore:
                 TableName(schema, name): Lsn.parse(lsn)
                 for schema, name, lsn in raw.get("synced_from", [])
             },
+            finished_at=None if raw.get("finished_at") is None else Lsn.parse(raw["finished_at"]),
         )
 
     def consistent_point(self) -> Lsn:
