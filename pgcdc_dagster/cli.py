@@ -284,14 +284,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     settings = ReplicationSettings.from_env()
     store = pipeline.store_of(settings)
     chain_record = store.chain()
-    if chain_record is not None and chain_record.finished_at is not None:
+    if chain_record is not None and chain_record.finished:
         _print_status(
             args,
             {
                 "slot": settings.slot,
                 "finished_at": str(chain_record.finished_at),
-                "next_step": "none: the replication was finished (pgcdc finish) and its slot "
-                "dropped; pgcdc snapshot --resnapshot starts a new one",
+                "next_step": f"none: {chain_record.finished}",
             },
         )
         return 0

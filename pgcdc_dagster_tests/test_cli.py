@@ -648,6 +648,13 @@ def test_a_migration_ends_with_cutover_then_finish_which_stops_the_follow(cli_en
         ).fetchone() == (0,)
     code, out, _ = run_cli(capsys, "status", "--json")
     assert code == 0 and json.loads(out)["finished_at"] == report["finished_at"]
+    for command in (["catchup"], ["add-table", "later"]):  # nothing more to do, and says so
+        code, _, err = run_cli(capsys, *command)
+        assert code != 0 and "the replication was finished at " in err, err
+    code, _, err = run_cli(capsys, "snapshot", "--resnapshot")  # a new one
+    assert code == 0, err
+    code, out, _ = run_cli(capsys, "status", "--json")
+    assert code == 0 and "finished_at" not in json.loads(out)
 
 
 def test_pgcdc_finish_refuses_while_the_target_lacks_a_change(cli_env, capsys):

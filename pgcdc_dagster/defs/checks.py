@@ -41,12 +41,7 @@ def finished_at(settings: pipeline.ReplicationSettings) -> str | None:
     """When the replication was ended (``pgcdc finish``), what to say instead of watching its
     slot, which is gone by design; else ``None``."""
     chain = pipeline.store_of(settings).chain()
-    if chain is None or chain.finished_at is None:
-        return None
-    return (
-        f"the replication was finished at {chain.finished_at} (pgcdc finish): its slot is "
-        "dropped, nothing to follow; pgcdc snapshot --resnapshot starts a new one"
-    )
+    return None if chain is None else chain.finished
 
 
 def slot_health_result(

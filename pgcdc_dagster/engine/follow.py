@@ -243,6 +243,10 @@ class FollowSummary:
 RECEIVING, APPLYING = 0, 1
 
 
+class FinishedError(PgcdcError):
+    """A catch-up of a replication that was ended (``pgcdc finish``)."""
+
+
 class RangeTakenError(PgcdcError):
     """While a follow waited for a server, another catch-up of its slot took the range lock."""
 
@@ -660,7 +664,7 @@ class Follower:
         to be run again (the apply would refuse every range meanwhile; a catch-up with an
         endpos goes on, and the apply says so). Returns at once otherwise, and on a stop.
         Stops the follower when the replication was ended (:mod:`.finish`): nothing is left to
-        follow."""
+        follow (a catch-up, with an endpos, fails saying so)."""
         settings = self.settings
         store = store_of(settings)
         began, said, made = time.monotonic(), "", False
@@ -700,8 +704,10 @@ class Follower:
             self.summary.made_way += 1
             self.summary.made_way_s = round(self.summary.made_way_s + waited, 3)
         chain = store.chain()
-        if chain is not None and chain.finished_at is not None:  # pgcdc finish ended it
-            self.stop(f"the replication was finished at {chain.finished_at} (pgcdc finish)")
+        if chain is not None and chain.finished:  # pgcdc finish ended it
+            if self.endpos is not None:  # a catch-up wants an answer: this is it
+                raise FinishedError(chain.finished)
+            self.stop(chain.finished)
         elif said:
             self._report(None, note=f"going on after {waited:.1f} s without a session")
 

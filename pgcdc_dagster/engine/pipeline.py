@@ -28,7 +28,7 @@ from .receive import receive
 from .retention import prune_if_due
 from .settings import ReplicationSettings
 from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
-from .store import OutputStore, RangeResult, StoredRange
+from .store import OutputStore, RangeResult, StoredRange, StoreError
 
 if TYPE_CHECKING:
     import psycopg
@@ -129,6 +129,8 @@ def add_tables(
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
+    if (chain := store.chain()) is not None and chain.finished:
+        raise StoreError(chain.finished)
     holder = lock_holder or f"pid {os.getpid()}"
     with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()

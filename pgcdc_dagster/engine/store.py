@@ -249,6 +249,17 @@ class Chain:
         return self.state == CHAIN_COMPLETE and self.consistent_point is not None
 
     @property
+    def finished(self) -> str | None:
+        """What to say of a replication that was ended (:attr:`finished_at`), with the way
+        to start again; ``None`` while it runs."""
+        if self.finished_at is None:
+            return None
+        return (
+            f"the replication was finished at {self.finished_at} (pgcdc finish): its slot is "
+            "dropped, nothing follows it; pgcdc snapshot --resnapshot starts a new one"
+        )
+
+    @property
     def start(self) -> Lsn | None:
         """Where the chain's stored ranges begin: past the pruned ones, else the consistent
         point (``None`` when the snapshot is not complete)."""
