@@ -63,13 +63,16 @@ def make_source(source: LocalCluster) -> str:
     return dsn
 
 
-def native_subscription(source_dsn: str, target: LocalCluster, run: int) -> str:
-    """A native subscription to ``native``, its initial sync done; the subscriber's DSN."""
+def native_subscription(
+    source_dsn: str, target: LocalCluster, run: int, tables: tuple[str, ...] = ("a",)
+) -> str:
+    """A native subscription to ``native`` (publishing ``tables``), its initial sync done;
+    the subscriber's DSN."""
     name = f"native_{run}"
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     dsn = target.dsn(name)
-    native_schema(source_dsn, dsn, "a")
+    native_schema(source_dsn, dsn, *tables)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION native").format(

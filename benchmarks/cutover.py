@@ -34,9 +34,9 @@ import time
 from typing import Any
 
 import psycopg
-from add_table import caught_up
+from add_table import caught_up, native_subscription
 from apply import bench_clusters, warm_command_server
-from many_tables import PGCDC, emit_report, native_schema, pgcdc_env, timed_command, wait_ready
+from many_tables import PGCDC, emit_report, pgcdc_env, timed_command
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
@@ -53,22 +53,6 @@ def make_source(source: LocalCluster) -> str:
         conn.execute("INSERT INTO orders (v) SELECT md5(g::text) FROM generate_series(1, 10000) g")
         conn.execute("INSERT INTO items SELECT g, md5(g::text) FROM generate_series(1, 10000) g")
         conn.execute("CREATE PUBLICATION native FOR TABLE orders, items")
-    return dsn
-
-
-def native_subscription(source_dsn: str, target: LocalCluster, run: int) -> str:
-    name = f"native_{run}"
-    with psycopg.connect(target.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    dsn = target.dsn(name)
-    native_schema(source_dsn, dsn, "orders", "items")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION native").format(
-                sql.Identifier(name), sql.Literal(source_dsn)
-            )
-        )
-        wait_ready(conn, name)
     return dsn
 
 
@@ -122,7 +106,7 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
         source_dsn = make_source(source)
         env = {**pgcdc_env(work, source_dsn, target, run), "PGCDC_SERVER": "auto"}
         timed_command(env, work, "snapshot")
-        native_dsn = native_subscription(source_dsn, target, run)
+        native_dsn = native_subscription(source_dsn, target, run, ("orders", "items"))
         with warm_command_server(env):
             follow = subprocess.Popen(
                 [PGCDC, "follow"], env=env, cwd=work, stdout=subprocess.PIPE,

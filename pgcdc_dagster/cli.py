@@ -170,14 +170,21 @@ def _note_range(report: Any, keys: collections.deque[str]) -> None:
         keys.append(key)
 
 
-def _follow_totals(result: Any) -> dict[str, Any]:
-    """The follow run's totals (its closing observation of ``decoded_changes``)."""
+def _observed(result: Any, having: str | None = None) -> dict[str, Any]:
+    """The metadata values of the run's last asset observation (with the key ``having``, when
+    given): what an ops job reports (prune, add-table, finish; a follow's totals)."""
+    observed: dict[str, Any] = {}
     for event in result.all_events:
         if event.is_asset_observation:
-            observation = event.asset_observation_data.asset_observation
-            if "overlap_s" in observation.metadata:
-                return {k: v.value for k, v in observation.metadata.items()}
-    return {}
+            metadata = event.asset_observation_data.asset_observation.metadata
+            if having is None or having in metadata:
+                observed = {k: v.value for k, v in metadata.items()}
+    return observed
+
+
+def _follow_totals(result: Any) -> dict[str, Any]:
+    """The follow run's totals (its closing observation of ``decoded_changes``)."""
+    return _observed(result, having="overlap_s")
 
 
 def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: str) -> None:
@@ -489,11 +496,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise CliError(f"--retention: {exc}") from None
     config = {"retention": args.retention or "", "dry_run": bool(args.dry_run)}
     result = run_job(PRUNE_JOB, run_config={"ops": {"prune_store": {"config": config}}})
-    report: dict[str, Any] = {}
-    for event in result.all_events:
-        if event.is_asset_observation:
-            observation = event.asset_observation_data.asset_observation
-            report = {k: v.value for k, v in observation.metadata.items()}
+    report = _observed(result)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -523,11 +526,7 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table", waiting=False)
     config = {"ops": {"copy_added_tables": {"config": {"tables": tables, "wait_s": args.wait}}}}
     result = run_job(ADD_TABLES_JOB, run_config=config)
-    report: dict[str, Any] = {}
-    for event in result.all_events:
-        if event.is_asset_observation:
-            observation = event.asset_observation_data.asset_observation
-            report = {k: v.value for k, v in observation.metadata.items() if k != "tables"}
+    report = {k: v for k, v in _observed(result).items() if k != "tables"}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -549,11 +548,7 @@ def cmd_finish(args: argparse.Namespace) -> int:
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc finish", waiting=False)
     config = {"abandon": args.abandon, "wait_s": args.wait}
     result = run_job(FINISH_JOB, run_config={"ops": {"end_replication": {"config": config}}})
-    report: dict[str, Any] = {}
-    for event in result.all_events:
-        if event.is_asset_observation:
-            observation = event.asset_observation_data.asset_observation
-            report = {k: v.value for k, v in observation.metadata.items()}
+    report = _observed(result)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -629,6 +624,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(ui=args.ui, seconds=args.seconds, tps=args.tps)
 
 
+def _asks_for_the_range(p: argparse.ArgumentParser) -> None:
+    """The options of a command that needs the range to itself for a while (add-table,
+    cutover, finish): a running follow makes way for it."""
+    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the range (a running follow makes way in about a second)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pgcdc", description="PostgreSQL to PostgreSQL replication as Dagster assets."
@@ -665,13 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="catch up to endpos, copy sequence values, compare every table (a follow makes way)",
     )
     p.add_argument("--endpos", default="current", help="LSN X/Y or 'current' (default)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--wait",
-        type=float,
-        default=120.0,
-        help="seconds to wait for the range (a running follow makes way in about a second)",
-    )
+    _asks_for_the_range(p)
     p.set_defaults(func=cmd_cutover)
     p = sub.add_parser(
         "finish",
@@ -682,13 +683,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="end it though the target lacks changes the source published (they are lost)",
     )
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--wait",
-        type=float,
-        default=120.0,
-        help="seconds to wait for the range (a running follow makes way in about a second)",
-    )
+    _asks_for_the_range(p)
     p.set_defaults(func=cmd_finish)
     p = sub.add_parser("prune", help="remove applied ranges older than the store's retention")
     p.add_argument("--retention", help="instead of PGCDC_STORE_RETENTION: 7d, 12h, 30m, 0")
@@ -700,13 +695,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="add tables to the running replication: copied as of now, their changes from then",
     )
     p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
-    p.add_argument("--json", action="store_true")
-    p.add_argument(
-        "--wait",
-        type=float,
-        default=120.0,
-        help="seconds to wait for the range (a running follow makes way in about a second)",
-    )
+    _asks_for_the_range(p)
     p.set_defaults(func=cmd_add_table)
     p = sub.add_parser("spark", help="a warm local Spark Connect server every run then uses")
     p.add_argument("action", choices=["start", "stop", "status"])

@@ -136,7 +136,22 @@ def range_lock(
     if not lend and not own and (held := lent_lock(target_dsn, slot)) is not None:
         yield held
         return
-    key = lock_key(slot)
+    with _lock_session(target_dsn, holder) as conn:
+        others = _try_lock(conn, lock_key(slot))
+        if others is not None:
+            raise RangeBusyError(
+                f"another catch-up of slot {slot} is running ({who_holds(others)}): wait for "
+                "it to finish (pgcdc status shows it); ranges of one slot run one at a time",
+                others,
+            )
+        with _lending(RangeLock(conn, slot, holder, target_dsn), lend) as lock:
+            yield lock
+
+
+@contextmanager
+def _lock_session(target_dsn: str, holder: str) -> Iterator[psycopg.Connection[Any]]:
+    """A target session named for ``holder``, whose locks go with it: closing it releases
+    them (no unlock round trip needed), and so does the server when the holder dies."""
     conn = connect(
         target_dsn,
         role="target",
@@ -145,24 +160,24 @@ def range_lock(
         options=_KEEPALIVES,
     )
     try:
-        others = _try_lock(conn, key)
-        if others is not None:
-            raise RangeBusyError(
-                f"another catch-up of slot {slot} is running ({who_holds(others)}): wait for "
-                "it to finish (pgcdc status shows it); ranges of one slot run one at a time",
-                others,
-            )
-        lock = RangeLock(conn, slot, holder, target_dsn)
-        if lend:
-            with _lent_lock:
-                _lent[(target_dsn, slot)] = lock
+        yield conn
+    finally:
+        conn.close()
+
+
+@contextmanager
+def _lending(lock: RangeLock, lend: bool) -> Iterator[RangeLock]:
+    """``lock``, lent to the runs this process starts while inside, when ``lend``."""
+    key = (lock._target_dsn, lock.slot)
+    if lend:
+        with _lent_lock:
+            _lent[key] = lock
+    try:
         yield lock
     finally:
         if lend:
             with _lent_lock:
-                _lent.pop((target_dsn, slot), None)
-        # Closing the session releases the lock; no unlock round trip needed.
-        conn.close()
+                _lent.pop(key, None)
 
 
 def who_holds(holders: Sequence[LockHolder]) -> str:
@@ -270,15 +285,8 @@ def range_lock_or_way(
     process starts, as :func:`range_lock` lends. Raises :class:`RangeBusyError` after
     ``wait_s`` seconds of another such command, or of a holder that does not make way (a
     snapshot, a per-range run)."""
-    conn = connect(
-        target_dsn,
-        role="target",
-        autocommit=True,
-        application_name=(APPLICATION_PREFIX + holder)[:63],
-        options=_KEEPALIVES,
-    )
     deadline = time.monotonic() + wait_s
-    try:
+    with _lock_session(target_dsn, holder) as conn:
         asking = lock_key(slot, ASKING)
         while not conn.execute("SELECT pg_try_advisory_lock(%s)", (asking,)).fetchone()[0]:  # type: ignore[index]
             if time.monotonic() > deadline:
@@ -303,12 +311,5 @@ def range_lock_or_way(
             time.sleep(_ASK_POLL_S)
         lock = RangeLock(conn, slot, holder, target_dsn)
         lock.made_way_by = None if others is None else who_holds(others)
-        if lend:
-            with _lent_lock:
-                _lent[(target_dsn, slot)] = lock
-        yield lock
-    finally:
-        if lend:
-            with _lent_lock:
-                _lent.pop((target_dsn, slot), None)
-        conn.close()  # the locks taken here go with the session
+        with _lending(lock, lend) as lent:
+            yield lent

@@ -382,3 +382,75 @@ def test_an_add_killed_after_creating_keys_to_its_table_is_redone(
     assert added.foreign_keys.not_valid == ("orders_item_fkey on public.orders",)
     catch_up(settings)
     _validated_at_cutover(settings)
+
+
+FOLLOW_IN_CHILD = (
+    "import sys; from pgcdc_dagster.engine import pipeline; "
+    "from pgcdc_dagster.engine.follow import Follower; "
+    "from pgcdc_dagster.engine.settings import ReplicationSettings; "
+    "s = ReplicationSettings.model_validate_json(sys.argv[1]); "
+    "lock = pipeline.range_lock(s); lock.__enter__(); "
+    "[None for _ in Follower(s).run()]"
+)
+
+
+def _way_made(dsn: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 2"
+        ).fetchone() == (1,)
+
+
+def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_once(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """SIGKILL of a real follow process while an add works under its range lock: the lock is
+    free again, and the next follow (the sensor's) takes it while the add still works. It must
+    make way before anything else, since applying then would meet the table half copied (the
+    apply refuses: the follow would fail, and the sensor start follow after follow)."""
+    _source(source_dsn, "CREATE TABLE a (id int PRIMARY KEY)", "INSERT INTO a VALUES (1)")
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "makeway_followkill")
+    pipeline.take_snapshot(settings, spark)
+    _source(
+        source_dsn,
+        "CREATE TABLE b (k int)",
+        "ALTER TABLE b REPLICA IDENTITY FULL",
+        "INSERT INTO b SELECT generate_series(1, 100)",
+    )
+    follow = subprocess.Popen([sys.executable, "-c", FOLLOW_IN_CHILD, settings.model_dump_json()])
+    adder = subprocess.Popen(
+        [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(6)@1"},
+    )
+    try:
+        _wait_for(lambda: _way_made(target_dsn))
+        follow.kill()
+        follow.wait()
+        _source(source_dsn, "INSERT INTO a VALUES (2)", "INSERT INTO b VALUES (101)")
+        follower, done = Follower(settings), []
+
+        def follow_again() -> None:
+            with pipeline.range_lock(settings):
+                for followed in follower.run():
+                    done.append(followed)
+
+        thread = threading.Thread(target=follow_again)
+        thread.start()
+        try:
+            _wait_for(lambda: _way_made(target_dsn))  # it made way at once
+            assert adder.poll() is None and done == []
+            assert adder.wait(timeout=120) == 0
+            _source(source_dsn, "INSERT INTO b VALUES (102)")  # past the copy, surely
+            _wait_for(lambda: _b_applied(done) > 0)
+            assert follower.summary.made_way == 1
+        finally:
+            follower.stop("test")
+            thread.join()
+    finally:
+        for child in (follow, adder):
+            if child.poll() is None:
+                child.kill()
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM b").fetchone() == (102,)
