@@ -19,6 +19,7 @@ from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.apply import ApplyError
 from pgcdc_dagster.engine.follow import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot import TargetNotEmptyError
 from pgcdc_dagster.engine.snapshot.foreign_keys import complete
@@ -418,6 +419,7 @@ def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_
         "INSERT INTO b SELECT generate_series(1, 100)",
     )
     follow = subprocess.Popen([sys.executable, "-c", FOLLOW_IN_CHILD, settings.model_dump_json()])
+    _wait_for(lambda: lock_holders(target_dsn, settings.slot) != [])  # the follow runs first
     adder = subprocess.Popen(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
         env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(6)@1"},
