@@ -129,11 +129,11 @@ def add_tables(
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
-    if (chain := store.chain()) is not None and chain.finished:
-        raise StoreError(chain.finished)
     holder = lock_holder or f"pid {os.getpid()}"
     with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
+        if chain is not None and chain.finished:  # read with the range: no finish between
+            raise StoreError(chain.finished)
         result = copy_added(
             settings.source_dsn,
             settings.target_dsn,
