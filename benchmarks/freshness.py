@@ -28,8 +28,15 @@ middle of our load (a restart, a failover of the server holding Dagster's record
 freshness of the probes that arrived while it was away is reported apart
 (``storage_away_*``), and the follow's totals count the outage.
 
+With ``--side-rows N``, half the load's transactions insert N rows each into a table that no
+publication holds (a busy source of which little is replicated). With ``--big-insert N``, one
+transaction inserts N rows into a table that no publication holds
+just before each load starts (for ours and for native alike).
+
+``PGCDC_FOLLOW_READ=peek`` measures the follow's peek loop instead of its stream.
+
 Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40] [--no-native]
-[--storage-outage 15]``
+[--storage-outage 15] [--big-insert 1000000]``
 """
 
 from __future__ import annotations
@@ -126,6 +133,16 @@ def load_window(
     ``meter``; its freshness figures, pgbench's rate and the CPU seconds. With ``storage``
     (Dagster's storage cluster) and ``--storage-outage``: that cluster stopped meanwhile, and
     the freshness of the probes that arrived while it was away reported apart."""
+    if args.big_insert:
+        # A big transaction into a table no publication holds, just before the load (a batch
+        # job beside the replicated tables): a reader that decodes again from the slot's
+        # restart point pays for it until the next running-xacts record moves that point.
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS bulk_unpublished (id int, v text)")
+            conn.execute(
+                "INSERT INTO bulk_unpublished SELECT g, 'bulk' FROM generate_series(1, %s) g",
+                (args.big_insert,),
+            )
     measured = Measurements()
     outage: dict[str, Any] = {}
     outages = None
@@ -147,6 +164,15 @@ def load_window(
             "SELECT bench_busy(:t, :k);\n"
         )
         scripts = ["-b", "simple-update@1", "-f", f"{busy}@1"]
+    if args.side_rows:  # half the transactions insert into a table no publication holds
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS side_unpublished (id int, v text)")
+        side = Path(tempfile.mkdtemp(prefix="pgcdc-side-")) / "side.sql"
+        side.write_text(
+            "INSERT INTO side_unpublished "
+            f"SELECT g, 'side' FROM generate_series(1, {args.side_rows}) g;\n"
+        )
+        scripts = [*scripts[:-1], f"{scripts[-1].split('@')[0]}@1", "-f", f"{side}@1"]
     command = [
         str(find_bindir() / "pgbench"),
         *("-n", *scripts, "-c", "4", "-j", "2"),
@@ -175,6 +201,8 @@ def load_window(
         **freshness_figures(measured.freshness_s),
         "cpu_s": cpu,
     }
+    if args.big_insert:  # how long the big transaction weighs: every probe, in order
+        report["freshness_by_probe_s"] = [round(f, 3) for f in measured.freshness_s]
     if "storage_outage_probes" in outage:
         first, last = outage["storage_outage_probes"]
         report["storage_outage_s"] = args.storage_outage
@@ -348,6 +376,18 @@ def main() -> None:
         default=0,
         help="that many ranges of an earlier chain in the store before the follow starts (a "
         "store that has run for a while; 432,000 are a day of a follow at 5 ranges a second)",
+    )
+    parser.add_argument(
+        "--side-rows",
+        type=int,
+        default=0,
+        help="half the load's transactions insert that many rows into an unpublished table",
+    )
+    parser.add_argument(
+        "--big-insert",
+        type=int,
+        default=0,
+        help="rows of one INSERT into an unpublished table just before each load starts",
     )
     parser.add_argument(
         "--storage-outage",

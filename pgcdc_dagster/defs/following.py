@@ -129,6 +129,7 @@ def follow_summary_metadata(
         "outage_s": summary.outage_s,
         "made_way": summary.made_way,
         "made_way_s": summary.made_way_s,
+        "streams": summary.streams,
         "storage_outages": storage.outages.count if storage else 0,
         "storage_outage_s": storage.outages.total_s if storage else 0.0,
     }

@@ -39,6 +39,8 @@ class ReplicationResource(ConfigurableResource):
     snapshot_driver_rows: int | None = None
     follow_cut_ms: int = 200
     follow_range_bytes: int = 32 * 1024 * 1024
+    follow_read: str = "stream"
+    """``stream`` or ``peek``: how a follow that keeps up reads the slot."""
     follow_idle_s: float = 10.0
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES
     store_retention: float | None = DEFAULT_STORE_RETENTION_S
@@ -102,6 +104,7 @@ class PgcdcResource(ConfigurableResource):
             snapshot_driver_rows=self.replication.snapshot_driver_rows,
             follow_cut_ms=self.replication.follow_cut_ms,
             follow_range_bytes=self.replication.follow_range_bytes,
+            follow_read=self.replication.follow_read,  # type: ignore[arg-type]
             follow_idle_s=self.replication.follow_idle_s,
             spark_min_changes=self.replication.spark_min_changes,
             store_retention=self.replication.store_retention,
@@ -176,6 +179,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             snapshot_driver_rows=settings.snapshot_driver_rows,
             follow_cut_ms=settings.follow_cut_ms,
             follow_range_bytes=settings.follow_range_bytes,
+            follow_read=settings.follow_read,
             follow_idle_s=settings.follow_idle_s,
             spark_min_changes=settings.spark_min_changes,
             store_retention=settings.store_retention,

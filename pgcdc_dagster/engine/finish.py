@@ -32,7 +32,7 @@ from .origin import drop_origin
 from .pipeline import expected_origin_progress, origin_progress, store_of
 from .range_lock import range_lock_or_way
 from .settings import ReplicationSettings
-from .slot import drop_slot
+from .slot import drop_slot, released
 
 
 class FinishRefusedError(PgcdcError):
@@ -115,6 +115,7 @@ def _refuse_if_behind(settings: ReplicationSettings, applied: Lsn | None) -> Non
     ):
         if not _slot_exists(src, settings.slot):
             return  # gone already (dropped by hand): nothing left in it
+        released(src, settings.slot)  # the stream of a follow killed a moment ago
         (pending,) = src.execute(  # type: ignore[misc]
             _PENDING, {"slot": settings.slot, "publication": settings.publication}
         ).fetchone()

@@ -111,8 +111,9 @@ from .range_lock import (
 )
 from .receive import receive, receive_in_cuts
 from .settings import MiB, ReplicationSettings
-from .slot import current_flush_lsn
+from .slot import current_flush_lsn, released
 from .store import OutputStore, RangeResult
+from .stream_receive import receive_streaming
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -132,6 +133,12 @@ several ranges decodes that head once. Not one peek for all of a big backlog: th
 decodes a whole peek before its first row comes back (the receiver waits that long, the
 applier works through the queue meanwhile), and the slot is advanced only at a peek's end, so
 the source keeps that much more WAL."""
+STREAM_WITHIN_BYTES = 1 * MiB
+"""A follow without an endpos reads by stream when at most this far behind the source's flush
+(and not in a backlog); further behind, by peeks, three times faster on a backlog."""
+STREAM_WAIT_S = 1.0
+"""How long the stream waits at a time for the applier to take a range (then it tells the
+walsender it is alive and waits again)."""
 PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
@@ -225,6 +232,8 @@ class FollowSummary:
     again), running no session meanwhile."""
     made_way_s: float = 0.0
     """Seconds it ran no session for those."""
+    streams: int = 0
+    """Times it read the slot by stream once it kept up (``follow_read``)."""
     receive_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,
@@ -762,6 +771,11 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
+                if self._streams(previous, goal - start):
+                    streamed = self._stream(conn, store, start)
+                    if streamed is not None:
+                        start, last_kept = streamed, time.monotonic()
+                        continue
                 if previous is not None and (previous == cap or previous >= 2 * FIRST_RANGE_BYTES):
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
@@ -811,6 +825,55 @@ class Follower:
                     if previous is not None:
                         continue  # a backlog: the next range right away
                 self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
+
+    def _streams(self, previous: int | None, behind: int) -> bool:
+        """Whether to read by stream now: a follow without an endpos that keeps up (not in a
+        backlog, at most :data:`STREAM_WITHIN_BYTES` behind the source's flush)."""
+        return (
+            self.settings.follow_read == "stream"
+            and self.endpos is None
+            and previous is None
+            and behind <= STREAM_WITHIN_BYTES
+        )
+
+    def _stream(self, conn: psycopg.Connection[Any], store: OutputStore, start: Lsn) -> Lsn | None:
+        """Receive by stream (:mod:`.stream_receive`) until a stop, or until the source's WAL
+        is more than ``follow_range_bytes`` ahead of the last range stored (a backlog: the
+        peeks take it from there). A range the applier has no room for waits, as the peeks'
+        do. Returns where the last stored range ends; ``None``: not streamed, the slot's
+        confirmed position is not where the store's chain ends (a crash between a store and
+        its confirmation: the next peek finishes it first)."""
+        settings = self.settings
+        if released(conn, settings.slot).confirmed_flush_lsn != start:
+            return None
+
+        def stored(result: RangeResult) -> bool | None:
+            lag = max(0, int(current_flush_lsn(conn) - Lsn(result.endpos)))
+            conn.commit()
+            try:
+                self._to_apply.put((result, lag), timeout=STREAM_WAIT_S)
+            except queue.Full:
+                return False if self._session_errors else None  # the applier failed: end
+            return lag <= settings.follow_range_bytes
+
+        self.summary.streams += 1
+        try:
+            end = receive_streaming(
+                settings.source_dsn,
+                settings.slot,
+                settings.publication,
+                store,
+                start,
+                cut_s=settings.follow_cut_ms / 1000,
+                cap=settings.follow_range_bytes,
+                idle_s=settings.follow_idle_s,
+                idle_bytes=IDLE_WAL_BYTES,
+                on_stored=stored,
+                stop=self._stop,
+            )
+        finally:
+            released(conn, settings.slot)  # its walsender has let the slot go
+        return end
 
     def _receive_rest(
         self,

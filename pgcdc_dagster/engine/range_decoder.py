@@ -508,6 +508,18 @@ class RangeDecoder:
         ``end`` (records do not overlap), so the safe point is ``end`` itself."""
         if self.open is not None or self.last_end != end:
             raise DecodeError(f"a range can only be cut just after a COMMIT ending at {end}")
+        return self._end_at(end, straddlers, seconds)
+
+    def close_at(self, end: int, seconds: float) -> RangeResult:
+        """Finish the range at ``end``, a point a stream vouched for (:mod:`.slot_stream`): no
+        transaction is open in the output, and every transaction whose COMMIT ends at or before
+        ``end`` was fed. No record straddles it, so it is the safe point; without a
+        transaction it is an empty range that moves the slot on an idle source."""
+        if self.open is not None or max(self.last_end or 0, int(self.range.start)) > end:
+            raise DecodeError(f"a range cannot end at {end} with a transaction open before it")
+        return self._end_at(end, [], seconds)
+
+    def _end_at(self, end: int, straddlers: list[Straddler], seconds: float) -> RangeResult:
         self.range = LsnRange(self.range.start, end)
         self.straddlers = straddlers
         return self.finish(seconds)

@@ -47,7 +47,7 @@ import gc
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -59,7 +59,7 @@ from .lsn import Lsn, LsnRange
 from .pgoutput import Begin, decode
 from .pgoutput_batch import KIND_BEGIN, KIND_COMMIT
 from .range_decoder import RangeDecoder, Straddler
-from .slot import advance_slot, current_flush_lsn, read_slot
+from .slot import advance_slot, current_flush_lsn, released
 from .store import (
     OutputStore,
     RangeResult,
@@ -362,7 +362,7 @@ def _check_position(
 ) -> Lsn:
     """Refuse ranges that would lose or duplicate data, before reading anything; returns the
     source's flushed WAL position that ``endpos`` was checked against."""
-    info = read_slot(conn, slot)
+    info = released(conn, slot)
     confirmed = info.confirmed_flush_lsn
     if confirmed is None:
         raise ReceiveError(f"slot {slot} has no confirmed position yet; re-create it")
@@ -415,22 +415,30 @@ def _stream_peek(
     gc.disable()  # millions of short-lived objects, no cycles: the collector only costs time
     try:
         with conn.cursor(name="pgcdc_receive", binary=True) as cur:
-            try:
+            with reading_errors(slot, publication):
                 cur.execute(_PEEK, params)
-            except psycopg.errors.ObjectInUse as exc:
-                raise ReceiveError(
-                    f"slot {slot} is in use by another process ({server_message(exc)}): "
-                    "only one receive may read a slot at a time; wait for it to finish"
-                ) from None
-            except psycopg.errors.UndefinedObject as exc:
-                raise ReceiveError(
-                    f"{server_message(exc)}: create the publication {publication} "
-                    "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
-                ) from None
             _overlap(lambda: cur.fetchmany(fetch_rows), consume, halt)
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def reading_errors(slot: str, publication: str) -> Iterator[None]:
+    """What the source says when a slot cannot be read (by a peek or a stream), in one line
+    with the fix."""
+    try:
+        yield
+    except psycopg.errors.ObjectInUse as exc:
+        raise ReceiveError(
+            f"slot {slot} is in use by another process ({server_message(exc)}): "
+            "only one receive may read a slot at a time; wait for it to finish"
+        ) from None
+    except psycopg.errors.UndefinedObject as exc:
+        raise ReceiveError(
+            f"{server_message(exc)}: create the publication {publication} "
+            "(pgcdc snapshot does) or set PGCDC_PUBLICATION to an existing one"
+        ) from None
 
 
 def _overlap(

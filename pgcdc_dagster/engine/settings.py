@@ -108,6 +108,11 @@ class ReplicationSettings(BaseModel):
     """What the slot sensor keeps going: one long-lived ``follow`` run, or one run per range."""
     follow_cut_ms: PositiveInt = 200
     """``follow`` cuts a range at most this often while changes flow (milliseconds)."""
+    follow_read: Literal["stream", "peek"] = "stream"
+    """How ``follow`` reads the slot once it keeps up (no endpos, less than
+    :data:`~.follow.STREAM_WITHIN_BYTES` behind): a ``START_REPLICATION`` stream
+    (:mod:`.stream_receive`: each transaction a few milliseconds after its COMMIT, each WAL
+    record decoded once) or a peek every ``follow_cut_ms``. A backlog is always read by peeks."""
     follow_range_bytes: PositiveInt = 32 * MiB
     """``follow``'s cap on one range's WAL: small enough that applying a range overlaps
     receiving the next one on a backlog, large enough to amortise each range's fixed cost."""

@@ -315,6 +315,26 @@ ADVANCE_PROBE_TIMEOUT = "1s"
 """How long an advance may wait for WAL before the flush is forced (see :func:`advance_slot`)."""
 
 
+RELEASE_WAIT_S = 10.0
+"""How long a reader of the slot waits for a walsender to let it go: a follower's stream just
+closed, or the stream of a process that was killed (its walsender ends once it sees the socket
+closed, a few milliseconds later)."""
+
+
+def released(
+    conn: psycopg.Connection[Any], slot_name: str, wait_s: float = RELEASE_WAIT_S
+) -> SlotInfo:
+    """The slot as read once no session holds it, or after ``wait_s`` (a reader then gets the
+    server's own "slot is active" error, naming the process). Leaves no transaction open."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = read_slot(conn, slot_name)
+        conn.commit()
+        if not info.active or time.monotonic() >= deadline:
+            return info
+        time.sleep(0.01)
+
+
 def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
     """Confirm everything up to ``to`` as stored, letting the source free the WAL before it.
 
@@ -334,7 +354,7 @@ def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
     flush is forced with one empty transaction (its synchronous COMMIT flushes every record
     before it; pgoutput sends nothing for it) and the advance is retried.
     """
-    current = read_slot(conn, slot_name).confirmed_flush_lsn
+    current = released(conn, slot_name).confirmed_flush_lsn
     if current is not None and to <= current:
         return current
     with conn.transaction():

@@ -17,7 +17,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine import backlog, failpoints, follow, pipeline, verify
+from pgcdc_dagster.engine import backlog, failpoints, follow, pipeline, slot_stream, verify
 from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
@@ -664,4 +664,187 @@ def test_a_head_start_works_before_its_consumer_exists_and_hands_over_lock_and_r
     assert sum(r.done.received.transactions for r in ranges) == 2
     assert follower.summary.stopped_by == "endpos"
     assert count(settings.target_dsn, "items WHERE name = 'head'") == 200
+    assert equal(settings)
+
+
+# -- reading by stream once the follow keeps up --------------------------------------------------
+
+
+def streaming_sessions(dsn: str) -> int:
+    """The follower's walsender sessions on the source (``START_REPLICATION`` under way)."""
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE backend_type = 'walsender' AND application_name = %s",
+            (slot_stream.STREAMING,),
+        ).fetchone()[0]
+
+
+def test_a_follow_that_keeps_up_reads_by_stream_exactly_once_and_lets_the_slot_go(settings):
+    """Without an endpos and caught up, the follow reads by a ``START_REPLICATION`` stream (its
+    walsender is seen while it runs). Every range ends outside a transaction, where the slot
+    is confirmed once the range is stored; a stop stores what is whole and lets the slot go at
+    once (a peek right after does not find it in use); the next follow resumes exactly once."""
+    seen: list[int] = []
+
+    def on_range(n: int, follower: Follower) -> None:
+        if n == 3:
+            seen.append(streaming_sessions(settings.source_dsn))
+        if n == 8:
+            follower.stop("test")
+
+    def stopped(follower: Follower) -> None:
+        with psycopg.connect(settings.source_dsn) as conn:
+            assert not read_slot(conn, settings.slot).active
+        assert pipeline.origin_progress(settings) == pipeline.expected_origin_progress(settings)
+        time.sleep(1)  # more writes for the next follow
+
+    follower = follow_while_writing(settings, on_range, then=stopped)
+    assert seen == [1] and follower.summary.streams >= 1
+    store = pipeline.store_of(settings)
+    results = [store.get(r).manifest.result for r in store.chain_ranges()]
+    assert {r.endpos_outcome for r in results} <= {
+        EndposOutcome.AT_COMMIT_BOUNDARY,
+        EndposOutcome.BETWEEN_TRANSACTIONS,
+        EndposOutcome.EMPTY,
+    }
+    assert all(r.safe_point == r.endpos and not r.straddlers for r in results)
+    assert read_slot_confirmed(settings) == store.chain_end()
+    follow_to(settings, flush_lsn(settings.source_dsn))
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+    assert_chain_records(store, pipeline.origin_progress(settings))
+
+
+@pytest.mark.parametrize("follow_read", ["stream", "peek"])
+def test_an_idle_follow_moves_the_slot_by_either_reader(settings, follow_read):
+    """Both readers keep the slot moving while WAL moves elsewhere, by empty ranges now and
+    then (the stream by its keepalives' positions)."""
+    settings = settings.model_copy(update={"follow_read": follow_read})
+    follower = Follower(settings)
+    thread = threading.Thread(target=lambda: list(follower.run()))
+    with pipeline.range_lock(settings):
+        thread.start()
+        try:
+            time.sleep(0.5)
+            assert streaming_sessions(settings.source_dsn) == (follow_read == "stream")
+            run_sql(settings.source_dsn, "INSERT INTO unpublished (payload) VALUES ('w')")
+            moved_to = flush_lsn(settings.source_dsn)
+            deadline = time.monotonic() + 10
+            while read_slot_confirmed(settings) < moved_to and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert read_slot_confirmed(settings) >= moved_to
+        finally:
+            follower.stop("test")
+            thread.join()
+    assert follower.summary.transactions == 0 and follower.summary.ranges >= 1
+    assert (follower.summary.streams >= 1) == (follow_read == "stream")
+
+
+def test_a_200k_row_transaction_read_by_stream_is_stored_whole_in_bounded_memory(settings):
+    """A big transaction reaches a follow that streams: it is decoded in batches and spilled
+    (as by a peek), stored whole in one range, and the follow goes on streaming."""
+    follower = Follower(settings)
+    thread = threading.Thread(target=lambda: list(follower.run()))
+    tracemalloc.start()
+    try:
+        with pipeline.range_lock(settings):
+            thread.start()
+            try:
+                time.sleep(0.5)
+                run_sql(
+                    settings.source_dsn,
+                    "INSERT INTO log SELECT g, repeat('z', 40) FROM generate_series(1, 200000) g",
+                )
+                run_sql(settings.source_dsn, "INSERT INTO log VALUES (0, 'after')")
+                deadline = time.monotonic() + 60
+                while count(settings.target_dsn, "log") < 200_001:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                assert streaming_sessions(settings.source_dsn) == 1
+            finally:
+                follower.stop("test")
+                thread.join()
+        _, python_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert follower.summary.changes == 200_001
+    store = pipeline.store_of(settings)
+    sizes = [store.get(r).manifest.result.changes for r in store.chain_ranges()]
+    assert 200_000 in sizes or 200_001 in sizes  # whole, in one range
+    assert python_peak < 40 * 1024 * 1024, f"peak Python memory {python_peak / 1e6:.1f} MB"
+    assert equal(settings)
+
+
+_KILLED_STREAMER = """
+import sys
+from pgcdc_dagster.engine import follow, pipeline
+from pgcdc_dagster.engine.settings import ReplicationSettings
+
+settings = ReplicationSettings.model_validate_json(sys.argv[1])
+with pipeline.range_lock(settings):
+    for _ in follow.Follower(settings).run():
+        pass
+"""
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        # A range is stored and the stream has not yet confirmed it to the slot.
+        "receive.after_store=kill@6",
+        # A range is being decoded from the stream: its writer's folder is half made.
+        "receive.fetching=kill@6",
+    ],
+)
+def test_a_kill_while_streaming_then_a_follow_converges_exactly_once(settings, point):
+    """SIGKILL of a real follower process that reads by stream while writes go on. Its
+    walsender lets the slot go by itself, the slot stands at or before the store's last range,
+    and a new follow started at once (no wait for the slot) finishes exactly once."""
+    stop_writing = threading.Event()
+    writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
+    writing.start()
+    try:
+        killed = subprocess.run(
+            [sys.executable, "-c", _KILLED_STREAMER, settings.model_dump_json()],
+            env={**os.environ, failpoints.ENV: point},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    finally:
+        stop_writing.set()
+        writing.join()
+    store = pipeline.store_of(settings)
+    assert read_slot_confirmed(settings) <= store.chain_end()
+    if point.startswith("receive.after_store"):
+        assert read_slot_confirmed(settings) < store.chain_end()  # the window: stored, unconfirmed
+    follower, _ = follow_to(settings, flush_lsn(settings.source_dsn))
+    assert follower.summary.stopped_by == "endpos"
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+    assert not [n for n in on_disk(store) if n.startswith(".tmp-")]
+    assert_chain_records(store, pipeline.origin_progress(settings))
+
+
+def test_a_stream_waits_for_a_slow_applier_and_goes_on_streaming_exactly_once(
+    settings, monkeypatch
+):
+    """The applier stalls (2.5 s on one range) while writes go on: the stream's ranges wait
+    for room in the queue, the walsender is told the session is alive meanwhile, and the same
+    stream goes on once the applier is back; every transaction once."""
+    monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(2.5)@3")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    seen: list[int] = []
+
+    def on_range(n: int, follower: Follower) -> None:
+        if n == 10:
+            seen.append(streaming_sessions(settings.source_dsn))
+            follower.stop("test")
+
+    follower = follow_while_writing(settings, on_range)
+    assert seen == [1] and follower.summary.streams == 1
+    follow_to(settings, flush_lsn(settings.source_dsn))
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
