@@ -15,18 +15,19 @@ up to the flushed WAL position, median of ``--repeat`` runs each, wall and this 
 
 * peek: ``pg_logical_slot_peek_binary_changes`` through a binary server-side cursor, 20,000
   rows a fetch (psycopg builds the rows in C);
-* stream: ``START_REPLICATION SLOT … LOGICAL`` (pgoutput, the same options), one
-  ``PGconn.get_copy_data`` per message (psycopg 3 has no replication API above the libpq
-  level, so each XLogData header is parsed here, per message), until a keepalive reports the
-  server's sent position at or past the backlog's end.
+* stream: ``START_REPLICATION SLOT … LOGICAL`` (pgoutput, the same options) by the engine's
+  ``SlotStream`` (what a follow that keeps up reads by), one ``PGconn.get_copy_data`` per
+  message (psycopg 3 has no replication API above the libpq level, so each XLogData header is
+  parsed in Python, per message), until a keepalive reports the server's sent position at or
+  past the backlog's end.
 
 Freshness: ``pgbench -b simple-update`` rate limited to ``--tps`` for ``--seconds`` while a probe
 transaction commits every 0.5 s (its own connection); both readers run at once, each on its own
 slot and connection. A probe's freshness is the time from its COMMIT returning to its BEGIN
 message reaching the reader (found by xid). The peek reader does what the follower's receiver
 does: look at the flushed position every 50 ms, peek up to it at most every 200 ms
-(``PGCDC_FOLLOW_CUT_MS``), then move the slot to the last commit read. The stream reader sends
-standby status feedback every second.
+(``PGCDC_FOLLOW_CUT_MS``), then move the slot to the last commit read. The stream reader confirms
+the last commit read by a status update.
 
 Usage: ``.venv/bin/python benchmarks/slot_reading.py [--transactions 20000] [--tps 1000]``
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import select
 import statistics
 import struct
 import threading
@@ -43,20 +43,15 @@ import time
 from typing import Any
 
 import psycopg
-from psycopg import pq
 from receive import PUBLICATION, raw_read
 
 from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.slot_stream import Keepalive, SlotStream
 
-OPTIONS = f"proto_version '1', publication_names '{PUBLICATION}'"
-XLOG_DATA = struct.Struct("!cQQQ")  # 'w', dataStart, walEnd, sendTime; the message follows
-KEEPALIVE = struct.Struct("!cQQB")  # 'k', walEnd, sendTime, replyRequested
-FEEDBACK = struct.Struct("!cQQQQB")  # 'r', written, flushed, applied, sendTime, replyRequested
 BEGIN = struct.Struct("!cQqI")  # 'B', final_lsn, commit time, xid
 COMMIT_END = struct.Struct("!Q")  # a Commit message's end_lsn, at offset 10
-PG_EPOCH = 946_684_800  # seconds from 1970 to 2000, PostgreSQL's timestamp epoch
 
 
 def cpu_wall(fn: Any, *args: Any) -> tuple[float, float, Any]:
@@ -70,65 +65,21 @@ def peek_read(dsn: str, slot: str, upto: Lsn) -> int:
     return raw_read(dsn, slot, upto)[1]
 
 
-class Stream:
-    """A ``START_REPLICATION`` stream of one slot, read at the libpq level."""
-
-    def __init__(self, dsn: str, slot: str) -> None:
-        self.conn = psycopg.Connection.connect(dsn, replication="database", autocommit=True)
-        self.pg = self.conn.pgconn
-        self.pg.send_query(f"START_REPLICATION SLOT {slot} LOGICAL 0/0 ({OPTIONS})".encode())
-        self.pg.flush()
-        while True:
-            self.pg.consume_input()
-            if not self.pg.is_busy():
-                break
-            select.select([self.pg.socket], [], [])
-        result = self.pg.get_result()
-        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
-            raise RuntimeError(f"START_REPLICATION failed: {self.pg.error_message!r}")
-
-    def messages(self, timeout: float) -> Any:
-        """Yield ``(kind, header, payload)`` as they arrive; ``None`` after ``timeout`` idle."""
-        get = self.pg.get_copy_data
-        while True:
-            n, data = get(1)
-            if n == 0:
-                if not select.select([self.pg.socket], [], [], timeout)[0]:
-                    yield None
-                self.pg.consume_input()
-                continue
-            if n < 0:
-                raise RuntimeError(f"stream ended: {self.pg.error_message!r}")
-            if data[0] == 0x77:
-                yield "w", XLOG_DATA.unpack_from(data), data[25:]
-            elif data[0] == 0x6B:
-                yield "k", KEEPALIVE.unpack_from(data), None
-
-    def feedback(self, flushed: int) -> None:
-        now = int((time.time() - PG_EPOCH) * 1e6)
-        self.pg.put_copy_data(FEEDBACK.pack(b"r", flushed, flushed, flushed, now, 0))
-        self.pg.flush()
-
-    def close(self) -> None:
-        self.conn.close()
-
-
 def stream_read(dsn: str, slot: str, upto: Lsn) -> int:
-    stream = Stream(dsn, slot)
+    """Every message up to ``upto``, by the engine's stream (``engine/slot_stream.py``)."""
     messages = 0
-    try:
-        for item in stream.messages(5.0):
-            if item is None:
+    with SlotStream(dsn, slot, PUBLICATION, Lsn(0)) as stream:
+        while True:
+            arrived = False
+            for item in stream.messages(5.0):
+                arrived = True
+                if isinstance(item, Keepalive):
+                    if item.wal_end >= upto:
+                        return messages
+                else:
+                    messages += 1
+            if not arrived:
                 raise RuntimeError("stream idle before the backlog's end")
-            kind, header, payload = item
-            if kind == "w":
-                messages += 1
-                payload = bytes(payload)  # what a decoder would keep
-            elif header[1] >= upto:
-                break
-    finally:
-        stream.close()
-    return messages
 
 
 def throughput(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
@@ -202,23 +153,18 @@ def peek_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.E
 
 
 def stream_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.Event) -> None:
-    stream = Stream(dsn, slot)
-    last_end, fed = 0, time.monotonic()
-    try:
-        for item in stream.messages(0.1):
-            if stop.is_set():
-                return
-            if item is not None and item[0] == "w":
-                data = item[2]
-                if data[0] == 0x42:
-                    seen.setdefault(BEGIN.unpack_from(data)[3], time.time())
-                elif data[0] == 0x43:
-                    last_end = COMMIT_END.unpack_from(data, 10)[0]
-            if time.monotonic() - fed >= 1.0 and last_end:
+    last_end = 0
+    with SlotStream(dsn, slot, PUBLICATION, Lsn(0)) as stream:
+        while not stop.is_set():
+            for item in stream.messages(0.1):
+                if isinstance(item, Keepalive):
+                    continue
+                if item.data[0] == 0x42:
+                    seen.setdefault(BEGIN.unpack_from(item.data)[3], time.time())
+                elif item.data[0] == 0x43:
+                    last_end = item.lsn  # a COMMIT's position is its end_lsn
+            if last_end:
                 stream.feedback(last_end)
-                fed = time.monotonic()
-    finally:
-        stream.close()
 
 
 def freshness(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:

@@ -335,7 +335,9 @@ def released(
         time.sleep(0.01)
 
 
-def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
+def advance_slot(
+    conn: psycopg.Connection[Any], slot_name: str, to: Lsn, *, wait_s: float = RELEASE_WAIT_S
+) -> Lsn:
     """Confirm everything up to ``to`` as stored, letting the source free the WAL before it.
 
     Never moves backwards: when ``to`` is at or before the confirmed position, nothing happens.
@@ -353,8 +355,10 @@ def advance_slot(conn: psycopg.Connection[Any], slot_name: str, to: Lsn) -> Lsn:
     inserted but not flushed: then the advance gets a short timeout, and if it expires the
     flush is forced with one empty transaction (its synchronous COMMIT flushes every record
     before it; pgoutput sends nothing for it) and the advance is retried.
+
+    A slot a walsender holds is waited for up to ``wait_s`` (:func:`released`).
     """
-    current = released(conn, slot_name).confirmed_flush_lsn
+    current = released(conn, slot_name, wait_s).confirmed_flush_lsn
     if current is not None and to <= current:
         return current
     with conn.transaction():

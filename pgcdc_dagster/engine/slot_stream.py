@@ -28,7 +28,7 @@ import select
 import struct
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import psycopg
 from psycopg import pq, sql
@@ -36,7 +36,8 @@ from psycopg import pq, sql
 from .connect import connect
 from .lsn import Lsn
 
-_XLOG_DATA = struct.Struct(">cQQq")  # 'w', dataStart, walEnd, sendTime; then the message
+_XLOG_DATA_SIZE = struct.calcsize(">cQQq")  # 'w', dataStart, walEnd, sendTime; the message
+_unpack_lsn = struct.Struct(">Q").unpack_from  # an XLogData's dataStart, at offset 1
 _KEEPALIVE = struct.Struct(">cQqB")  # 'k', walEnd, sendTime, replyRequested
 _STATUS = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, sendTime, replyRequested
 _PG_EPOCH_US = 946_684_800_000_000  # 2000-01-01 in Unix microseconds
@@ -46,16 +47,15 @@ FEEDBACK_S = 5.0
 inside the default ``wal_sender_timeout`` (60 s), after which a silent client is cut off."""
 
 
-@dataclass(frozen=True)
-class Message:
-    """One XLogData message: its LSN (as the peek shows it) and the pgoutput message."""
+class Message(NamedTuple):
+    """One XLogData message: its LSN (as the peek shows it) and the pgoutput message; a row as
+    :class:`~.range_decoder.RangeDecoder` takes it. (A tuple: one is made per message.)"""
 
     lsn: int
     data: bytes
 
 
-@dataclass(frozen=True)
-class Keepalive:
+class Keepalive(NamedTuple):
     """The walsender has decoded the WAL up to ``wal_end``."""
 
     wal_end: int
@@ -119,8 +119,7 @@ class SlotStream:
             waited = True
             kind = data[0]
             if kind == 0x77:  # 'w'
-                _, start, _, _ = _XLOG_DATA.unpack_from(data)
-                yield Message(start, bytes(data[_XLOG_DATA.size :]))
+                yield Message(_unpack_lsn(data, 1)[0], bytes(data[_XLOG_DATA_SIZE:]))
             elif kind == 0x6B:  # 'k'
                 _, wal_end, _, reply = _KEEPALIVE.unpack_from(data)
                 if reply:

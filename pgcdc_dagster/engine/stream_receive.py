@@ -36,7 +36,7 @@ from .lsn import _MAX, Lsn, LsnRange
 from .pgoutput_batch import KIND_BEGIN, KIND_COMMIT
 from .range_decoder import RangeDecoder
 from .receive import reading_errors
-from .slot_stream import Keepalive, SlotStream
+from .slot_stream import Keepalive, Message, SlotStream
 from .store import OutputStore, RangeResult
 
 POLL_S = 0.1
@@ -71,7 +71,7 @@ def receive_streaming(
     closed."""
     writer = store.writer(LsnRange(start, OPEN_END))
     decoder = RangeDecoder(LsnRange(start, OPEN_END), writer, spill_rows)
-    rows: list[tuple[int, bytes]] = []
+    rows: list[Message] = []
     inside = False  # between a BEGIN and its COMMIT
     boundary = int(start)  # the furthest point outside a transaction the stream vouched for
     commits = received = 0
@@ -89,15 +89,16 @@ def receive_streaming(
                         if not inside:
                             boundary = max(boundary, item.wal_end)
                         continue
-                    rows.append((item.lsn, item.data))
-                    received += len(item.data)
-                    kind = item.data[0]
+                    rows.append(item)
+                    data = item[1]
+                    received += len(data)
+                    kind = data[0]
                     if kind == KIND_BEGIN:
                         inside = True
                     elif kind == KIND_COMMIT:
                         inside = False
                         commits += 1
-                        boundary = max(boundary, item.lsn)
+                        boundary = max(boundary, item[0])
                         if time.monotonic() >= deadline or received >= cap:
                             break
                     if len(rows) >= FEED_ROWS:

@@ -30,7 +30,9 @@ from pgcdc_dagster.engine.slot import (
     create_slot_with_snapshot,
     drop_slot,
     read_slot,
+    released,
 )
+from pgcdc_dagster.engine.slot_stream import Keepalive, SlotStream
 
 ORDERS = TableName("public", "orders")
 
@@ -235,10 +237,45 @@ def test_a_slot_in_use_by_a_stream_can_be_neither_advanced_nor_dropped(source, s
         with pytest.raises(SlotError, match="is active for PID"):
             drop_slot(source, name)
         with pytest.raises(SlotError, match="is active for PID"):
-            advance_slot(source, name, flush_lsn(source) + 1)
+            advance_slot(source, name, flush_lsn(source) + 1, wait_s=0.2)
     finally:
         streaming.close()
     _wait_until(lambda: not read_slot(source, name).active)
+    drop_slot(source, name, missing_ok=False)
+
+
+def test_a_reader_of_the_slot_waits_for_a_stream_that_is_going_away(source, source_dsn):
+    """A stream (the engine's, as a follow reads by) holds the slot; it closes 0.5 s later.
+    A reader that comes meanwhile waits for the walsender to let the slot go, and the slot is
+    then confirmed where the stream's status update said; one that does not wait fails,
+    naming the process."""
+    name = new_slot_name()
+    ensure_publication(source, "pgcdc", [])
+    created = create_slot_with_snapshot(source_dsn, name)
+    created.close()
+    start = read_slot(source, name).confirmed_flush_lsn
+    source.execute("SELECT pg_current_xact_id()")  # WAL for a keepalive to report
+    stream = SlotStream(source_dsn, name, "pgcdc", start)
+    closing = threading.Timer(0.5, stream.close)
+    try:
+        moved_to = start
+        deadline = time.monotonic() + 10
+        while moved_to <= start and time.monotonic() < deadline:
+            for item in stream.messages(0.1):
+                if isinstance(item, Keepalive):
+                    moved_to = max(moved_to, item.wal_end)
+        assert moved_to > start
+        stream.feedback(moved_to)
+        with pytest.raises(SlotError, match="is active for PID"):
+            advance_slot(source, name, flush_lsn(source) + 1, wait_s=0)
+    finally:
+        closing.start()
+    began = time.monotonic()
+    info = released(source, name)
+    waited = time.monotonic() - began
+    closing.join()
+    assert not info.active and 0.3 < waited < 5
+    assert info.confirmed_flush_lsn == moved_to
     drop_slot(source, name, missing_ok=False)
 
 
