@@ -836,6 +836,7 @@ def test_a_stream_waits_for_a_slow_applier_and_goes_on_streaming_exactly_once(
     stream goes on once the applier is back; every transaction once."""
     monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(2.5)@3")
     monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
     seen: list[int] = []
 
     def on_range(n: int, follower: Follower) -> None:
@@ -848,3 +849,29 @@ def test_a_stream_waits_for_a_slow_applier_and_goes_on_streaming_exactly_once(
     follow_to(settings, flush_lsn(settings.source_dsn))
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
+
+
+def test_a_stream_left_behind_hands_the_backlog_to_peeks_and_comes_back_exactly_once(
+    settings, monkeypatch
+):
+    """With a 64 KiB range cap, the applier stalls for 2.5 s while writes go on: once the
+    source's WAL is more than a cap ahead of the stream, the stream ends, peeks read that
+    backlog, and a new stream takes over once they have caught up; every transaction once."""
+    settings = settings.model_copy(update={"follow_range_bytes": 64 * 1024})
+    monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(2.5)@3")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
+    streams: list[int] = []
+
+    def on_range(n: int, follower: Follower) -> None:
+        if follower.summary.streams >= 2 and not streams:
+            streams.append(n)
+        if (streams and n >= streams[0] + 3) or n >= 300:  # 300: it never came back
+            follower.stop("test")
+
+    follower = follow_while_writing(settings, on_range)
+    assert streams and follower.summary.streams >= 2
+    follow_to(settings, flush_lsn(settings.source_dsn))
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+    assert_chain_records(pipeline.store_of(settings), pipeline.origin_progress(settings))
