@@ -79,16 +79,20 @@ class SlotStream:
             # pgoutput splits this option as a list of identifiers: quote the name.
             sql.Literal(str(sql.Identifier(publication).as_string(self.conn))),
         )
-        self.pg.send_query(command.as_bytes(self.conn))
-        self._flush()
-        while True:
-            self.pg.consume_input()
-            if not self.pg.is_busy():
-                break
-            select.select([self.pg.socket], [], [], 1.0)
-        result = self.pg.get_result()
-        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
-            self._raise(result)
+        try:
+            self.pg.send_query(command.as_bytes(self.conn))
+            self._flush()
+            while True:
+                self.pg.consume_input()
+                if not self.pg.is_busy():
+                    break
+                select.select([self.pg.socket], [], [], 1.0)
+            result = self.pg.get_result()
+            if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+                self._raise(result)
+        except BaseException:
+            self.conn.close()  # no ``with`` holds it yet
+            raise
 
     def __enter__(self) -> SlotStream:
         return self

@@ -875,3 +875,41 @@ def test_a_stream_left_behind_hands_the_backlog_to_peeks_and_comes_back_exactly_
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
     assert_chain_records(pipeline.store_of(settings), pipeline.origin_progress(settings))
+
+
+@pytest.mark.parametrize("follow_read", ["stream", "peek"])
+def test_a_publication_dropped_under_a_follow_ends_it_in_one_line_naming_it(settings, follow_read):
+    """The publication is dropped while the follow runs; the next change ends the follow with
+    the fix (a stream's walsender finds the publication gone when it decodes the change; a
+    peek looks first), not an outage retried for ever; the changes before it are applied."""
+    settings = settings.model_copy(update={"follow_read": follow_read})
+    follower = Follower(settings)
+    errors: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            list(follower.run())
+        except BaseException as exc:  # the follow's own error, raised by run()
+            errors.append(exc)
+
+    thread = threading.Thread(target=follow)
+    with pipeline.range_lock(settings):
+        thread.start()
+        try:
+            run_sql(settings.source_dsn, "INSERT INTO log VALUES (1, 'before')")
+            deadline = time.monotonic() + 10
+            while count(settings.target_dsn, "log") < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert streaming_sessions(settings.source_dsn) == (follow_read == "stream")
+            run_sql(settings.source_dsn, f'DROP PUBLICATION "{settings.publication}"')
+            run_sql(settings.source_dsn, "INSERT INTO log VALUES (2, 'after')")
+            thread.join(timeout=20)
+        finally:
+            follower.stop("test")
+            thread.join()
+    assert len(errors) == 1, errors
+    message = str(errors[0])
+    assert settings.publication in message and "does not exist" in message
+    assert "create the publication" in message and "\n" not in message
+    assert count(settings.target_dsn, "log") == 1
