@@ -880,6 +880,7 @@ class Follower:
                 idle_bytes=IDLE_WAL_BYTES,
                 on_stored=stored,
                 stop=self._stop,
+                on_busy=lambda began, ended: self.summary.busy.add(RECEIVING, began, ended),
             )
         finally:
             released(conn, settings.slot)  # its walsender has let the slot go

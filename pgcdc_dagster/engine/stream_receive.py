@@ -60,6 +60,7 @@ def receive_streaming(
     idle_bytes: int,
     on_stored: Callable[[RangeResult], bool | None],
     stop: threading.Event,
+    on_busy: Callable[[float, float], None] = lambda began, ended: None,
     spill_rows: int = 100_000,
 ) -> Lsn:
     """Stream the slot from ``start`` (its confirmed position, where the store's chain ends)
@@ -67,8 +68,9 @@ def receive_streaming(
     returns ``False``. ``on_stored(result)`` hands each stored range on: ``True``, taken, go
     on; ``False``, taken, leave the stream; ``None``, no room yet: it is called again (the
     stream meanwhile tells the walsender it is alive, so a slow taker does not get the session
-    cut off by ``wal_sender_timeout``). Returns where the last stored range ends; the stream is
-    closed."""
+    cut off by ``wal_sender_timeout``). ``on_busy(began, ended)`` gets each interval of work
+    (decoding, storing; not the waits for messages), in order. Returns where the last stored
+    range ends; the stream is closed."""
     writer = store.writer(LsnRange(start, OPEN_END))
     decoder = RangeDecoder(LsnRange(start, OPEN_END), writer, spill_rows)
     rows: list[Message] = []
@@ -102,8 +104,10 @@ def receive_streaming(
                         if time.monotonic() >= deadline or received >= cap:
                             break
                     if len(rows) >= FEED_ROWS:
+                        fed = time.monotonic()
                         decoder.feed(rows)
                         rows = []
+                        on_busy(fed, time.monotonic())
                 if stop.is_set() and (inside or not commits):
                     return start
                 now = time.monotonic()
@@ -121,6 +125,7 @@ def receive_streaming(
                     rows = []
                 result = decoder.close_at(boundary, now - began)
                 stored = writer.commit(decoder.manifest(result))
+                on_busy(now, time.monotonic())
                 failpoint("receive.after_store")
                 start = Lsn(boundary)
                 stream.feedback(int(start))

@@ -701,6 +701,8 @@ def test_a_follow_that_keeps_up_reads_by_stream_exactly_once_and_lets_the_slot_g
 
     follower = follow_while_writing(settings, on_range, then=stopped)
     assert seen == [1] and follower.summary.streams >= 1
+    # Its decoding and storing count as the receiver's busy time, its waits do not.
+    assert 0 < follower.summary.receive_busy_s < follower.summary.seconds
     store = pipeline.store_of(settings)
     results = [store.get(r).manifest.result for r in store.chain_ranges()]
     assert {r.endpos_outcome for r in results} <= {
