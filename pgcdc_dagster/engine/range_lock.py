@@ -52,6 +52,7 @@ from psycopg import sql
 
 from .connect import connect, server_errors
 from .errors import PgcdcError
+from .processes import pid_running
 
 APPLICATION_PREFIX = "pgcdc lock "
 _KEEPALIVES = "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5 -c tcp_keepalives_count=3"
@@ -186,8 +187,9 @@ def who_holds(holders: Sequence[LockHolder]) -> str:
 
 
 _ENDING_HOLDER_WAIT = 1.0
-"""Seconds to try again while the lock is held by no session in ``pg_stat_activity``: a
-holder whose session is ending (terminated, or its client gone) still holds it for a moment."""
+"""Seconds to try again while the lock is held by no session in ``pg_stat_activity``, or only
+by the session of a local command whose process is gone (:func:`_client_gone`): a holder whose
+session is ending (terminated, or its client gone) still holds it for a moment."""
 
 
 def _try_lock(conn: psycopg.Connection[Any], key: int) -> list[LockHolder] | None:
@@ -202,9 +204,27 @@ def _try_lock(conn: psycopg.Connection[Any], key: int) -> list[LockHolder] | Non
         if taken:
             return None
         others = _holders(conn, key)
-        if others or time.monotonic() >= deadline:
+        if (others and not all(map(_client_gone, others))) or time.monotonic() >= deadline:
             return others
         time.sleep(0.05)
+
+
+_LOCAL_CLIENTS = (None, "127.0.0.1/32", "::1/128")
+"""``pg_stat_activity.client_addr`` of a session from this machine (``None``: a Unix socket)."""
+
+
+def _client_gone(holder: LockHolder) -> bool:
+    """Whether ``holder`` is a session of a command of this machine (``pid N``) whose process
+    no longer runs (SIGKILL, OOM): the server ends that session only once it sees the socket
+    closed, a moment later, so it is an ending holder. Anything else (a run, another host, a
+    pid that runs again) counts as live."""
+    pid = holder.holder.removeprefix("pid ")
+    return (
+        holder.holder.startswith("pid ")
+        and pid.isdigit()
+        and holder.client_addr in _LOCAL_CLIENTS
+        and not pid_running(int(pid))
+    )
 
 
 def lent_lock(target_dsn: str, slot: str) -> RangeLock | None:

@@ -3,6 +3,11 @@ whose session is ending is not taken for another catch-up."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import threading
+import time
+
 import psycopg
 import pytest
 
@@ -55,3 +60,28 @@ def test_a_holder_whose_session_ends_between_the_try_and_the_look_gives_the_lock
     finally:
         holder.close()
     assert looked == [[]]  # the race: the try failed, then nobody held the lock
+
+
+def test_a_holder_whose_local_process_is_gone_is_waited_for_and_a_live_one_is_not(target_dsn):
+    """A command killed (SIGKILL, OOM) holds the lock until the server sees its socket closed.
+    The next command, started at once, waits for that session to end (here 0.3 s later)
+    instead of reporting a catch-up by a process that no longer runs; a holder whose process
+    runs is still named at once."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    holder = _holding(target_dsn, "s3", f"pid {gone.pid}")
+    ending = threading.Timer(0.3, holder.close)
+    ending.start()
+    began = time.monotonic()
+    try:
+        with range_lock(target_dsn, "s3", "run next"):
+            waited = time.monotonic() - began
+    finally:
+        ending.join()
+    assert 0.2 < waited < range_lock_module._ENDING_HOLDER_WAIT
+    with (
+        _holding(target_dsn, "s3", f"pid {os.getpid()}"),
+        pytest.raises(RangeBusyError, match=rf"\(pid {os.getpid()}\)"),
+        range_lock(target_dsn, "s3", "run next"),
+    ):
+        pass
