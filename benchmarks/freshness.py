@@ -172,7 +172,7 @@ def load_window(
             "INSERT INTO side_unpublished "
             f"SELECT g, 'side' FROM generate_series(1, {args.side_rows}) g;\n"
         )
-        scripts = [*scripts[:-1], f"{scripts[-1].split('@')[0]}@1", "-f", f"{side}@1"]
+        scripts = [*scripts, "-f", f"{side}@1"]  # a script without a weight weighs 1
     command = [
         str(find_bindir() / "pgbench"),
         *("-n", *scripts, "-c", "4", "-j", "2"),

@@ -139,12 +139,12 @@ def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterato
     with the lock held elsewhere it does nothing, and :func:`clear_the_way` waits as usual.
     On the way out it waits for the work to end (adopted or not) before the lock goes."""
     from .engine.head_start import adopt
-    from .engine.range_lock import RangeBusyError, range_lock
+    from .engine.range_lock import RangeBusyError, command_holder, range_lock
 
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(
-                range_lock(settings.target_dsn, settings.slot, f"pid {os.getpid()}", lend=True)
+                range_lock(settings.target_dsn, settings.slot, command_holder(), lend=True)
             )
         except RangeBusyError:
             yield False
@@ -441,11 +441,11 @@ def cmd_cutover(args: argparse.Namespace) -> int:
     :func:`~pgcdc_dagster.engine.range_lock.range_lock_or_way`). Exits non-zero when a table
     differs or is no longer published."""
     from .engine import pipeline
-    from .engine.range_lock import range_lock_or_way
+    from .engine.range_lock import command_holder, range_lock_or_way
 
     settings = ReplicationSettings.from_env()
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc cutover", waiting=False)
-    holder = f"cutover pid {os.getpid()}"
+    holder = command_holder("cutover")
     with range_lock_or_way(
         settings.target_dsn, settings.slot, holder, args.wait, lend=True
     ) as lock:

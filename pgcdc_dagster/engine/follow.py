@@ -112,6 +112,7 @@ from .range_lock import (
     LockHolder,
     RangeBusyError,
     askers,
+    command_holder,
     lent_lock,
     listen_for_askers,
     lock_holders,
@@ -622,7 +623,7 @@ class Follower:
                     range_lock(
                         settings.target_dsn,
                         settings.slot,
-                        self.lock_holder or f"follow pid {os.getpid()} (after an outage)",
+                        self.lock_holder or f"{command_holder('follow')} (after an outage)",
                         own=True,
                     )
                 )

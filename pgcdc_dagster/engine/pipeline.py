@@ -10,7 +10,6 @@ state of its own, and nothing here knows Dagster.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -22,7 +21,7 @@ from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .origin import progress_of
-from .range_lock import RangeBusyError, RangeLock, range_lock_or_way
+from .range_lock import RangeBusyError, RangeLock, command_holder, range_lock_or_way
 from .range_lock import range_lock as hold_range_lock
 from .receive import receive
 from .retention import prune_if_due
@@ -129,7 +128,7 @@ def add_tables(
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
-    holder = lock_holder or f"pid {os.getpid()}"
+    holder = lock_holder or command_holder()
     with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
         if chain is not None and chain.finished:  # read with the range: no finish between
@@ -224,7 +223,7 @@ def check_range_order(store: OutputStore, rng: LsnRange) -> None:
 @contextlib.contextmanager
 def range_lock(settings: ReplicationSettings, holder: str | None = None) -> Iterator[RangeLock]:
     """One catch-up per slot at a time, whoever starts it (see :mod:`.range_lock`)."""
-    holder = holder or f"pid {os.getpid()}"
+    holder = holder or command_holder()
     with hold_range_lock(settings.target_dsn, settings.slot, holder) as lock:
         yield lock
 

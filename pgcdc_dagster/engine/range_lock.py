@@ -39,6 +39,8 @@ asking session and does not make way for it.
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 import zlib
@@ -213,17 +215,26 @@ _LOCAL_CLIENTS = (None, "127.0.0.1/32", "::1/128")
 """``pg_stat_activity.client_addr`` of a session from this machine (``None``: a Unix socket)."""
 
 
+_COMMAND_PID = re.compile(r"(?:^| )pid (\d+)(?: |$)")
+"""The pid in a holder name made by :func:`command_holder`."""
+
+
+def command_holder(what: str = "") -> str:
+    """The holder name of this process when it is a command (not a Dagster run): ``pid N``,
+    or ``<what> pid N``; :func:`_client_gone` reads the pid back."""
+    return f"{what} pid {os.getpid()}".lstrip()
+
+
 def _client_gone(holder: LockHolder) -> bool:
-    """Whether ``holder`` is a session of a command of this machine (``pid N``) whose process
-    no longer runs (SIGKILL, OOM): the server ends that session only once it sees the socket
-    closed, a moment later, so it is an ending holder. Anything else (a run, another host, a
-    pid that runs again) counts as live."""
-    pid = holder.holder.removeprefix("pid ")
+    """Whether ``holder`` is a session of a command of this machine (:func:`command_holder`)
+    whose process no longer runs (SIGKILL, OOM): the server ends that session only once it sees
+    the socket closed, a moment later, so it is an ending holder. Anything else (a run, another
+    host, a pid that runs again) counts as live."""
+    named = _COMMAND_PID.search(holder.holder)
     return (
-        holder.holder.startswith("pid ")
-        and pid.isdigit()
+        named is not None
         and holder.client_addr in _LOCAL_CLIENTS
-        and not pid_running(int(pid))
+        and not pid_running(int(named.group(1)))
     )
 
 

@@ -354,8 +354,9 @@ from pgcdc_dagster.engine.settings import ReplicationSettings
 follow.FIRST_RANGE_BYTES = 64 * 1024
 follow.PEEK_MAX_RANGES = int(sys.argv[3])
 settings = ReplicationSettings.model_validate_json(sys.argv[1])
+endpos = None if sys.argv[2] == "none" else Lsn.parse(sys.argv[2])
 with pipeline.range_lock(settings):
-    for _ in follow.Follower(settings, Lsn.parse(sys.argv[2])).run():
+    for _ in follow.Follower(settings, endpos).run():
         pass
 """
 
@@ -424,12 +425,13 @@ def test_a_kill_between_a_ranges_rename_and_its_scratch_folders_removal_then_a_f
 
 
 def kill_follower(
-    settings: ReplicationSettings, endpos: Lsn, point: str, peek_max_ranges: int = 4
+    settings: ReplicationSettings, endpos: Lsn | None, point: str, peek_max_ranges: int = 4
 ) -> None:
-    """Follow to ``endpos`` in a real process that the failpoint ``point`` SIGKILLs."""
+    """Follow to ``endpos`` (``None``: for ever) in a real process that the failpoint ``point``
+    SIGKILLs."""
     killed = subprocess.run(
-        [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(), str(endpos),
-         str(peek_max_ranges)],
+        [sys.executable, "-c", _KILLED_FOLLOWER, settings.model_dump_json(),
+         "none" if endpos is None else str(endpos), str(peek_max_ranges)],
         env={**os.environ, failpoints.ENV: point},
         capture_output=True,
         text=True,
@@ -778,18 +780,6 @@ def test_a_200k_row_transaction_read_by_stream_is_stored_whole_in_bounded_memory
     assert equal(settings)
 
 
-_KILLED_STREAMER = """
-import sys
-from pgcdc_dagster.engine import follow, pipeline
-from pgcdc_dagster.engine.settings import ReplicationSettings
-
-settings = ReplicationSettings.model_validate_json(sys.argv[1])
-with pipeline.range_lock(settings):
-    for _ in follow.Follower(settings).run():
-        pass
-"""
-
-
 @pytest.mark.parametrize(
     "point",
     [
@@ -807,14 +797,7 @@ def test_a_kill_while_streaming_then_a_follow_converges_exactly_once(settings, p
     writing = threading.Thread(target=writer, args=(settings.source_dsn, stop_writing))
     writing.start()
     try:
-        killed = subprocess.run(
-            [sys.executable, "-c", _KILLED_STREAMER, settings.model_dump_json()],
-            env={**os.environ, failpoints.ENV: point},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        kill_follower(settings, None, point)
     finally:
         stop_writing.set()
         writing.join()
