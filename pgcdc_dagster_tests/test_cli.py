@@ -476,12 +476,19 @@ def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, cap
     assert code == 0 and json.loads(out)["equal"] is True
 
 
-def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, capsys):
+def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, capsys, monkeypatch):
     """``pgcdc add-table`` while ``pgcdc follow`` runs (its Dagster run holding the range
     lock): the add does not wait for the follow to end (it never would) but has it make way,
-    and the same follow then applies the added table's changes; it still stops cleanly."""
+    and the same follow then applies the added table's changes, and records the added table's
+    partitions too (its code location listed only ``items``); it still stops cleanly."""
     import time
 
+    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.keys import target_key
+    from pgcdc_dagster.defs.partitions import LSN_RANGES
+    from pgcdc_dagster.engine.identifiers import TableName
+
+    monkeypatch.setattr(runner, "_instance", None)  # this test's own storage
     _snapshot_then(
         cli_env,
         capsys,
@@ -500,9 +507,20 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
             while conn.execute("SELECT v FROM later WHERE id = 1").fetchone() != ("after",):
                 assert follow.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
+        instance = runner.dagster_instance()
+        later = target_key(TableName("public", "later"))
+        while (event := instance.get_latest_materialization_event(later)) is None:
+            assert follow.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
     finally:
         err = _stopped(follow)
     assert "made way for run " in err, err
+    assert event.dagster_event is not None and event.asset_materialization is not None
+    assert event.dagster_event.partition in instance.get_dynamic_partitions(LSN_RANGES)
+    assert event.asset_materialization.metadata["dagster/row_count"].value == 500
+    # The same run recorded it: the follow that made way, not a later one.
+    items = instance.get_latest_materialization_event(target_key(TableName("public", "items")))
+    assert items is not None and items.run_id == event.run_id
     code, out, _ = run_cli(capsys, "verify", "--json")
     assert code == 0 and json.loads(out)["equal"] is True
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import psycopg
 from dagster import (
     AssetCheckEvaluation,
     AssetMaterialization,
@@ -29,6 +30,7 @@ from dagster import (
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
+from ..engine.errors import PgcdcError
 from ..engine.failpoints import failpoint
 from ..engine.follow import Followed, Follower, Following, FollowSummary, adopt
 from ..engine.identifiers import TableName
@@ -60,12 +62,13 @@ def follow_events(
     # source and target (dagster-postgres' own retries still cover a blip of a few seconds).
     budget = settings.follow_retry if follower.endpos is None else 0
     storage = StorageRide(budget, stopping=lambda: follower.stopping)
-    row_counts = TargetRowCounts(context.instance, settings, tables)
+    recorded = list(tables)  # grows with tables added while the run follows (_record_ranges)
+    row_counts = TargetRowCounts(context.instance, settings, recorded)
     gone: StorageUnavailableError | None = None
     try:
         with logged(context) as lines:
             try:
-                _record_ranges(context, settings, tables, follower, row_counts, storage)
+                _record_ranges(context, settings, recorded, follower, row_counts, storage)
             except StorageUnavailableError as exc:
                 lines.drop()
                 gone = exc
@@ -153,19 +156,40 @@ def record(step: Any, event: RangeEvent) -> None:
 def _record_ranges(
     context: Any,
     settings: pipeline.ReplicationSettings,
-    tables: Sequence[TableName],
+    tables: list[TableName],
     follower: Following,
     row_counts: TargetRowCounts,
     storage: StorageRide,
 ) -> None:
+    """Record each range ``follower`` applies. ``tables`` (shared with ``row_counts``) are the
+    target tables whose partitions the ranges materialise: it grows, at each session of the
+    follower, by the tables an add gave the replication since the code location listed them
+    (:func:`~.pipeline.added_beyond`), so a follow that made way for ``pgcdc add-table``
+    records the added table's partitions from its next range on, as a run started after the
+    code location's reload would."""
     step = context.get_step_execution_context()
 
     def log(line: str) -> None:
         storage.write(lambda: context.log.info(line))
 
     table_events = TableEvents(log, settings, tables)
+    session = 0
     for followed in follower.run():
         failpoint("follow.recording")
+        if followed.session != session:
+            try:
+                added = pipeline.added_beyond(settings, tables)
+            except (PgcdcError, psycopg.Error):
+                added = None  # the source away meanwhile (the follower's business): next range
+            else:
+                session = followed.session
+            if added:
+                tables.extend(added)
+                log(
+                    f"recording {', '.join(str(t) for t in added)} too from range "
+                    f"{followed.done.received.range_key} on: added to the replication "
+                    "(pgcdc add-table) since the code location listed its tables"
+                )
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
         storage.write(lambda rng=rng: register_range(context.instance, settings, rng))

@@ -36,7 +36,8 @@ class TargetRowCounts:
     ) -> None:
         self.instance = instance
         self.settings = settings
-        self.tables = list(tables)
+        self.tables = tables
+        """Read at each apply: a follow adds the tables added while it runs."""
         self.known: dict[TableName, tuple[int, str]] = {}
         """table -> (rows, the origin's progress they are exact at)."""
 

@@ -209,11 +209,14 @@ class Followed(NamedTuple):
     """One range through the follower: what was stored and applied, the source's WAL not
     yet received when it was cut (``None`` for a range found stored, from an earlier run), and
     when its apply ended (``time.monotonic()``: one clock for every process of the machine, so
-    a consumer in another process can tell how far it trails)."""
+    a consumer in another process can tell how far it trails), and in which of the follower's
+    sessions (from 1). A new session may follow the follower making way for ``pgcdc
+    add-table``, so its ranges may hold tables the earlier sessions' did not."""
 
     done: RangeDone
     lag_bytes: int | None
     applied_at: float = 0.0
+    session: int = 1
 
 
 @dataclass
@@ -438,6 +441,7 @@ class Follower:
         :attr:`_wake`)."""
         self._wake: tuple[int, int] | None = None
         self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
+        self._sessions = 0  # sessions begun; each range's Followed says in which
         self._started = time.monotonic()
         self._lead: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
@@ -547,6 +551,7 @@ class Follower:
         applies; an error of either ends the session once the applier has applied what was
         queued, and is raised here."""
         self._reset_stop()
+        self._sessions += 1
         self._session_errors = []
         self._to_apply = queue.Queue(QUEUE_RANGES)
         if self._outages.under_way:
@@ -745,7 +750,12 @@ class Follower:
                 raise CatchUpStalledError(f"{step.describe()} was applied but made no progress")
             applied = apply_stored_range(self.settings, step.range, self.spark)
             self._count(step.stored.manifest.result)
-            yield Followed(RangeDone(step.stored.manifest.result, applied), None, time.monotonic())
+            yield Followed(
+                RangeDone(step.stored.manifest.result, applied),
+                None,
+                time.monotonic(),
+                self._sessions,
+            )
             previous = step
 
     def _caught_up(self) -> bool:
@@ -1006,7 +1016,8 @@ class Follower:
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.busy.add(APPLYING, began, time.monotonic())
                 self._count(received, lag)
-                self._done.put(Followed(RangeDone(received, applied), lag, time.monotonic()))
+                done = RangeDone(received, applied)
+                self._done.put(Followed(done, lag, time.monotonic(), self._sessions))
         except BaseException as exc:  # raised by the session once the receiver has stopped
             self._session_errors.append(exc)
             self._stop.set()

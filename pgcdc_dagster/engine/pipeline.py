@@ -307,6 +307,23 @@ def no_longer_published(
     return [t for t in gone if t in on_target]
 
 
+def added_beyond(settings: ReplicationSettings, listed: Sequence[TableName]) -> list[TableName]:
+    """The tables the chain replicates (:attr:`~.store.Chain.tables`) and the publication
+    sends that ``listed`` lacks: tables ``pgcdc add-table`` added after ``listed`` was read (a
+    code location lists its tables once, when it loads; a follow that made way for an add goes
+    on with the added ones). A table the publication no longer sends is not one: nothing keeps
+    it in sync. Reads the source only when the chain holds a table ``listed`` lacks."""
+    chain = store_of(settings).chain()
+    if chain is None:
+        return []
+    known = set(listed)
+    extra = [t for t in chain.tables if t not in known]
+    if not extra:
+        return []
+    sent = set(replicated_tables(settings))
+    return [t for t in extra if t in sent]
+
+
 def replicated_tables(settings: ReplicationSettings) -> list[TableName]:
     """The tables the publication carries (the source's own answer)."""
     from .publication import publication_tables

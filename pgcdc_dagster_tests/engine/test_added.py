@@ -240,6 +240,11 @@ def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_tabl
         assert follower.summary.made_way == 1
         chain = OutputStore(settings.store).chain()
         assert chain is not None and chain.adding == () and ADDED in chain.synced_from
+        # The ranges say in which session: b's changes came in the one after making way,
+        # and the replication's tables past what a code location listed before are b.
+        assert done[0].session == 1
+        assert {f.session for f in done if "public.b" in f.done.applied.tables} == {2}
+        assert pipeline.added_beyond(settings, [TableName("public", "a")]) == [ADDED]
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
     with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as dst:
         assert (
