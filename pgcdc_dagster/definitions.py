@@ -38,7 +38,12 @@ from .defs.assets import (
     build_assets,
     target_key,
 )
-from .defs.checks import build_consistency_check, build_slot_health, store_retention
+from .defs.checks import (
+    build_consistency_check,
+    build_slot_health,
+    replicated_tables,
+    store_retention,
+)
 from .defs.jobs import (
     build_add_tables_job,
     build_finish_job,
@@ -141,11 +146,12 @@ def build_definitions(
         *op_jobs(tables),
         define_asset_job(
             "slot_health",
-            selection=AssetSelection.checks(slot_health, store_retention),
-            description="Check the replication slot's health and the output store's retention.",
+            selection=AssetSelection.checks(slot_health, store_retention, replicated_tables),
+            description="Check the replication slot's health, the output store's retention, "
+            "and that the replicated and published tables agree.",
         ),
     ]
-    checks: list[Any] = [slot_health, store_retention]
+    checks: list[Any] = [slot_health, store_retention, replicated_tables]
     if consistency is not None:
         checks.append(consistency)
         jobs.append(

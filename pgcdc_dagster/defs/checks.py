@@ -87,6 +87,60 @@ def slot_health_result(
     )
 
 
+REPLICATED_TABLES = "replicated_tables"
+
+
+@asset_check(
+    asset=DECODED_CHANGES_KEY,
+    name=REPLICATED_TABLES,
+    description="The tables the replication copied and those the publication sends agree: "
+    "none is no longer sent (its target copy would drift, silently), none is sent without "
+    "having been added (its ranges fail to apply), and no pgcdc add-table was left unfinished "
+    "(nothing applies). The slot sensor evaluates it every minute.",
+)
+def replicated_tables(
+    context: AssetCheckExecutionContext, pgcdc: PgcdcResource
+) -> AssetCheckResult:
+    return replicated_tables_result(pgcdc.settings())
+
+
+def replicated_tables_result(settings: pipeline.ReplicationSettings) -> AssetCheckResult:
+    """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (an add left
+    unfinished, a table sent but never added), a warning when a target copy is no longer kept
+    in sync (a table no longer sent: nothing fails, as with native replication)."""
+    try:
+        agreement = pipeline.tables_agreement(settings)
+    except ENGINE_ERRORS as exc:
+        return AssetCheckResult(
+            passed=False, severity=AssetCheckSeverity.WARN, description=f"not known: {exc}"
+        )
+    lines = [no_longer_published(t) for t in agreement.no_longer_published]
+    if agreement.not_added:
+        names = " ".join(str(t) for t in agreement.not_added)
+        lines.append(
+            f"{names}: sent by the publication but never copied to the target, so a range that "
+            f"changes one fails to apply: run pgcdc add-table {names}"
+        )
+    if agreement.adding:
+        names = " ".join(str(t) for t in agreement.adding)
+        lines.append(
+            f"adding {names} did not finish, so nothing is applied: run pgcdc add-table "
+            f"{names} again"
+        )
+    blocked = bool(agreement.not_added or agreement.adding)
+    return AssetCheckResult(
+        check_name=REPLICATED_TABLES,
+        passed=agreement.agree,
+        severity=AssetCheckSeverity.ERROR if blocked else AssetCheckSeverity.WARN,
+        description="; ".join(lines) or None,
+        metadata={
+            "no_longer_published": text(" ".join(map(str, agreement.no_longer_published))),
+            "not_added": text(" ".join(map(str, agreement.not_added))),
+            "adding": text(" ".join(map(str, agreement.adding))),
+        },
+    )
+
+
 @asset_check(
     asset=DECODED_CHANGES_KEY,
     name="store_retention",

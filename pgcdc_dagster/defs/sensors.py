@@ -16,6 +16,10 @@ Each tick (every query has a 3 s timeout):
    receives and applies continuously, whatever the next step is: a follower is kept alive, and
    when it dies the next tick finds it dead and starts another. No ``run_key``: Dagster never
    launches a run key twice, and a retry must be able to.
+
+Besides, at most once a minute, it evaluates the ``replicated_tables`` check (a table the
+publication no longer sends, or sends without having been added, or an add left unfinished),
+recording it when its outcome changes (:func:`tables_evaluation`).
 """
 
 import json
@@ -23,6 +27,7 @@ import time
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetObservation,
     DefaultSensorStatus,
     RunRequest,
@@ -36,9 +41,9 @@ from ..engine.failpoints import failpoint
 from ..engine.next_step import CaughtUp
 from ..engine.range_lock import lock_holders
 from .assets import ENGINE_ERRORS
-from .checks import finished_at
+from .checks import REPLICATED_TABLES, finished_at, replicated_tables_result
 from .jobs import FOLLOW_JOB
-from .keys import SLOT_KEY
+from .keys import DECODED_CHANGES_KEY, SLOT_KEY
 from .metadata import number, text
 from .range_events import register_range
 from .resources import PgcdcResource
@@ -70,10 +75,14 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
             positions = pipeline.source_positions(settings, timeout_s=3)
         except ENGINE_ERRORS as exc:
             return SensorResult(skip_reason=f"cannot read the source slot: {exc}")
-        events, cursor = slot_observation(context.cursor, positions)
+        last = _parse(context.cursor)
+        events, cursor = slot_observation(last, positions)
+        checked, cursor["tables"] = tables_evaluation(last.get("tables"), settings)
 
         def result(**outcome: Any) -> SensorResult:
-            return SensorResult(asset_events=events, cursor=cursor, **outcome)
+            return SensorResult(
+                asset_events=[*events, *checked], cursor=json.dumps(cursor), **outcome
+            )
 
         try:
             holders = lock_holders(settings.target_dsn, settings.slot)
@@ -109,10 +118,58 @@ SLOT_OBSERVED_EVERY_S = 60.0
 the slot's ``wal_status`` or ``active`` changes."""
 
 
+def _parse(cursor: str | None) -> dict[str, Any]:
+    """The sensor's cursor: when and what it last recorded (nothing is decided on it)."""
+    try:
+        last = json.loads(cursor) if cursor else {}
+    except ValueError:
+        return {}
+    return last if isinstance(last, dict) else {}
+
+
+TABLES_CHECKED_EVERY_S = 60.0
+"""The slot sensor evaluates ``replicated_tables`` at most this often (a query of the source's
+publication, and of the target when a table is no longer sent)."""
+TABLES_RECORDED_EVERY_S = 600.0
+"""An unchanged evaluation is recorded again at most this often: every evaluation is a row of
+Dagster's event log that nothing prunes (see :func:`slot_observation`), while a change is
+recorded at once."""
+
+
+def tables_evaluation(
+    last: Any, settings: pipeline.ReplicationSettings
+) -> tuple[list[AssetCheckEvaluation], dict[str, Any]]:
+    """The tick's evaluation of the ``replicated_tables`` check, if one is due, and its part
+    of the next cursor (``last``: the part before). A table the publication stops sending
+    breaks nothing and is seen by no range (its changes just stop), so without this only
+    ``pgcdc status`` and ``pgcdc verify`` would ever say it."""
+    last = last if isinstance(last, dict) else {}
+    now = time.time()
+    if now - float(last.get("checked_at", 0)) < TABLES_CHECKED_EVERY_S:
+        return [], last
+    result = replicated_tables_result(settings)
+    said = [result.passed, result.description]
+    part = {**last, "checked_at": now}
+    if said == last.get("said") and now - float(last.get("recorded_at", 0)) < (
+        TABLES_RECORDED_EVERY_S
+    ):
+        return [], part
+    evaluation = AssetCheckEvaluation(
+        asset_key=DECODED_CHANGES_KEY,
+        check_name=REPLICATED_TABLES,
+        passed=result.passed,
+        metadata=result.metadata,
+        severity=result.severity,
+        description=result.description,
+    )
+    return [evaluation], {**part, "said": said, "recorded_at": now}
+
+
 def slot_observation(
-    cursor: str | None, positions: pipeline.SourcePositions
-) -> tuple[list[AssetObservation], str | None]:
-    """The tick's observation of the slot asset, if one is due, and the sensor's next cursor.
+    last: dict[str, Any], positions: pipeline.SourcePositions
+) -> tuple[list[AssetObservation], dict[str, Any]]:
+    """The tick's observation of the slot asset, if one is due, and the sensor's next cursor
+    (``last``: the one before).
 
     Why at most once a minute: every observation is a row of Dagster's event log that nothing
     prunes (the slot asset has no partitions for the retention to drop), and the sensor ticks
@@ -123,16 +180,11 @@ def slot_observation(
     slot = positions.slot
     state = {"wal_status": str(slot.wal_status), "active": str(slot.active)}
     now = time.time()
-    try:
-        last = json.loads(cursor) if cursor else None
-    except ValueError:
-        last = None
     if (
-        isinstance(last, dict)
-        and now - float(last.get("observed_at", 0)) < SLOT_OBSERVED_EVERY_S
+        now - float(last.get("observed_at", 0)) < SLOT_OBSERVED_EVERY_S
         and last.get("state") == state
     ):
-        return [], cursor
+        return [], dict(last)
     observation = AssetObservation(
         SLOT_KEY,
         metadata={
@@ -145,4 +197,4 @@ def slot_observation(
             "active": text(slot.active),
         },
     )
-    return [observation], json.dumps({"observed_at": now, "state": state})
+    return [observation], {**last, "observed_at": now, "state": state}

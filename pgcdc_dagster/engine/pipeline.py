@@ -307,6 +307,45 @@ def no_longer_published(
     return [t for t in gone if t in on_target]
 
 
+@dataclass(frozen=True)
+class TablesAgreement:
+    """Where the tables the chain replicates and those the publication sends part ways (each
+    empty when they agree): what a user must act on, or the target silently drifts."""
+
+    no_longer_published: tuple[TableName, ...] = ()
+    """Replicated, still on the target, no longer sent (:func:`no_longer_published`): their
+    copy is no longer kept in sync, and nothing fails (as with native replication)."""
+    not_added: tuple[TableName, ...] = ()
+    """Sent, not replicated (added to the publication by hand, never copied): every apply
+    of a range that changes one fails until ``pgcdc add-table`` copies it."""
+    adding: tuple[TableName, ...] = ()
+    """An add that did not finish (:attr:`~.store.Chain.adding`): nothing is applied until
+    ``pgcdc add-table`` runs again."""
+
+    @property
+    def agree(self) -> bool:
+        return not (self.no_longer_published or self.not_added or self.adding)
+
+
+def tables_agreement(settings: ReplicationSettings) -> TablesAgreement:
+    """How the chain's tables and the publication's agree (one query of the source, and one
+    of the target when a replicated table is no longer sent). Nothing to say before a base
+    snapshot completes, nor of a chain that predates its record of tables."""
+    chain = store_of(settings).chain()
+    if chain is None or not chain.complete or not chain.tables:
+        return TablesAgreement()
+    published = replicated_tables(settings)
+    wanted = set(settings.tables) if settings.tables else None
+    replicated = {*chain.tables, *chain.adding}
+    return TablesAgreement(
+        no_longer_published=tuple(no_longer_published(settings, published)),
+        not_added=tuple(
+            t for t in published if t not in replicated and (wanted is None or t in wanted)
+        ),
+        adding=chain.adding,
+    )
+
+
 def added_beyond(settings: ReplicationSettings, listed: Sequence[TableName]) -> list[TableName]:
     """The tables the chain replicates (:attr:`~.store.Chain.tables`) and the publication
     sends that ``listed`` lacks: tables ``pgcdc add-table`` added after ``listed`` was read (a

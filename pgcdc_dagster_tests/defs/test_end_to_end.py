@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import psycopg
 import pytest
 from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
     AssetKey,
     DagsterInstance,
     DagsterRunStatus,
@@ -196,8 +198,9 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     first = LsnRange.from_key(registered)
     assert first.start == consistent_point
     assert tick.run_requests[0].partition_key == first.key
-    (observation,) = tick.asset_events
+    observation, tables_check = tick.asset_events
     assert observation.asset_key == AssetKey("replication_slot")
+    assert isinstance(tables_check, AssetCheckEvaluation) and tables_check.passed
     assert int(observation.metadata["lag_bytes"].value) > 0
     r.register(first)
     # The slot is observed at most once a minute (the cursor says when it last was), and at
@@ -360,6 +363,53 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     for run in r.instance.get_runs():
         for record in r.instance.all_logs(run.run_id):
             assert PASSWORD not in str(record)
+
+
+def _tables_check(tick) -> list[AssetCheckEvaluation]:
+    return [e for e in tick.asset_events if isinstance(e, AssetCheckEvaluation)]
+
+
+def _aged(cursor: str) -> str:
+    """``cursor`` as if the sensor's last look at the tables were a minute older."""
+    aged = json.loads(cursor)
+    aged["tables"]["checked_at"] -= 61
+    return json.dumps(aged)
+
+
+def test_the_sensor_says_when_the_replicated_and_published_tables_part_ways(replication):
+    """A table dropped from the publication (its target copy silently stops following) and
+    one added to it without pgcdc add-table (its ranges would fail to apply): the slot
+    sensor's ``replicated_tables`` evaluation, once a minute, names each with its fix; an
+    unchanged outcome is not recorded again; the slot_health job runs the same check."""
+    r = replication
+    assert r.run("snapshot").success
+    tick = r.sensor()
+    (agree,) = _tables_check(tick)
+    assert agree.check_name == "replicated_tables" and agree.passed
+    assert agree.asset_key == AssetKey("decoded_changes")
+    quiet = r.sensor(cursor=_aged(tick.cursor))
+    assert _tables_check(quiet) == []  # looked again, the same: not recorded again
+
+    publication = sql.Identifier(r.settings.publication).as_string()
+    r.sql(
+        "CREATE TABLE later (id int PRIMARY KEY)",
+        f"ALTER PUBLICATION {publication} ADD TABLE later",
+        f"ALTER PUBLICATION {publication} DROP TABLE docs",
+    )
+    assert _tables_check(r.sensor(cursor=quiet.cursor)) == []  # within the minute
+    (parted,) = _tables_check(r.sensor(cursor=_aged(quiet.cursor)))
+    assert not parted.passed and parted.severity == AssetCheckSeverity.ERROR
+    assert parted.description is not None
+    assert "public.docs: replicated, but the publication no longer sends it" in (parted.description)
+    assert "public.later: sent by the publication but never copied" in parted.description
+    assert "run pgcdc add-table public.later" in parted.description
+    assert parted.metadata["no_longer_published"].value == "public.docs"
+
+    result = r.run("slot_health")
+    (evaluation,) = [
+        e for e in result.get_asset_check_evaluations() if e.check_name == "replicated_tables"
+    ]
+    assert not evaluation.passed and evaluation.description == parted.description
 
 
 def test_wrong_password_is_one_clear_error_without_the_secret(secure_cluster):
