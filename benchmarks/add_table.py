@@ -19,9 +19,10 @@ and both targets' ``b`` compared with the source's (row count and an aggregate).
 before, as a user runs it; the native subscription enabled throughout), with a probe row
 inserted into ``a`` every 50 ms and both targets polled for it every 20 ms. Each side's
 freshness of ``a`` is reported for the probes committed during its own add (median and
-worst): ours makes way for the add (no range applied while it copies), native goes on
-applying ``a`` while ``b`` syncs. The follow's own account (``made_way_s``) comes from its
-``--json`` totals once it is stopped.
+worst): ours goes on applying ``a`` while ``b`` copies (holding ``b``'s changes back) and
+makes way only for the add's last step (the held-back changes applied, ``b`` recorded), as
+native goes on applying ``a`` while ``b`` syncs. The follow's own account (``made_way_s``)
+comes from its ``--json`` totals once it is stopped.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/add_table.py [--rows 1000000]
 [--repeat 1] [--server off|warm] [--while-following] [--json F]``.

@@ -310,9 +310,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
     except PgcdcError as exc:
         next_step = f"blocked: {exc}"
-    if chain_record is not None and chain_record.adding:  # every apply refuses until then
-        names = " ".join(str(t) for t in chain_record.adding)
-        next_step = f"blocked: adding {names} did not finish: run pgcdc add-table {names} again"
+    agreement = pipeline.tables_agreement(settings)
     status = {
         "slot": settings.slot,
         "confirmed_flush_lsn": str(positions.slot.confirmed_flush_lsn),
@@ -330,7 +328,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         "replay_lsn": str(replay) if replay else None,
         "next_step": next_step,
         "runs_in_flight": _runs_in_flight(settings),
-        "no_longer_published": [str(t) for t in pipeline.no_longer_published(settings)],
+        "no_longer_published": [str(t) for t in agreement.no_longer_published],
+        "adding": agreement.adding_line(),
         "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
     }
     _print_status(args, status)

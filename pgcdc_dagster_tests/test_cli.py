@@ -597,8 +597,8 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
 
 def test_an_add_killed_is_named_by_status_and_its_keys_are_validated_by_cutover(cli_env, capsys):
     """A real SIGKILL of ``pgcdc add-table`` once its copy (and its table's key, ``NOT
-    VALID``) is on the target: ``pgcdc status`` says the replication is blocked and the
-    command that unblocks it, and lists the key; the add run again and ``pgcdc cutover``
+    VALID``) is on the target: ``pgcdc status`` says its changes are held back and the
+    command that takes them on, and lists the key; the add run again and ``pgcdc cutover``
     leave nothing of either."""
     import os
     import signal
@@ -621,10 +621,15 @@ def test_an_add_killed_is_named_by_status_and_its_keys_are_validated_by_cutover(
     assert killed.returncode == -signal.SIGKILL
     code, out, _ = run_cli(capsys, "status", "--json")
     status = json.loads(out)
-    assert code == 0 and status["next_step"] == (
-        "blocked: adding public.later did not finish: run pgcdc add-table public.later again"
+    assert code == 0 and status["adding"] == (
+        "adding public.later did not finish, so their changes are held back (the other "
+        "tables' are applied): run pgcdc add-table public.later again"
     )
     assert status["foreign_keys_not_valid"] == ["later_item_fkey on public.later"]
+    # Not a whole copy meanwhile: a cutover refuses (it would promote the target without
+    # later's changes, and its code location does not list later to compare).
+    code, _, err = run_cli(capsys, "cutover", "--json")
+    assert code != 0 and "adding public.later is not done" in err, err
 
     code, _, err = run_cli(capsys, "add-table", "later")
     assert code == 0, err
@@ -635,7 +640,8 @@ def test_an_add_killed_is_named_by_status_and_its_keys_are_validated_by_cutover(
     assert report["foreign_keys_completed"] == "later_item_fkey on public.later: validated"
     code, out, _ = run_cli(capsys, "status", "--json")
     status = json.loads(out)
-    assert status["foreign_keys_not_valid"] == [] and not status["next_step"].startswith("blocked")
+    assert status["foreign_keys_not_valid"] == [] and status["adding"] is None
+    assert not status["next_step"].startswith("blocked")
 
 
 def test_a_migration_ends_with_cutover_then_finish_which_stops_the_follow(cli_env, capsys):

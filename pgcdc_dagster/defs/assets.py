@@ -278,12 +278,14 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         try:
             # Under the run's lock: a cutover run by pgcdc cutover holds the session it asked
             # for the range on, which its own follower must not make way for.
+            pipeline.refuse_while_adding(settings)
             follower = new_follower(settings, config.endpos, spark, range_lock.held())
             target_lsn = follower.endpos
             for event in follow_events(context, settings, tables, follower):
                 context.log_event(event)
             sequences = sync_sequences(settings.source_dsn, settings.target_dsn)
             comparisons = verify.compare_tables(settings, tables)
+            pipeline.refuse_while_adding(settings)  # an add begun meanwhile: held back too
             # Caught up: the keys an add created NOT VALID hold now, unless a table differs.
             if all(c.equal for c in comparisons):
                 foreign_keys = complete(settings.source_dsn, settings.target_dsn, tables)

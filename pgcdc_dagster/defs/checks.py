@@ -96,7 +96,7 @@ REPLICATED_TABLES = "replicated_tables"
     description="The tables the replication copied and those the publication sends agree: "
     "none is no longer sent (its target copy would drift, silently), none is sent without "
     "having been added (its ranges fail to apply), and no pgcdc add-table was left unfinished "
-    "(nothing applies). The slot sensor evaluates it every minute.",
+    "(its tables' changes are held back). The slot sensor evaluates it every minute.",
 )
 def replicated_tables(
     context: AssetCheckExecutionContext, pgcdc: PgcdcResource
@@ -105,9 +105,10 @@ def replicated_tables(
 
 
 def replicated_tables_result(settings: pipeline.ReplicationSettings) -> AssetCheckResult:
-    """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (an add left
-    unfinished, a table sent but never added), a warning when a target copy is no longer kept
-    in sync (a table no longer sent: nothing fails, as with native replication)."""
+    """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (a table sent
+    but never added), a warning when a target copy is not kept in sync (a table no longer
+    sent: nothing fails, as with native replication; an add left unfinished: its tables'
+    changes are held back). An add under way passes, and says so."""
     try:
         agreement = pipeline.tables_agreement(settings)
     except ENGINE_ERRORS as exc:
@@ -121,17 +122,12 @@ def replicated_tables_result(settings: pipeline.ReplicationSettings) -> AssetChe
             f"{names}: sent by the publication but never copied to the target, so a range that "
             f"changes one fails to apply: run pgcdc add-table {names}"
         )
-    if agreement.adding:
-        names = " ".join(str(t) for t in agreement.adding)
-        lines.append(
-            f"adding {names} did not finish, so nothing is applied: run pgcdc add-table "
-            f"{names} again"
-        )
-    blocked = bool(agreement.not_added or agreement.adding)
+    if (adding := agreement.adding_line()) is not None:
+        lines.append(adding)
     return AssetCheckResult(
         check_name=REPLICATED_TABLES,
         passed=agreement.agree,
-        severity=AssetCheckSeverity.ERROR if blocked else AssetCheckSeverity.WARN,
+        severity=AssetCheckSeverity.ERROR if agreement.not_added else AssetCheckSeverity.WARN,
         description="; ".join(lines) or None,
         metadata={
             "no_longer_published": text(" ".join(map(str, agreement.no_longer_published))),

@@ -82,6 +82,7 @@ from .compaction import (
     DEFAULT_SPARK_MIN_CHANGES,
     NetChanges,
     TableRelation,
+    compact_held_back,
     compact_in_commit_order,
     compact_range,
     relations_of,
@@ -167,6 +168,13 @@ class ApplyResult:
     in_commit_order: list[str] = field(default_factory=list)
     """Tables whose net rows a unique key of the target refused, applied change by change in
     the source's order instead (see :func:`apply_range`)."""
+    held_back: list[str] = field(default_factory=list)
+    """Tables being added whose changes in the range were held back for their add
+    (:func:`apply_added_changes`)."""
+
+
+HELD_BACK = (1 << 63) - 1
+"""The floor of a table being added: every change of it is held back (see :func:`apply_range`)."""
 
 
 @dataclass(frozen=True)
@@ -237,12 +245,6 @@ def apply_range(
         assert transform is not None
 
         chain = store.chain()
-        if chain is not None and chain.adding:
-            names = " ".join(str(t) for t in chain.adding)
-            raise ApplyError(
-                f"adding table(s) {names} to the replication did not finish, so their rows on "
-                f"the target may be partial: run pgcdc add-table {names} again, then apply"
-            )
         # The tables the range's rows write: only those are read on the target and checked
         # for drift (a relation no row uses may not match the target, see relation_versions).
         used = stored.relation_versions()
@@ -251,6 +253,11 @@ def apply_range(
             for t, rel in relations_of(stored.manifest.relations).items()
             if used & rel.versions.keys()
         }
+        # Tables being added (pgcdc add-table): their copy is under way, or a killed add left
+        # it partial. Their changes are held back (the add applies them once its copy is
+        # done); the other tables' are applied.
+        held_back = {t: relations.pop(t) for t in (chain.adding if chain else ()) if t in relations}
+        result.held_back = sorted(str(t) for t in held_back)
         targets = read_target_tables(conn, list(relations))
         relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
         additions = plan_schema_drift(relations, targets, chain.unpublished if chain else {})
@@ -260,8 +267,9 @@ def apply_range(
             for t, lsn in (chain.synced_from if chain else {}).items()
             if t in relations and lsn > progress
         }
+        floors.update(dict.fromkeys(held_back, HELD_BACK))
         shared: dict[TableName, SharedStage] | None = None
-        if spark is not None and stored.changes >= spark_min_changes:
+        if spark is not None and stored.changes >= spark_min_changes and not held_back:
             if additions:
                 # Shared staging tables are typed like the target's columns and made before
                 # the apply transaction, so the columns the range adds come first, in their
@@ -288,7 +296,11 @@ def apply_range(
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())
         else:
-            compaction = compact_range(stored, relations, after_lsn=int(progress), floors=floors)
+            compaction = compact_range(
+                stored, {**relations, **held_back}, after_lsn=int(progress), floors=floors
+            )
+            for table in held_back:
+                compaction.tables.pop(table, None)
             result.compaction_path = compaction.path
             result.compaction_seconds = compaction.seconds
             result.changes = sum(t.changes for t in compaction.tables.values())
@@ -353,6 +365,83 @@ def apply_range(
         result.replay_lsn = str(require_progress(conn, origin_name))
     result.seconds = round(time.perf_counter() - started, 4)
     return result
+
+
+def apply_added_changes(
+    target_dsn: str,
+    store: OutputStore,
+    tables: Sequence[TableName],
+    *,
+    since: Lsn,
+    through: Lsn,
+    unpublished: Mapping[TableName, Sequence[str]],
+) -> int:
+    """Apply the changes of ``tables`` (being added: copied as of ``since``) that the applies
+    of the ranges up to ``through`` (the target's origin) held back while they were copied
+    (:func:`apply_range`), range by range in LSN order; return how many there were.
+
+    The caller holds the range, so ``through`` does not move, and records the tables as added
+    (at ``max(since, through)``) only after this returns. Each range's share is one target
+    transaction that leaves the origin alone (it already stands past the range); nothing is
+    lost by a crash between two, since the tables stay in ``Chain.adding`` and the next add
+    copies them again. A prune removes no range while a table is being added
+    (:mod:`.retention`), so every range it reads is there."""
+    if through <= since:
+        return 0  # no apply went past the copy: the applies to come take it all
+    wanted = set(tables)
+    changes = 0
+    with _target_session(target_dsn, None) as conn:
+        for rng in store.chain_from(since):
+            if rng.start >= through:
+                break
+            stored = store.get(rng)
+            if stored is None or rng.end <= since:
+                continue
+            used = stored.relation_versions()
+            relations = {
+                t: rel
+                for t, rel in relations_of(stored.manifest.relations).items()
+                if t in wanted and used & rel.versions.keys()
+            }
+            if relations:
+                changes += _apply_held_back(conn, stored, relations, since, through, unpublished)
+    return changes
+
+
+def _apply_held_back(
+    conn: psycopg.Connection[Any],
+    stored: StoredRange,
+    relations: dict[TableName, TableRelation],
+    since: Lsn,
+    through: Lsn,
+    unpublished: Mapping[TableName, Sequence[str]],
+) -> int:
+    """One range's share of :func:`apply_added_changes`, in one transaction: net rows first
+    and, for a table whose net rows a unique key refused, its changes in commit order (as
+    :func:`apply_range` does)."""
+    targets = read_target_tables(conn, list(relations))
+    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
+    additions = plan_schema_drift(relations, targets, unpublished)
+    result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
+    in_order: set[TableName] = set()
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute("SET LOCAL session_replication_role = replica")
+                if additions:
+                    _add_columns(conn, additions)
+                    targets = read_target_tables(conn, list(relations))
+                rels = {
+                    t: rel.with_identity(()) if t in in_order else rel
+                    for t, rel in relations.items()
+                }
+                nets = compact_held_back(stored, rels, since=int(since), through=int(through))
+                _apply_staged(conn, _stage_all(conn, nets, targets), result)
+            return sum(net.changes for net in nets.values())
+        except _RefusedNetRows as refused:
+            if refused.table in in_order:
+                raise refused.error from refused.error.__cause__
+            in_order.add(refused.table)
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ POINTS: dict[str, str] = {
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",
     "add.after_begin": "the store says tables are being added; nothing else done",
     "add.after_copy": "an added table's rows and keys are on the target; the store not told",
+    "add.after_held_back": "an added table's held-back changes are applied; the store not told",
     "finish.after_record": "the store records the replication ended; slot and origin not dropped",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
     "store.renamed": "a range renamed into its bucket and synced; its writer's emptied scratch "

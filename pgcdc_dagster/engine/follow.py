@@ -61,10 +61,10 @@ for the range when one notifies it (at the latest every :data:`ASK_POLL_S`); the
 ends at a range boundary as for a stop, it runs none while the command has the range
 (:mod:`.range_lock`'s docstring says what must hold), and a new session starts from the durable
 state (with the tables an add added). A follower running under the asking session itself (the
-cutover's own catch-up) does not make way for it. An add that ended before
-finishing leaves its tables in the store's chain as being added; a follow without an endpos then
-applies nothing and says so until an add runs again, rather than failing on every range (the
-apply refuses them) and being started again by the sensor to fail again.
+cutover's own catch-up) does not make way for it. An add asks for the range only once its
+tables are copied (to apply their changes held back meanwhile): while they copy, and after an
+add that ended before finishing, the follow goes on applying the other tables' changes and
+holds theirs back (:func:`~.apply.apply_range`).
 
 Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
 endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
@@ -685,9 +685,7 @@ class Follower:
 
     def _make_way(self) -> None:
         """Between sessions: run none while a command that asked for the range has it (an
-        add, a cutover), nor, without an endpos, while an add that ended before finishing waits
-        to be run again (the apply would refuse every range meanwhile; a catch-up with an
-        endpos goes on, and the apply says so). Returns at once otherwise, and on a stop.
+        add, a cutover). Returns at once otherwise, and on a stop.
         Stops the follower when the replication was ended (:mod:`.finish`): nothing is left to
         follow (a catch-up, with an endpos, fails saying so)."""
         settings = self.settings
@@ -706,20 +704,12 @@ class Follower:
                     make_way(conn, settings.slot, False)
                     made = False
                     continue  # looked for again with the way closed: one may have just asked
-                if asking:
-                    note = (
-                        f"made way for {who_holds(asking)}, which asked for the range: it has "
-                        "it until it ends"
-                    )
-                else:
-                    chain = store.chain() if self.endpos is None else None
-                    if chain is None or not chain.adding:
-                        break
-                    names = " ".join(str(t) for t in chain.adding)
-                    note = (
-                        f"adding {names} did not finish, so nothing is applied: run pgcdc "
-                        f"add-table {names} again"
-                    )
+                if not asking:
+                    break
+                note = (
+                    f"made way for {who_holds(asking)}, which asked for the range: it has it "
+                    "until it ends"
+                )
                 if note != said:
                     self._report(None, note=note, waiting_for=note)
                     said = note

@@ -10,6 +10,7 @@ state of its own, and nothing here knows Dagster.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -21,7 +22,15 @@ from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .origin import progress_of
-from .range_lock import RangeBusyError, RangeLock, command_holder, range_lock_or_way
+from .range_lock import (
+    RangeBusyError,
+    RangeLock,
+    command_holder,
+    range_lock_or_way,
+    tables_changing,
+    tables_lock,
+    who_holds,
+)
 from .range_lock import range_lock as hold_range_lock
 from .receive import receive
 from .retention import prune_if_due
@@ -76,7 +85,8 @@ def take_snapshot(
     between leaves a chain that catch-up refuses and that the next call finds: it then redoes the
     snapshot from scratch (drops the slot, truncates the target tables the killed attempt was
     filling, drops the origin) and says so through ``notify``. The range lock is held
-    throughout, so no catch-up of the slot runs meanwhile.
+    throughout, so no catch-up of the slot runs meanwhile, and so is the tables lock, so no
+    ``pgcdc add-table`` copies meanwhile (it copies without the range).
     """
     from .snapshot import take_base_snapshot
 
@@ -84,7 +94,10 @@ def take_snapshot(
     redo = unfinished_snapshot(settings)
     if redo and notify is not None:
         notify(redo)
-    with range_lock(settings, lock_holder):
+    with (
+        range_lock(settings, lock_holder),
+        tables_lock(settings.target_dsn, settings.slot, lock_holder or command_holder()),
+    ):
         result = take_base_snapshot(
             settings.source_dsn,
             settings.target_dsn,
@@ -116,22 +129,34 @@ def add_tables(
     wait_s: float = 120.0,
 ) -> AddedTablesResult:
     """Add ``tables`` to the replication (:mod:`.snapshot.added`): copied as of a consistent
-    point of their own, the apply then skipping their changes at or before it.
+    point of their own, while the applies go on.
 
-    Crash-safe in two records of the store's chain, with the range to itself (no apply runs
-    meanwhile): the range lock, or a follow that holds it and made way for the add until it
-    ends (:func:`~.range_lock.range_lock_or_way`, waiting up to ``wait_s`` seconds for either).
-    The tables enter ``adding`` before the target changes, and ``synced_from`` once their copy
-    is done. A killed add leaves them in ``adding``: every apply refuses (a follow waits) until
-    the next add copies them again from scratch."""
+    How, as native logical replication's table sync does it:
+
+    1. The tables enter the store chain's ``adding`` before anything changes: from there every
+       apply holds their changes back (:func:`~.apply.apply_range`) and applies the other
+       tables', so a follow keeps the rest of the target fresh while they copy.
+    2. They are published and copied as of a temporary slot's consistent point ``C``, without
+       the range.
+    3. With the range (the range lock, or a follow holding it that made way, waiting up to
+       ``wait_s`` seconds for either: :func:`~.range_lock.range_lock_or_way`), their changes
+       the applies held back, from ``C`` to the target's origin ``O``, are applied from the
+       stored ranges (:func:`~.apply.apply_added_changes`), and they enter ``synced_from`` at
+       ``max(C, O)``: later applies take their changes past it.
+
+    One add or snapshot at a time (:func:`~.range_lock.tables_lock`, held throughout). Crash
+    anywhere: the tables stay in ``adding``, their changes held back, and the next add copies
+    them again from scratch; a prune removes nothing meanwhile (it would remove the ranges step
+    3 reads)."""
+    from .apply import apply_added_changes
     from .snapshot import add_tables as copy_added
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
     holder = lock_holder or command_holder()
-    with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
+    with tables_lock(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
-        if chain is not None and chain.finished:  # read with the range: no finish between
+        if chain is not None and chain.finished:
             raise StoreError(chain.finished)
         result = copy_added(
             settings.source_dsn,
@@ -145,12 +170,38 @@ def add_tables(
             begin=store.begin_adding,
             driver_max_rows=settings.driver_max_rows(),
         )
-        store.record_added(
-            [t.table for t in result.tables],
-            result.consistent_point,
-            {table: shape.unpublished for table, shape in result.shapes.items()},
+        added = [t.table for t in result.tables]
+        unpublished = {table: shape.unpublished for table, shape in result.shapes.items()}
+        with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
+            chain = store.chain()
+            if chain is not None and chain.finished:  # read with the range: no finish between
+                raise StoreError(chain.finished)
+            origin = origin_progress(settings) or result.consistent_point
+            held_back = apply_added_changes(
+                settings.target_dsn,
+                store,
+                added,
+                since=result.consistent_point,
+                through=origin,
+                unpublished=unpublished,
+            )
+            failpoint("add.after_held_back")
+            store.record_added(added, max(result.consistent_point, origin), unpublished)
+    return dataclasses.replace(result, held_back=held_back)
+
+
+def refuse_while_adding(settings: ReplicationSettings) -> None:
+    """Raise :class:`~.store.StoreError` while tables are being added: the applies hold their
+    changes back, so the target is not a whole copy of the source (a cutover then would
+    promote it without them, and compare only the tables its code location listed)."""
+    chain = store_of(settings).chain()
+    if chain is not None and chain.adding:
+        names = " ".join(str(t) for t in chain.adding)
+        raise StoreError(
+            f"adding {names} is not done, so their changes are held back and the target is "
+            f"not a whole copy: cut over once pgcdc add-table {names} has finished (run it "
+            "again if it was killed)"
         )
-    return result
 
 
 def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
@@ -319,12 +370,32 @@ class TablesAgreement:
     """Sent, not replicated (added to the publication by hand, never copied): every apply
     of a range that changes one fails until ``pgcdc add-table`` copies it."""
     adding: tuple[TableName, ...] = ()
-    """An add that did not finish (:attr:`~.store.Chain.adding`): nothing is applied until
-    ``pgcdc add-table`` runs again."""
+    """Tables being added (:attr:`~.store.Chain.adding`): the applies hold their changes back
+    until their add is done."""
+    adding_by: str = ""
+    """Who is adding them (the holder of :func:`~.range_lock.tables_lock`); empty: nobody, an
+    add ended before finishing and must run again."""
 
     @property
     def agree(self) -> bool:
-        return not (self.no_longer_published or self.not_added or self.adding)
+        """Nothing to act on: an add under way is not a problem, one left unfinished is."""
+        unfinished = self.adding and not self.adding_by
+        return not (self.no_longer_published or self.not_added or unfinished)
+
+    def adding_line(self) -> str | None:
+        """One line on the tables being added, with the fix when an add did not finish."""
+        if not self.adding:
+            return None
+        names = " ".join(str(t) for t in self.adding)
+        if self.adding_by:
+            return (
+                f"adding {names} ({self.adding_by}): their changes are held back until its "
+                "copy is done; the other tables' are applied"
+            )
+        return (
+            f"adding {names} did not finish, so their changes are held back (the other "
+            f"tables' are applied): run pgcdc add-table {names} again"
+        )
 
 
 def tables_agreement(settings: ReplicationSettings) -> TablesAgreement:
@@ -337,7 +408,10 @@ def tables_agreement(settings: ReplicationSettings) -> TablesAgreement:
     published = replicated_tables(settings)
     wanted = set(settings.tables) if settings.tables else None
     replicated = {*chain.tables, *chain.adding}
+    adders = tables_changing(settings.target_dsn, settings.slot) if chain.adding else []
+    adding_by = who_holds(adders) if adders else ""
     return TablesAgreement(
+        adding_by=adding_by,
         no_longer_published=tuple(no_longer_published(settings, published)),
         not_added=tuple(
             t for t in published if t not in replicated and (wanted is None or t in wanted)

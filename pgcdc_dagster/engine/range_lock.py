@@ -32,9 +32,10 @@ What must hold: the command never works while a follow runs a session. The comma
 and only then looks for :data:`ASKING` (taking it again if it is there). The server's lock table
 orders the four steps, so either the follow sees the command or the command sees no way made.
 A follow that dies meanwhile frees the range lock; a catch-up that takes it then (a new follow
-makes way too) finds the store's chain saying tables are being added and refuses to apply
-(:mod:`.apply`). A follow run by the command itself (the cutover's catch-up) runs under the
-asking session and does not make way for it.
+makes way too) finds the store's chain saying tables are being added and holds their changes
+back (:mod:`.apply`), as every apply does while an add copies them. A follow run by the
+command itself (the cutover's catch-up) runs under the asking session and does not make way for
+it.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ class LockHolder:
     client_addr: str | None
 
 
-RANGE, ASKING, MADE_WAY = 0, 1, 2
+RANGE, ASKING, MADE_WAY, TABLES = 0, 1, 2, 3
 """The kinds of lock a slot has: the range lock, a command asking for the range, a follow that
-made way for it (see the module docstring)."""
+made way for it (see the module docstring), and a command changing the replicated tables
+(:func:`tables_lock`)."""
 
 
 def lock_key(slot: str, kind: int = RANGE) -> int:
@@ -344,3 +346,37 @@ def range_lock_or_way(
         lock.made_way_by = None if others is None else who_holds(others)
         with _lending(lock, lend) as lent:
             yield lent
+
+
+# -- changing the replicated tables ----------------------------------------------------------
+
+
+@contextmanager
+def tables_lock(target_dsn: str, slot: str, holder: str, wait_s: float = 0.0) -> Iterator[None]:
+    """Hold the lock of ``slot``'s commands that change which tables are replicated and copy
+    them (``pgcdc add-table``, ``pgcdc snapshot``), one at a time, as ``holder``: waiting up to
+    ``wait_s`` seconds for another, then raising :class:`RangeBusyError` naming it.
+
+    Why apart from the range lock: an add copies its tables without the range (applies go on,
+    holding back the tables' changes), so two adds of one table, or an add and a snapshot,
+    would meet on the target's rows of that table with nothing else between them."""
+    deadline = time.monotonic() + wait_s
+    with _lock_session(target_dsn, holder) as conn:
+        key = lock_key(slot, TABLES)
+        while (others := _try_lock(conn, key)) is not None:
+            if time.monotonic() >= deadline:
+                raise RangeBusyError(
+                    f"another command changing the replicated tables of slot {slot} is "
+                    f"running ({who_holds(others)}): wait for it to finish (pgcdc status shows "
+                    "it), or pass a longer --wait",
+                    others,
+                )
+            time.sleep(_ASK_POLL_S)
+        yield
+
+
+def tables_changing(target_dsn: str, slot: str) -> list[LockHolder]:
+    """Who holds ``slot``'s :func:`tables_lock` now (an add under way: its tables are being
+    copied, not left unfinished); not a killed command whose session is still ending."""
+    with connect(target_dsn, role="target", autocommit=True, connect_timeout=5) as conn:
+        return [h for h in _holders(conn, lock_key(slot, TABLES)) if not _client_gone(h)]

@@ -20,6 +20,12 @@ What must hold, whatever is killed where:
   record, so across processes too), not per range, and an apply that finds one due starts it
   in a thread of its own.
 
+* **Not while a table is being added.** Its add reads, once its copy is done, the ranges stored
+  since the copy began (the table's changes the applies held back, see
+  :func:`~.apply.apply_added_changes`): while the chain lists a table in ``adding``, a prune
+  removes nothing. A prune that read the chain before it removes only ranges the target had
+  applied then, all before the add's copy began.
+
 Ranges of an earlier chain (before a re-snapshot) are history: they go by age alone.
 """
 
@@ -99,6 +105,14 @@ def prune(
             result.skipped = "no complete base snapshot in the store"
             return result
         assert chain.consistent_point is not None
+        if chain.adding:
+            # Its add applies the tables' changes the applies held back, from the ranges
+            # stored since its copy began: none may go before it is done.
+            names = " ".join(str(t) for t in chain.adding)
+            result.skipped = f"adding {names} (pgcdc add-table) is not done"
+            if not dry_run:
+                store.record_pruned(chain, None, None, now)
+            return result
         point, start = chain.consistent_point, chain.start
         if not dry_run:
             store.sweep_removed()

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import pipeline
+from pgcdc_dagster.engine import failpoints, pipeline
 from pgcdc_dagster.engine.apply import ApplyError
 from pgcdc_dagster.engine.follow import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
@@ -117,13 +117,15 @@ ADD_IN_CHILD = (
 )
 
 
-@pytest.mark.parametrize("point", ["add.after_begin", "add.after_copy"])
-def test_an_add_killed_anywhere_holds_the_apply_until_an_add_again_converges(
+@pytest.mark.parametrize("point", ["add.after_begin", "add.after_copy", "add.after_held_back"])
+def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converges(
     source_dsn, target_dsn, tmp_path, spark, point
 ):
-    """SIGKILL of a real ``add_tables`` process before the target changes, and once the copy
-    is on the target but not yet recorded: every apply refuses (the copy may be partial), the
-    temporary slot is gone with its process, and the next add copies again, exactly once."""
+    """SIGKILL of a real ``add_tables`` process before the target changes, once the copy is
+    on the target, and once the changes held back meanwhile are applied, each not yet
+    recorded: the applies go on with the other tables and hold the added table's changes back
+    (its copy may be partial), the temporary slot is gone with its process, and the next add
+    copies again, exactly once."""
     settings = _started(source_dsn, target_dsn, tmp_path, spark)
     child = subprocess.run(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
@@ -134,9 +136,11 @@ def test_an_add_killed_anywhere_holds_the_apply_until_an_add_again_converges(
     assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
     chain = OutputStore(settings.store).chain()
     assert chain is not None and chain.adding == (ADDED,)
-    with pytest.raises(ApplyError, match=r"adding table\(s\) public\.b .* did not finish.*"
-                       r"run pgcdc add-table public\.b again"):  # fmt: skip
-        catch_up(settings)
+    assert not pipeline.tables_agreement(settings).agree  # left unfinished: nobody adds it
+    done = catch_up(settings)  # a's changes applied, b's held back
+    assert {tuple(applied.held_back) for _, applied in done if applied.changes} == {("public.b",)}
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM a").fetchone() == (3,)
     with psycopg.connect(source_dsn) as conn:  # the temporary slot went with its session
         assert conn.execute(
             "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s",
@@ -149,6 +153,29 @@ def test_an_add_killed_anywhere_holds_the_apply_until_an_add_again_converges(
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
     with psycopg.connect(target_dsn) as conn:
         assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
+
+
+def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """An add copies its tables without the range (the applies go on), so the tables lock
+    keeps a second add, which would empty the table the first one copies into, and a
+    snapshot, which would copy it too, apart: each waits its ``--wait`` and then names the
+    one at work; nothing has changed."""
+    from pgcdc_dagster.engine.range_lock import RangeBusyError, tables_lock
+
+    settings = _started(source_dsn, target_dsn, tmp_path, spark)
+    with tables_lock(target_dsn, settings.slot, "run 4242"):
+        with pytest.raises(RangeBusyError, match=r"another command changing the replicated "
+                           r"tables of slot .* is running \(run 4242\)"):  # fmt: skip
+            pipeline.add_tables(settings, [ADDED], spark, wait_s=0.3)
+        with pytest.raises(RangeBusyError, match=r"\(run 4242\)"):
+            pipeline.take_snapshot(settings, spark, resnapshot=True)
+    chain = OutputStore(settings.store).chain()
+    assert chain is not None and chain.adding == () and chain.synced_from == {}
+    pipeline.add_tables(settings, [ADDED], spark)
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
 
 
 def _writes_to_a_and_b(dsn: str, stop: threading.Event) -> None:
@@ -220,12 +247,17 @@ def _b_applied(done: list[Followed]) -> int:
 
 
 def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_table(
-    source_dsn, target_dsn, tmp_path, spark
+    source_dsn, target_dsn, tmp_path, spark, monkeypatch
 ):
-    """``pgcdc add-table`` with a follow holding the range lock: the follow makes way at a
-    range boundary (nothing applied while the add has the range), the add puts ``b`` in the
-    publication and copies it, and the same follow goes on, applying ``b``'s changes past the
-    copy exactly once (``b`` has no key: a change applied twice is a row too many)."""
+    """``pgcdc add-table`` with a follow holding the range lock: the add puts ``b`` in the
+    publication and copies it (2 s longer here) while the follow goes on applying ``a``'s
+    changes and holding ``b``'s back; then the follow makes way at a range boundary (nothing
+    applied while the add has the range), the add applies ``b``'s changes held back, and the
+    same follow goes on, applying ``b``'s changes past them, each exactly once (``b`` has no
+    key: a change applied twice is a row too many)."""
+    monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(2)")
+    monkeypatch.setattr(failpoints, "_armed", None)  # read again here; as it was after
+    monkeypatch.setattr(failpoints, "_hits", {})
     with _following_while_writing(source_dsn, target_dsn, tmp_path, spark, "makeway") as (
         settings,
         follower,
@@ -236,6 +268,11 @@ def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_tabl
         took = time.monotonic() - began
         assert added.tables[0].rows > 1000
         assert took < 15, took  # a second to be seen, the ranges in hand applied, the copy
+        # While b was copied the follow applied a's changes, b's held back, and the add
+        # applied those once its copy was done.
+        during = [f for f in done if f.done.applied.held_back == ["public.b"]]
+        assert sum(f.done.applied.tables["public.a"].changes for f in during) > 20
+        assert added.held_back > 20
         _wait_for(lambda: _b_applied(done) > 0)
         assert follower.summary.made_way == 1
         chain = OutputStore(settings.store).chain()
@@ -253,13 +290,15 @@ def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_tabl
         )
 
 
-def test_an_add_killed_while_a_follow_made_way_holds_that_follow_until_an_add_again_converges(
-    source_dsn, target_dsn, tmp_path, spark
+@pytest.mark.parametrize("point", ["add.after_copy", "add.after_held_back"])
+def test_an_add_killed_while_a_follow_runs_leaves_it_applying_until_an_add_again_converges(
+    source_dsn, target_dsn, tmp_path, spark, point
 ):
-    """SIGKILL of a real add process once its copy is on the target, while a follow made way
-    for it: the follow neither fails (the sensor would start follow after follow, each to
-    fail) nor applies anything (the copy may be partial); it waits, saying what to run, and
-    goes on once the add is run again, exactly once."""
+    """SIGKILL of a real add process once its copy is on the target (the follow never made
+    way), and once it applied the changes held back while the follow made way for it: the
+    follow neither fails (the sensor would start follow after follow, each to fail) nor stops;
+    it goes on applying ``a``'s changes and holding ``b``'s back (the copy may be partial),
+    and takes ``b`` on once the add is run again, exactly once."""
     with _following_while_writing(source_dsn, target_dsn, tmp_path, spark, "makeway_kill") as (
         settings,
         follower,
@@ -267,19 +306,21 @@ def test_an_add_killed_while_a_follow_made_way_holds_that_follow_until_an_add_ag
     ):
         child = subprocess.run(
             [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
-            env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=kill@1"},
+            env={**os.environ, "PGCDC_FAILPOINT": f"{point}=kill@1"},
             capture_output=True,
             timeout=300,
         )
         assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
-        ranges = follower.summary.ranges
-        time.sleep(3)  # the writes go on; the follow applies none of them
-        assert follower.summary.ranges == ranges
-        assert follower.summary.made_way == 0  # still waiting: counted once it goes on
+        applied = len(done)
+        _wait_for(lambda: len(done) > applied + 3)  # the follow goes on
+        assert done[-1].done.applied.held_back == ["public.b"]
+        assert _b_applied(done) == 0
+        made_way = 0 if point == "add.after_copy" else 1
+        assert follower.summary.made_way == made_way
 
         pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
         _wait_for(lambda: _b_applied(done) > 0)
-        assert follower.summary.made_way == 1
+        assert follower.summary.made_way == made_way + 1
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
     with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as dst:
         assert (
@@ -410,10 +451,11 @@ def _way_made(dsn: str) -> bool:
 def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_once(
     source_dsn, target_dsn, tmp_path, spark
 ):
-    """SIGKILL of a real follow process while an add works under its range lock: the lock is
-    free again, and the next follow (the sensor's) takes it while the add still works. It must
-    make way before anything else, since applying then would meet the table half copied (the
-    apply refuses: the follow would fail, and the sensor start follow after follow)."""
+    """SIGKILL of a real follow process while an add works under its range lock (it applied
+    the changes held back during its copy, and has not recorded the table as added): the lock
+    is free again, and the next follow (the sensor's) takes it while the add still works. It
+    must make way before anything else: a range applied then would hold back the table's
+    changes past the point the add records it from, and lose them."""
     _source(source_dsn, "CREATE TABLE a (id int PRIMARY KEY)", "INSERT INTO a VALUES (1)")
     settings = settings_for(source_dsn, target_dsn, tmp_path, "makeway_followkill")
     pipeline.take_snapshot(settings, spark)
@@ -427,7 +469,7 @@ def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_
     _wait_for(lambda: lock_holders(target_dsn, settings.slot) != [])  # the follow runs first
     adder = subprocess.Popen(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
-        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(6)@1"},
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_held_back=sleep(6)@1"},
     )
     try:
         _wait_for(lambda: _way_made(target_dsn))

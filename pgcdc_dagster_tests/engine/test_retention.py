@@ -90,6 +90,24 @@ def test_young_ranges_and_a_target_that_applied_nothing_keep_everything(tmp_path
     assert prune(young, ORIGIN, 0).removed  # retention 0: every applied range but the last
 
 
+def test_nothing_goes_while_a_table_is_being_added(tmp_path):
+    """An add reads the ranges stored since its copy began once the copy is done (its
+    table's changes the applies held back): a prune removes none until the add is done."""
+    from pgcdc_dagster.engine.identifiers import TableName
+
+    store = store_with(tmp_path)
+    store.begin_adding([TableName("public", "b")])
+    result = prune(store, ORIGIN, HOUR)
+    assert (
+        result.removed == [] and result.skipped == "adding public.b (pgcdc add-table) is not done"
+    )
+    assert len(store.chain_ranges()) == len(RANGES)
+    chain = store.chain()
+    assert chain is not None and chain.pruned_at is not None  # looked: spaced as any prune
+    store.record_added([TableName("public", "b")], Lsn("0/2000"), {})
+    assert [r.key for r in prune(store, ORIGIN, HOUR).removed] == keys(RANGES[:3])
+
+
 def test_only_an_old_enough_prefix_goes(tmp_path):
     store = store_with(tmp_path)
     now = time.time()

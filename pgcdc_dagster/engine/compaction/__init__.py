@@ -110,6 +110,29 @@ def compact_in_commit_order(
     return compact_arrow(changes, {table: relation}, after_lsn=after_lsn, floors=floors)[table]
 
 
+def compact_held_back(
+    stored: StoredRange,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    since: int,
+    through: int,
+) -> dict[TableName, NetChanges]:
+    """The net changes of ``relations``' tables (added ones, whose changes the range's apply
+    held back) committed after ``since`` (their copy's consistent point) and at or before
+    ``through`` (the target's origin: what the apply took of the range's other tables). A
+    relation with no identity (``with_identity(())``) gives its changes in commit order."""
+    changes = stored.read_table(KERNEL_COLUMNS)
+    versions = pa.array([v for rel in relations.values() for v in rel.versions], pa.int32())
+    lsns = changes.column("commit_end_lsn")
+    changes = changes.filter(
+        pc.and_(
+            pc.is_in(changes.column("relation_version"), value_set=versions),
+            pc.and_(pc.greater(lsns, since), pc.less_equal(lsns, through)),
+        )
+    )
+    return compact_arrow(changes, relations)
+
+
 def _split_by_table(
     changes: pa.Table, relations: Mapping[TableName, TableRelation]
 ) -> Iterator[tuple[TableName, pa.Table]]:
@@ -157,6 +180,7 @@ __all__ = [
     "RelationColumn",
     "TableRelation",
     "compact_arrow",
+    "compact_held_back",
     "compact_in_commit_order",
     "compact_range",
     "compact_table",

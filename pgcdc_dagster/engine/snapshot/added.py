@@ -6,17 +6,17 @@ are copied here as native logical replication's table sync copies them: in the e
 snapshot of a temporary slot created now, whose consistent point ``X`` splits the table's
 history. Its changes committed at or before ``X`` are in the copy; those after ``X`` arrive
 through the chain's own slot, since the table is in the publication before the temporary slot
-exists. The apply skips the table's changes at or before ``X`` (``Chain.synced_from``, see
-:func:`~..apply.apply_range`); ``X`` is at or past the target's origin, which cannot move while
-the range lock is held.
+exists. The copy runs without the range: the applies hold the table's changes back meanwhile,
+and the caller (:func:`~..pipeline.add_tables`) then applies those past ``X`` with the range.
 
 Foreign keys from or to the added tables are created ``NOT VALID``: the copy stands at ``X``,
 the target's other tables at its origin (see :mod:`.foreign_keys`); the cutover validates them.
 
-Crash anywhere: the caller (:func:`~..pipeline.add_tables`) holds the range lock and records the
-tables as being added (``Chain.adding``) before the target changes, and as added once this
-returns. Until then no range is applied; the next add copies them again, truncating what the
-killed one left. The temporary slot goes with its connection, however that ends.
+Crash anywhere: the tables are recorded as being added (``Chain.adding``, through ``begin``)
+before the target changes, and as added by the caller once their held-back changes are
+applied. Until then every apply holds their changes back; the next add copies them again,
+truncating what the killed one left. The temporary slot goes with its connection, however
+that ends.
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ class AddedTablesResult:
     foreign_keys: AddedKeys
     not_null_dropped: tuple[str, ...]
     seconds: float
+    held_back: int = 0
+    """The tables' changes the applies held back while they were copied, applied after."""
 
     @property
     def rows(self) -> int:
