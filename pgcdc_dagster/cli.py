@@ -531,8 +531,8 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     else:
         print(
             f"added {report['added_tables']}: {report['rows']} rows copied as of "
-            f"{report['consistent_point']}, their changes past it applied by the next catchup "
-            "or follow"
+            f"{report['consistent_point']}, {report['held_back_changes']} change(s) held back "
+            "meanwhile applied, the rest applied by the next catchup or follow"
         )
     return 0
 

@@ -218,14 +218,16 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
 
 def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
     """Tables added to the replication: their copy, the consistent point it stands at (their
-    changes at or before it are skipped by the apply), and the foreign keys created ``NOT
-    VALID`` (validated by the cutover) or not at all, with why."""
+    changes at or before it are skipped by the apply), their changes the applies held back
+    while it ran (applied after it), and the foreign keys created ``NOT VALID`` (validated by
+    the cutover) or not at all, with why."""
     return {
         **_loosened(result.not_null_dropped),
         "added_tables": text(", ".join(str(t.table) for t in result.tables)),
         "consistent_point": text(result.consistent_point),
         "tables": copied_tables(result.tables, result.shapes),
         "rows": number(result.rows),
+        "held_back_changes": number(result.held_back),
         "foreign_keys_not_valid": text("; ".join(result.foreign_keys.not_valid) or "none"),
         "foreign_keys_skipped": text("; ".join(result.foreign_keys.skipped) or "none"),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),

@@ -155,6 +155,53 @@ def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converg
         assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
 
 
+def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_once(
+    source_dsn, target_dsn, tmp_path, spark, monkeypatch
+):
+    """An update, a delete and an insert of ``b`` (no key) committed after its copy's
+    consistent point, caught up (``a``'s changes applied, ``b``'s held back) while the add's
+    copy is still under way: the add applies them once its copy is done, before any later
+    catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
+    settings = _started(source_dsn, target_dsn, tmp_path, spark)
+    monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(4)")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
+    added = []
+    adder = threading.Thread(
+        target=lambda: added.append(pipeline.add_tables(settings, [ADDED], spark))
+    )
+    adder.start()
+    temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        pattern = (f"{settings.slot}_add_%",)
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))  # copied
+    _source(
+        source_dsn,
+        "UPDATE b SET v = 'during' WHERE k = 1",
+        "DELETE FROM b WHERE k = 2",
+        "INSERT INTO b VALUES (7, 'during')",
+        "INSERT INTO a VALUES (4, 'during')",
+    )
+    done = catch_up(settings)
+    assert adder.is_alive()  # still in its copy's last step
+    assert any(applied.held_back == ["public.b"] for _, applied in done)
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM a").fetchone() == (4,)
+    adder.join(timeout=120)
+    (result,) = added
+    assert result.held_back == 3
+    chain = OutputStore(settings.store).chain()
+    origin = pipeline.origin_progress(settings)
+    assert chain is not None and chain.adding == () and chain.synced_from == {ADDED: origin}
+    expected = [(1, "during"), (3, "before"), (4, "published"), (5, "published"), (7, "during")]
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT k, v FROM b ORDER BY k").fetchall() == expected
+    _source(source_dsn, "INSERT INTO b VALUES (8, 'after')")
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+
+
 def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
     source_dsn, target_dsn, tmp_path, spark
 ):
