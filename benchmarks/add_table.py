@@ -22,10 +22,13 @@ freshness of ``a`` is reported for the probes committed during its own add (medi
 worst): ours goes on applying ``a`` while ``b`` copies (holding ``b``'s changes back) and
 makes way only for the add's last step (the held-back changes applied, ``b`` recorded), as
 native goes on applying ``a`` while ``b`` syncs. The follow's own account (``made_way_s``)
-comes from its ``--json`` totals once it is stopped.
+comes from its ``--json`` totals once it is stopped. ``--writes-to-added R``: besides, ``b``
+is updated R times a second on the source throughout (both adds), so each side must take the
+changes committed while ``b`` copies (ours: held back by the applies, then applied by the add,
+``held_back_changes``); the final comparison of ``b`` checks they were taken exactly once.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/add_table.py [--rows 1000000]
-[--repeat 1] [--server off|warm] [--while-following] [--json F]``.
+[--repeat 1] [--server off|warm] [--while-following [--writes-to-added R]] [--json F]``.
 """
 
 from __future__ import annotations
@@ -202,8 +205,51 @@ class Probes:
         }
 
 
+@contextlib.contextmanager
+def writing_added(source_dsn: str, rows: int, rate: float) -> Iterator[None]:
+    """``b`` updated ``rate`` times a second (a row in 1,000 of the first ``rows``) meanwhile."""
+    stop = threading.Event()
+
+    def write() -> None:
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            n = 0
+            while not stop.wait(1.0 / rate):
+                n += 1
+                conn.execute(
+                    "UPDATE b SET abalance = abalance + 1 WHERE id = %s", (n * 997 % rows + 1,)
+                )
+
+    writer = threading.Thread(target=write)
+    if rate > 0:
+        writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if rate > 0:
+            writer.join()
+
+
+def added_by_command(env: dict[str, str], work: Any) -> tuple[float, dict[str, Any]]:
+    """``pgcdc add-table b --json`` from a fresh process: its seconds and its report."""
+    started = time.perf_counter()
+    done = subprocess.run(
+        [PGCDC, "add-table", "b", "--json"], env=env, capture_output=True, text=True, cwd=work
+    )
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"pgcdc add-table b failed: {done.stderr[-3000:]}")
+    return seconds, json.loads(done.stdout)
+
+
 def run_while_following(
-    env: dict[str, str], work: Any, source_dsn: str, native_dsn: str, run: int
+    env: dict[str, str],
+    work: Any,
+    source_dsn: str,
+    native_dsn: str,
+    run: int,
+    rows: int,
+    writes_to_added: float,
 ) -> dict[str, Any]:
     """The two adds while each side's replication runs, with probes (see the docstring)."""
     follow = subprocess.Popen(
@@ -225,13 +271,16 @@ def run_while_following(
         # b's rows, written before the follow started, are WAL every peek decodes again (and
         # filters out) until the slot's restart point is past them: about 15 s (see README).
         caught_up(source_dsn, env["PGCDC_SLOT"], "restart_lsn")
-        with Probes(
-            source_dsn, {"ours": env["PGCDC_TARGET_DSN"], "native": native_dsn}
-        ).running() as probes:
+        with (
+            Probes(
+                source_dsn, {"ours": env["PGCDC_TARGET_DSN"], "native": native_dsn}
+            ).running() as probes,
+            writing_added(source_dsn, rows, writes_to_added),
+        ):
             time.sleep(3.0)  # both sides steady
             steady = (time.monotonic() - 2.0, time.monotonic())
             began = time.monotonic()
-            ours = timed_command(env, work, "add-table", "b")
+            ours, report = added_by_command(env, work)
             ours_window = (began, time.monotonic())
             time.sleep(2.0)
             began = time.monotonic()
@@ -248,6 +297,7 @@ def run_while_following(
         "ours_add_s": round(ours, 3),
         "native_add_s": round(native, 3),
         "ours_made_way_s": totals.get("made_way_s"),
+        "ours_held_back_changes": report.get("held_back_changes"),
         "ours_follow_said": [
             line for line in err.splitlines() if "made way" in line or "going on" in line
         ],
@@ -270,7 +320,9 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
                 env = {**env, "PGCDC_SERVER": "auto"}
                 stack.enter_context(warm_command_server(env))
             if args.while_following:
-                following = run_while_following(env, work, source_dsn, native_dsn, run)
+                following = run_while_following(
+                    env, work, source_dsn, native_dsn, run, args.rows, args.writes_to_added
+                )
                 ours, native = following["ours_add_s"], following["native_add_s"]
             else:
                 following = {}
@@ -300,6 +352,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--server", choices=("off", "warm"), default="off")
+    parser.add_argument("--writes-to-added", type=float, default=0.0)
     parser.add_argument(
         "--while-following", action="store_true", help="add while pgcdc follow runs, with probes"
     )

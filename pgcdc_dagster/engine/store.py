@@ -236,7 +236,8 @@ class Chain:
     takes their absence from the stream for that, not for a column dropped on the source."""
     adding: tuple[TableName, ...] = ()
     """Tables an add (``pgcdc add-table``) began to copy and has not finished: their rows on
-    the target may be partial, so no range is applied until the add is run again."""
+    the target may be partial, so every apply holds their changes back (applying the other
+    tables') until their add applies those and records them as added."""
     synced_from: dict[TableName, Lsn] = field(default_factory=dict)
     """Per table added after the base snapshot, its own copy's consistent point: the copy
     holds its changes committed at or before it, so the apply skips those in the stream."""
@@ -646,7 +647,8 @@ class OutputStore:
 
     def begin_adding(self, tables: Sequence[TableName]) -> None:
         """Record, durably, that ``tables`` are being added to the current chain
-        (:attr:`Chain.adding`): from here until :meth:`record_added`, no range is applied."""
+        (:attr:`Chain.adding`): from here until :meth:`record_added`, the applies hold their
+        changes back."""
         with self.chain_lock() as chain:
             complete = self._complete(chain)
             adding = sorted({*complete.adding, *tables})
