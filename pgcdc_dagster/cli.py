@@ -392,7 +392,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     tables.sort(key=lambda t: t["table"])
     differing = [t["table"] for t in tables if not t["equal"]]
-    stale = pipeline.no_longer_published(settings, published)
+    agreement = pipeline.tables_agreement(settings)
+    stale = agreement.no_longer_published
+    adding = agreement.adding_line()
     if args.json:
         print(
             json.dumps(
@@ -400,6 +402,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "equal": not differing and not stale,
                     "differing_tables": differing,
                     "no_longer_published": [str(t) for t in stale],
+                    "adding": adding,
                     "tables": tables,
                 },
                 indent=2,
@@ -407,6 +410,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     else:
         _print_tables(tables, stale)
+        if adding is not None:  # why those tables differ, and whether to act
+            print(f"NOTE {adding}")
     _refuse_differing(differing, stale)
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
