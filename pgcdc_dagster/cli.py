@@ -529,7 +529,8 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     # Its run waits for the range itself, up to --wait: a live follow makes way for it.
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table", waiting=False)
     config = {"ops": {"copy_added_tables": {"config": {"tables": tables, "wait_s": args.wait}}}}
-    result = run_job(ADD_TABLES_JOB, run_config=config)
+    with shown():  # the copy's progress, as a snapshot's
+        result = run_job(ADD_TABLES_JOB, run_config=config)
     report = {k: v for k, v in _observed(result).items() if k != "tables"}
     if args.json:
         print(json.dumps(report, indent=2))

@@ -68,10 +68,10 @@ def _live(stream: TextIO) -> Iterator[engine_progress.Listener]:
 
     def listener(report: engine_progress.Progress) -> None:
         if isinstance(report, engine_progress.SnapshotProgress):
-            overall = task("snapshot", "snapshot")
+            overall = task("snapshot", report.work)
             bars.update(
                 overall,
-                description=f"snapshot: {report.phase}",
+                description=f"{report.work}: {report.phase}",
                 total=report.estimated_bytes or None,
                 completed=report.copied_bytes,
                 detail=escape(report.note)

@@ -170,6 +170,16 @@ def test_progress_is_plain_lines_when_not_on_a_terminal(cli_env):
     assert catchup.returncode == 0, err
     assert "pgcdc: follow: 1 ranges, 1 transactions, 100 changes" in err, err
 
+    # An add's copy (hours for a big table, beside the applies) says how far it is too.
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
+        conn.execute("CREATE TABLE later AS SELECT g AS id FROM generate_series(1, 300) g")
+        conn.execute("ALTER TABLE later ADD PRIMARY KEY (id)")
+    add = _pgcdc("add-table", "later", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = add.communicate(timeout=300)
+    assert add.returncode == 0, err
+    assert "pgcdc: add-table copy: " in err, err
+    assert "pgcdc: add-table done: 300/~" in err, err
+
 
 def test_progress_is_drawn_live_on_a_terminal(cli_env):
     import os

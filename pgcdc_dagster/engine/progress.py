@@ -43,6 +43,8 @@ class SnapshotProgress:
     mb_per_s: float = 0.0
     note: str = ""
     """What the phase waits for, when it waits (``slot``)."""
+    work: str = "snapshot"
+    """Whose copy: ``snapshot`` (the base snapshot) or ``add-table`` (tables added later)."""
 
     @property
     def rows(self) -> int:
@@ -69,10 +71,10 @@ class SnapshotProgress:
 
     def line(self) -> str:
         if self.note:
-            return f"snapshot {self.phase}: {self.note}, {self.elapsed_s:.0f} s"
+            return f"{self.work} {self.phase}: {self.note}, {self.elapsed_s:.0f} s"
         eta = f", ETA {self.eta_s:.0f} s" if self.eta_s is not None else ""
         return (
-            f"snapshot {self.phase}: {self.rows:,}/~{self.estimated_rows:,} rows, "
+            f"{self.work} {self.phase}: {self.rows:,}/~{self.estimated_rows:,} rows, "
             f"{self.copied_bytes / 1e6:,.1f}/~{self.estimated_bytes / 1e6:,.1f} MB, "
             f"{self.mb_per_s:,.1f} MB/s{eta}, {self.elapsed_s:.0f} s"
         )
@@ -237,9 +239,15 @@ class CopyWatcher:
     so Spark's tasks and the driver's are seen alike, from outside them."""
 
     def __init__(
-        self, source_dsn: str, target_dsn: str, tables: Sequence[TableName], started: float
+        self,
+        source_dsn: str,
+        target_dsn: str,
+        tables: Sequence[TableName],
+        started: float,
+        work: str = "snapshot",
     ) -> None:
         self.target_dsn = target_dsn
+        self.work = work
         self.names = ([t.schema for t in tables], [t.name for t in tables])
         self.started = started
         self.estimates: dict[str, tuple[int, int]] = {}
@@ -301,4 +309,4 @@ class CopyWatcher:
         if self._last is not None and now > self._last[0]:
             rate = max(0.0, (copied - self._last[1]) / (now - self._last[0]) / 1e6)
         self._last = (now, copied)
-        return SnapshotProgress(phase, now - self.started, tables, rate)
+        return SnapshotProgress(phase, now - self.started, tables, rate, work=self.work)

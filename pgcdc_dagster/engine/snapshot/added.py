@@ -33,6 +33,7 @@ from ..connect import connect
 from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..progress import CopyWatcher
 from ..published import PublishedShape
 from ..sequences import sync_sequences
 from .base import populated_tables, prepare_published, start_spark_if_needed
@@ -125,26 +126,39 @@ def add_tables(
         ensure_publication(src, publication, resolved)
         spark = start_spark_if_needed(src, resolved, spark, driver_max_rows)
 
+    # A big table copies for hours beside the applies: the same live progress as a snapshot's
+    # (the command line's display, the run's log lines).
+    progress = CopyWatcher(
+        source_dsn,
+        target_dsn,
+        resolved,
+        time.monotonic() - (time.perf_counter() - started),
+        work="add-table",
+    )
     with create_slot_with_snapshot(
         source_dsn, temporary_slot_name(slot_name), temporary=True
     ) as exported:
         slot = exported.slot
+        progress.phase("schema")
         schema = prepare_published(
             source_dsn, target_dsn, publication, resolved, slot.snapshot_name
         )
-        copies = copy_tables(
-            spark,
-            source_dsn,
-            target_dsn,
-            slot.snapshot_name,
-            resolved,
-            driver_max_rows=driver_max_rows,
-            new_tables=set(resolved).difference(existing),
-            shapes=schema.shapes,
-        )
+        with progress:
+            copies = copy_tables(
+                spark,
+                source_dsn,
+                target_dsn,
+                slot.snapshot_name,
+                resolved,
+                driver_max_rows=driver_max_rows,
+                new_tables=set(resolved).difference(existing),
+                shapes=schema.shapes,
+            )
+    progress.phase("keys")
     post_data = copy_schema_post_data(source_dsn, target_dsn, resolved, foreign_keys=False)
     foreign_keys = add_not_valid(source_dsn, target_dsn, resolved, replicated)
     sync_sequences(source_dsn, target_dsn)
+    progress.phase("done")
     failpoint("add.after_copy")
     return AddedTablesResult(
         tables=tuple(copies),
