@@ -88,6 +88,21 @@ def test_an_end_with_abandon_drops_what_the_target_lacks(source_dsn, target_dsn,
     assert not _slot_exists(settings) and not _origin_exists(settings)
 
 
+def test_an_end_refuses_while_a_table_is_being_added(source_dsn, target_dsn, tmp_path, spark):
+    """An add not done (here one killed after recording its table as being added) leaves
+    that table's changes held back: an end would leave the target without them for good."""
+    from pgcdc_dagster.engine.identifiers import TableName
+
+    settings = _replicating(source_dsn, target_dsn, tmp_path, spark, "finish_adding")
+    OutputStore(settings.store).begin_adding([TableName("public", "b")])
+    with pytest.raises(FinishRefusedError, match=r"adding public\.b is not done.*pgcdc "
+                       r"add-table public\.b.*--abandon"):  # fmt: skip
+        finish(settings, "test", 5)
+    assert _slot_exists(settings) and OutputStore(settings.store).chain().finished_at is None
+    finish(settings, "test", 5, abandon=True)
+    assert not _slot_exists(settings)
+
+
 FINISH_IN_CHILD = (
     "import sys; from pgcdc_dagster.engine.finish import finish; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
