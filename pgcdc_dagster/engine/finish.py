@@ -29,11 +29,10 @@ from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn
 from .origin import drop_origin
-from .pipeline import expected_origin_progress, origin_progress, store_of
+from .pipeline import adding_not_done, expected_origin_progress, origin_progress, store_of
 from .range_lock import range_lock_or_way
 from .settings import ReplicationSettings
 from .slot import drop_slot, released
-from .store import Chain
 
 
 class FinishRefusedError(PgcdcError):
@@ -76,7 +75,10 @@ def finish(
         if chain.finished_at is None:
             if not abandon:
                 _refuse_if_behind(settings, applied)
-                _refuse_while_adding(chain)
+                if (refusal := adding_not_done(chain)) is not None:
+                    raise FinishRefusedError(
+                        f"{refusal}, or pgcdc finish --abandon to end the replication without them"
+                    )
             store.record_finished(applied or chain.consistent_point)
         failpoint("finish.after_record")
         with (
@@ -101,18 +103,6 @@ def finish(
 def _slot_exists(src: psycopg.Connection[Any], slot: str) -> bool:
     row = src.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (slot,))
     return row.fetchone() is not None
-
-
-def _refuse_while_adding(chain: Chain) -> None:
-    """An add not done leaves its tables' changes held back (their copy may be partial): the
-    target would be left without them for good."""
-    if chain.adding:
-        names = " ".join(str(t) for t in chain.adding)
-        raise FinishRefusedError(
-            f"adding {names} is not done, so the target lacks their changes held back "
-            f"meanwhile: let pgcdc add-table {names} finish (run it again if it was killed), "
-            "then pgcdc cutover, or pgcdc finish --abandon to end the replication without them"
-        )
 
 
 def _refuse_if_behind(settings: ReplicationSettings, applied: Lsn | None) -> None:

@@ -36,7 +36,7 @@ from .receive import receive
 from .retention import prune_if_due
 from .settings import ReplicationSettings
 from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
-from .store import OutputStore, RangeResult, StoredRange, StoreError
+from .store import Chain, OutputStore, RangeResult, StoredRange, StoreError
 
 if TYPE_CHECKING:
     import psycopg
@@ -190,18 +190,24 @@ def add_tables(
     return dataclasses.replace(result, held_back=held_back)
 
 
+def adding_not_done(chain: Chain | None) -> str | None:
+    """While tables are being added, one line saying why the target is not a whole copy of the
+    source (the applies hold their changes back) and what to run; ``None`` otherwise. Ending
+    the replication on it (a cutover, a finish) would leave the target without them."""
+    if chain is None or not chain.adding:
+        return None
+    names = " ".join(str(t) for t in chain.adding)
+    return (
+        f"adding {names} is not done, so their changes are held back and the target is not a "
+        f"whole copy: let pgcdc add-table {names} finish (run it again if it was killed) first"
+    )
+
+
 def refuse_while_adding(settings: ReplicationSettings) -> None:
-    """Raise :class:`~.store.StoreError` while tables are being added: the applies hold their
-    changes back, so the target is not a whole copy of the source (a cutover then would
-    promote it without them, and compare only the tables its code location listed)."""
-    chain = store_of(settings).chain()
-    if chain is not None and chain.adding:
-        names = " ".join(str(t) for t in chain.adding)
-        raise StoreError(
-            f"adding {names} is not done, so their changes are held back and the target is "
-            f"not a whole copy: cut over once pgcdc add-table {names} has finished (run it "
-            "again if it was killed)"
-        )
+    """Raise :class:`~.store.StoreError` while tables are being added (:func:`adding_not_done`;
+    a cutover also compares only the tables its code location listed)."""
+    if (refusal := adding_not_done(store_of(settings).chain())) is not None:
+        raise StoreError(refusal)
 
 
 def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
