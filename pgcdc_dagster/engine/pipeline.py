@@ -154,6 +154,17 @@ def add_tables(
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
     holder = lock_holder or command_holder()
+
+    def begin(tables: Sequence[TableName]) -> None:
+        store.begin_adding(tables)
+        redo = set(chain.adding) if chain else set()
+        if (set(tables) - redo) & set(replicated_tables(settings)):
+            # Published already (by hand), so their changes stream: an apply that read the
+            # chain before this may be writing them now. Once the range was ours for a moment,
+            # every apply reads the chain after it, and holds them back.
+            with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
+                pass
+
     with tables_lock(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
         if chain is not None and chain.finished:
@@ -167,7 +178,7 @@ def add_tables(
             spark=spark,
             redo=chain.adding if chain else (),
             replicated=chain.tables if chain else (),
-            begin=store.begin_adding,
+            begin=begin,
             driver_max_rows=settings.driver_max_rows(),
         )
         added = [t.table for t in result.tables]

@@ -97,7 +97,8 @@ def add_tables(
     is copied whole), before anything changes. ``replicated``: the tables replicated already
     (a foreign key between an added table and one of them is created ``NOT VALID``; to any
     other, skipped). ``begin`` is called with the resolved tables once the guards passed and
-    before anything changes (the caller records them as being added there)."""
+    before anything changes (the caller records them as being added there, after which no
+    apply writes them: it waits for an apply in flight that could)."""
     from ..preflight import check_source
     from ..publication import ensure_publication
     from ..slot import create_slot_with_snapshot
@@ -117,7 +118,11 @@ def add_tables(
         )
     begin(resolved)
     failpoint("add.after_begin")
-    if populated:  # what a killed add copied
+    with connect(target_dsn, role="target", autocommit=True) as tgt:
+        # Again, past ``begin``: an apply that read the chain before it (a table published by
+        # hand streams already) may have written one since the guard; ``begin`` waited for it.
+        existing, populated = populated_tables(tgt, resolved)
+    if populated:  # what a killed add copied, or such an apply wrote
         with connect(target_dsn, role="target") as tgt:
             drop_incoming(tgt, populated)
             tgt.execute(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(t.sql for t in populated)))
