@@ -104,13 +104,15 @@ def replicated_tables(
     return replicated_tables_result(pgcdc.settings())
 
 
-def replicated_tables_result(settings: pipeline.ReplicationSettings) -> AssetCheckResult:
+def replicated_tables_result(
+    settings: pipeline.ReplicationSettings, timeout_s: int | None = None
+) -> AssetCheckResult:
     """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (a table sent
     but never added), a warning when a target copy is not kept in sync (a table no longer
     sent: nothing fails, as with native replication; an add left unfinished: its tables'
     changes are held back). An add under way passes, and says so."""
     try:
-        agreement = pipeline.tables_agreement(settings)
+        agreement = pipeline.tables_agreement(settings, timeout_s=timeout_s)
     except ENGINE_ERRORS as exc:
         return AssetCheckResult(
             passed=False, severity=AssetCheckSeverity.WARN, description=f"not known: {exc}"

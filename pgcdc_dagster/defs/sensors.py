@@ -147,7 +147,7 @@ def tables_evaluation(
     now = time.time()
     if now - float(last.get("checked_at", 0)) < TABLES_CHECKED_EVERY_S:
         return [], last
-    result = replicated_tables_result(settings)
+    result = replicated_tables_result(settings, timeout_s=3)  # as the tick's other queries
     said = [result.passed, result.description]
     part = {**last, "checked_at": now}
     if said == last.get("said") and now - float(last.get("recorded_at", 0)) < (

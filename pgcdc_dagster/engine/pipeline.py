@@ -415,14 +415,17 @@ class TablesAgreement:
         )
 
 
-def tables_agreement(settings: ReplicationSettings) -> TablesAgreement:
-    """How the chain's tables and the publication's agree (one query of the source, and one
-    of the target when a replicated table is no longer sent). Nothing to say before a base
-    snapshot completes, nor of a chain that predates its record of tables."""
+def tables_agreement(
+    settings: ReplicationSettings, *, timeout_s: int | None = None
+) -> TablesAgreement:
+    """How the chain's tables and the publication's agree (one query of the source, within
+    ``timeout_s`` when given, and one of the target when a replicated table is no longer sent
+    or one is being added). Nothing to say before a base snapshot completes, nor of a chain
+    that predates its record of tables."""
     chain = store_of(settings).chain()
     if chain is None or not chain.complete or not chain.tables:
         return TablesAgreement()
-    published = replicated_tables(settings)
+    published = replicated_tables(settings, timeout_s=timeout_s)
     wanted = set(settings.tables) if settings.tables else None
     replicated = {*chain.tables, *chain.adding}
     adders = tables_changing(settings.target_dsn, settings.slot) if chain.adding else []
@@ -454,11 +457,17 @@ def added_beyond(settings: ReplicationSettings, listed: Sequence[TableName]) -> 
     return [t for t in extra if t in sent]
 
 
-def replicated_tables(settings: ReplicationSettings) -> list[TableName]:
-    """The tables the publication carries (the source's own answer)."""
+def replicated_tables(
+    settings: ReplicationSettings, *, timeout_s: int | None = None
+) -> list[TableName]:
+    """The tables the publication carries (the source's own answer); within ``timeout_s``
+    seconds, when given (the slot sensor's tick)."""
     from .publication import publication_tables
 
-    with connect(settings.source_dsn, role="source", autocommit=True) as conn:
+    bounded = {} if timeout_s is None else {"connect_timeout": timeout_s}
+    with connect(settings.source_dsn, role="source", autocommit=True, **bounded) as conn:
+        if timeout_s is not None:
+            conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
         return publication_tables(conn, settings.publication)
 
 

@@ -516,10 +516,13 @@ def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_
     _wait_for(lambda: lock_holders(target_dsn, settings.slot) != [])  # the follow runs first
     adder = subprocess.Popen(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
-        env={**os.environ, "PGCDC_FAILPOINT": "add.after_held_back=sleep(6)@1"},
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_held_back=sleep(10)@1"},
     )
     try:
         _wait_for(lambda: _way_made(target_dsn))
+        # The add looks for the way every 0.1 s: killed sooner, the follow would leave the
+        # range lock free for the add to take itself (then the next follow waits for it).
+        time.sleep(1.0)
         follow.kill()
         follow.wait()
         _source(source_dsn, "INSERT INTO a VALUES (2)", "INSERT INTO b VALUES (101)")
