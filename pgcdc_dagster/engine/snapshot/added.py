@@ -36,7 +36,7 @@ from ..lsn import Lsn
 from ..progress import CopyWatcher
 from ..published import PublishedShape
 from ..sequences import sync_sequences
-from .base import populated_tables, prepare_published, start_spark_if_needed
+from .base import copy_published, populated_tables, start_spark_if_needed
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     SchemaRestoreResult,
@@ -44,7 +44,6 @@ from .common import (
     TargetNotEmptyError,
 )
 from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
-from .scheduling import copy_tables
 from .schema import copy_schema_post_data
 
 if TYPE_CHECKING:
@@ -144,21 +143,17 @@ def add_tables(
         source_dsn, temporary_slot_name(slot_name), temporary=True
     ) as exported:
         slot = exported.slot
-        progress.phase("schema")
-        schema = prepare_published(
-            source_dsn, target_dsn, publication, resolved, slot.snapshot_name
+        schema, copies, _ = copy_published(
+            spark,
+            source_dsn,
+            target_dsn,
+            publication,
+            resolved,
+            slot.snapshot_name,
+            progress,
+            existing=existing,
+            driver_max_rows=driver_max_rows,
         )
-        with progress:
-            copies = copy_tables(
-                spark,
-                source_dsn,
-                target_dsn,
-                slot.snapshot_name,
-                resolved,
-                driver_max_rows=driver_max_rows,
-                new_tables=set(resolved).difference(existing),
-                shapes=schema.shapes,
-            )
     progress.phase("keys")
     post_data = copy_schema_post_data(source_dsn, target_dsn, resolved, foreign_keys=False)
     foreign_keys = add_not_valid(source_dsn, target_dsn, resolved, replicated)

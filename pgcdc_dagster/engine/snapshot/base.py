@@ -7,7 +7,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from .common import (
     CopyFormat,
     SchemaRestoreResult,
     SnapshotError,
+    TableCopyResult,
     TargetNotEmptyError,
     snapshot_transaction,
     tables_for_spark,
@@ -200,6 +201,40 @@ def prepare_published(
     return PublishedSchema(shapes, pre_data, tuple(loosened))
 
 
+def copy_published(
+    spark: SparkSession | Callable[[], SparkSession],
+    source_dsn: str,
+    target_dsn: str,
+    publication: str,
+    tables: Sequence[TableName],
+    snapshot_name: str,
+    progress: CopyWatcher,
+    *,
+    existing: Collection[TableName],
+    **copy_options: Any,
+) -> tuple[PublishedSchema, list[TableCopyResult], float]:
+    """What a base snapshot and an add both do in their exported snapshot ``snapshot_name``:
+    the published schema of ``tables`` created on the target (:func:`prepare_published`; those
+    not in ``existing`` are new), then their rows copied (:func:`~.scheduling.copy_tables`,
+    with ``copy_options``) while ``progress`` publishes how far it is. Returns the schema, the
+    copies and the copy's seconds."""
+    progress.phase("schema")
+    schema = prepare_published(source_dsn, target_dsn, publication, tables, snapshot_name)
+    started = time.perf_counter()
+    with progress:
+        copies = copy_tables(
+            spark,
+            source_dsn,
+            target_dsn,
+            snapshot_name,
+            tables,
+            new_tables=set(tables).difference(existing),
+            shapes=schema.shapes,
+            **copy_options,
+        )
+    return schema, copies, time.perf_counter() - started
+
+
 def _watch_copy_progress(target_dsn: str, stop: threading.Event) -> None:
     """Fire the ``snapshot.copying`` failpoint once rows are flowing into the target (a test
     kills the snapshot in the middle of its copy)."""
@@ -315,32 +350,26 @@ def take_base_snapshot(
             source_dsn, target_dsn, resolved, time.monotonic() - (time.perf_counter() - started)
         )
         with exported:
-            progress.phase("schema")
-            schema = prepare_published(
-                source_dsn, target_dsn, publication, resolved, slot.snapshot_name
-            )
-            copy_started = time.perf_counter()
-            if armed("snapshot.copying"):
+            if armed("snapshot.copying"):  # fires once rows flow: not before the copy
                 threading.Thread(
                     target=_watch_copy_progress, args=(target_dsn, watch_stop), daemon=True
                 ).start()
-            with progress:
-                copies = copy_tables(
-                    spark,
-                    source_dsn,
-                    target_dsn,
-                    slot.snapshot_name,
-                    resolved,
-                    parallelism=parallelism,
-                    target_rows_per_task=target_rows_per_task,
-                    copy_format=copy_format,
-                    export_store=export_store,
-                    consistent_point=slot.consistent_point,
-                    driver_max_rows=driver_max_rows,
-                    new_tables=set(resolved).difference(existing),
-                    shapes=schema.shapes,
-                )
-            copy_seconds = time.perf_counter() - copy_started
+            schema, copies, copy_seconds = copy_published(
+                spark,
+                source_dsn,
+                target_dsn,
+                publication,
+                resolved,
+                slot.snapshot_name,
+                progress,
+                existing=existing,
+                parallelism=parallelism,
+                target_rows_per_task=target_rows_per_task,
+                copy_format=copy_format,
+                export_store=export_store,
+                consistent_point=slot.consistent_point,
+                driver_max_rows=driver_max_rows,
+            )
             watch_stop.set()
         failpoint("snapshot.after_copy")
         progress.phase("keys")
