@@ -173,10 +173,6 @@ class ApplyResult:
     (:func:`apply_added_changes`)."""
 
 
-HELD_BACK = (1 << 63) - 1
-"""The floor of a table being added: every change of it is held back (see :func:`apply_range`)."""
-
-
 @dataclass(frozen=True)
 class TargetColumn:
     name: str
@@ -267,9 +263,8 @@ def apply_range(
             for t, lsn in (chain.synced_from if chain else {}).items()
             if t in relations and lsn > progress
         }
-        floors.update(dict.fromkeys(held_back, HELD_BACK))
         shared: dict[TableName, SharedStage] | None = None
-        if spark is not None and stored.changes >= spark_min_changes and not held_back:
+        if spark is not None and stored.changes >= spark_min_changes:
             if additions:
                 # Shared staging tables are typed like the target's columns and made before
                 # the apply transaction, so the columns the range adds come first, in their
@@ -297,10 +292,12 @@ def apply_range(
             result.net_rows = sum(s.net_rows for s in shared.values())
         else:
             compaction = compact_range(
-                stored, {**relations, **held_back}, after_lsn=int(progress), floors=floors
+                stored,
+                relations,
+                after_lsn=int(progress),
+                floors=floors,
+                held_back=[v for rel in held_back.values() for v in rel.versions],
             )
-            for table in held_back:
-                compaction.tables.pop(table, None)
             result.compaction_path = compaction.path
             result.compaction_seconds = compaction.seconds
             result.changes = sum(t.changes for t in compaction.tables.values())

@@ -247,10 +247,22 @@ class SourcePositions:
         return max(0, self.flush_lsn - confirmed)
 
 
+def _source_session(
+    settings: ReplicationSettings, timeout_s: int | None, **kwargs: Any
+) -> psycopg.Connection[Any]:
+    """A session on the source whose connect and every statement end within ``timeout_s``
+    seconds (``None``: unbounded): the slot sensor's tick must not hang on a source that
+    stopped answering."""
+    if timeout_s is None:
+        return connect(settings.source_dsn, role="source", **kwargs)
+    conn = connect(settings.source_dsn, role="source", connect_timeout=timeout_s, **kwargs)
+    conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
+    return conn
+
+
 def source_positions(settings: ReplicationSettings, *, timeout_s: int = 5) -> SourcePositions:
     """The slot and the source's flushed WAL position, bounded in time (the sensor calls it)."""
-    with connect(settings.source_dsn, role="source", connect_timeout=timeout_s) as conn:
-        conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
+    with _source_session(settings, timeout_s) as conn:
         slot = read_slot(conn, settings.slot)
         flush = current_flush_lsn(conn)
     return SourcePositions(slot, flush)
@@ -464,10 +476,7 @@ def replicated_tables(
     seconds, when given (the slot sensor's tick)."""
     from .publication import publication_tables
 
-    bounded = {} if timeout_s is None else {"connect_timeout": timeout_s}
-    with connect(settings.source_dsn, role="source", autocommit=True, **bounded) as conn:
-        if timeout_s is not None:
-            conn.execute(f"SET statement_timeout = '{int(timeout_s)}s'")
+    with _source_session(settings, timeout_s, autocommit=True) as conn:
         return publication_tables(conn, settings.publication)
 
 

@@ -155,14 +155,17 @@ def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converg
         assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
 
 
+@pytest.mark.parametrize("applied_on", ["process", "spark"])
 def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_once(
-    source_dsn, target_dsn, tmp_path, spark, monkeypatch
+    source_dsn, target_dsn, tmp_path, spark, monkeypatch, applied_on
 ):
     """An update, a delete and an insert of ``b`` (no key) committed after its copy's
-    consistent point, caught up (``a``'s changes applied, ``b``'s held back) while the add's
-    copy is still under way: the add applies them once its copy is done, before any later
-    catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
-    settings = _started(source_dsn, target_dsn, tmp_path, spark)
+    consistent point, caught up (``a``'s changes applied, ``b``'s held back, in this process
+    or by Spark's workers) while the add's copy is still under way: the add applies them once
+    its copy is done, before any later catch-up, and records ``b`` from the origin, so the
+    next catch-up applies none again."""
+    overrides = {"spark_min_changes": 1} if applied_on == "spark" else {}
+    settings = _started(source_dsn, target_dsn, tmp_path, spark, **overrides)
     monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(4)")
     monkeypatch.setattr(failpoints, "_armed", None)
     monkeypatch.setattr(failpoints, "_hits", {})
@@ -183,9 +186,12 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
         "INSERT INTO b VALUES (7, 'during')",
         "INSERT INTO a VALUES (4, 'during')",
     )
-    done = catch_up(settings)
+    done = catch_up(settings, spark=spark)
     assert adder.is_alive()  # still in its copy's last step
     assert any(applied.held_back == ["public.b"] for _, applied in done)
+    assert {a.compaction_path for _, a in done if a.held_back and a.changes} == {
+        "spark" if applied_on == "spark" else "arrow"
+    }
     with psycopg.connect(target_dsn) as conn:
         assert conn.execute("SELECT count(*) FROM a").fetchone() == (4,)
     adder.join(timeout=120)

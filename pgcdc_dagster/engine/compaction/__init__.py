@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,16 +51,23 @@ def compact_range(
     *,
     after_lsn: int | None = None,
     floors: Mapping[TableName, int] | None = None,
+    held_back: Collection[int] = (),
 ) -> CompactionResult:
     """Every table's net changes of a stored range, in this process, skipping transactions
-    whose COMMIT ends at or before ``after_lsn`` (already applied), and a table's changes
+    whose COMMIT ends at or before ``after_lsn`` (already applied), a table's changes
     committed at or before its ``floors`` entry (a table added after the base snapshot: its
-    own copy holds them). (Ranges past :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and
+    own copy holds them), and the rows of the relation versions ``held_back`` (tables being
+    added, absent from ``relations``; Spark's compaction leaves out every version
+    ``relations`` lacks). (Ranges past :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and
     staged by Spark's workers instead: :mod:`..spark_staging`.)"""
     started = time.perf_counter()
-    tables = compact_arrow(
-        stored.read_table(KERNEL_COLUMNS), relations, after_lsn=after_lsn, floors=floors
-    )
+    changes = stored.read_table(KERNEL_COLUMNS)
+    if held_back and changes.num_rows:
+        versions = pa.array(sorted(held_back), pa.int32())
+        changes = changes.filter(
+            pc.invert(pc.is_in(changes.column("relation_version"), value_set=versions))
+        )
+    tables = compact_arrow(changes, relations, after_lsn=after_lsn, floors=floors)
     return CompactionResult(
         tables, "arrow", stored.changes, round(time.perf_counter() - started, 4)
     )
