@@ -126,10 +126,20 @@ def native_caught_up(source_dsn: str, native_dsn: str, run: int) -> None:
     caught_up(source_dsn, f"native_{run}")
 
 
-def caught_up(source_dsn: str, slot: str, position: str = "confirmed_flush_lsn") -> None:
-    """Until ``slot``'s ``position`` is at least the source's WAL position as of now."""
+def wal_position(source_dsn: str) -> str:
+    """The source's WAL position now."""
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         (end,) = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()  # type: ignore[misc]
+    return str(end)
+
+
+def caught_up(
+    source_dsn: str, slot: str, position: str = "confirmed_flush_lsn", end: str | None = None
+) -> None:
+    """Until ``slot``'s ``position`` is at least ``end`` (the source's WAL position as of
+    now, when not given)."""
+    end = end or wal_position(source_dsn)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
         while True:
             (confirmed,) = conn.execute(  # type: ignore[misc]
                 sql.SQL("SELECT {}::text FROM pg_replication_slots WHERE slot_name = %s").format(
@@ -252,6 +262,7 @@ def run_while_following(
     writes_to_added: float,
 ) -> dict[str, Any]:
     """The two adds while each side's replication runs, with probes (see the docstring)."""
+    written = wal_position(source_dsn)  # b's rows are before it
     follow = subprocess.Popen(
         [PGCDC, "follow", "--json"],
         env=env,
@@ -270,7 +281,9 @@ def run_while_following(
             time.sleep(0.1)
         # b's rows, written before the follow started, are WAL every peek decodes again (and
         # filters out) until the slot's restart point is past them: about 15 s (see README).
-        caught_up(source_dsn, env["PGCDC_SLOT"], "restart_lsn")
+        # (Not the position as of then: on an idle source the restart point stays at the last
+        # running-xacts record, before it.)
+        caught_up(source_dsn, env["PGCDC_SLOT"], "restart_lsn", written)
         with (
             Probes(
                 source_dsn, {"ours": env["PGCDC_TARGET_DSN"], "native": native_dsn}

@@ -373,16 +373,19 @@ def apply_added_changes(
     through: Lsn,
     unpublished: Mapping[TableName, Sequence[str]],
 ) -> int:
-    """Apply the changes of ``tables`` (being added: copied as of ``since``) that the applies
-    of the ranges up to ``through`` (the target's origin) held back while they were copied
-    (:func:`apply_range`), range by range in LSN order; return how many there were.
+    """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
+    the applies held back (:func:`apply_range`), range by range in LSN order; return how many
+    there were. ``since``: their copy's consistent point, or where an earlier call stopped;
+    ``through``: the target's origin as the caller read it (the applies took the ranges' other
+    tables up to it, so every range it reads is stored).
 
-    The caller holds the range, so ``through`` does not move, and records the tables as added
-    (at ``max(since, through)``) only after this returns. Each range's share is one target
-    transaction that leaves the origin alone (it already stands past the range); nothing is
-    lost by a crash between two, since the tables stay in ``Chain.adding`` and the next add
-    copies them again. A prune removes no range while a table is being added
-    (:mod:`.retention`), so every range it reads is there."""
+    Nothing else writes ``tables`` meanwhile (the applies hold them back), so the caller may
+    call this without the range while the origin moves on, and then once more with it, up to
+    the origin that no longer moves, before it records the tables as added there
+    (:func:`~.pipeline.add_tables`). Each range's share is one target transaction that leaves
+    the origin alone (it already stands past the range); nothing is lost by a crash between
+    two, since the tables stay in ``Chain.adding`` and the next add copies them again. A prune
+    removes no range while a table is being added (:mod:`.retention`)."""
     if through <= since:
         return 0  # no apply went past the copy: the applies to come take it all
     wanted = set(tables)

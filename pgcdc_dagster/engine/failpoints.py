@@ -50,7 +50,10 @@ POINTS: dict[str, str] = {
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",
     "add.after_begin": "the store says tables are being added; nothing else done",
     "add.after_copy": "an added table's rows and keys are on the target; the store not told",
-    "add.after_held_back": "an added table's held-back changes are applied; the store not told",
+    "add.before_range": "an added table's held-back changes are applied up to the origin as it "
+    "stood, without the range; the range not taken, the store not told",
+    "add.after_held_back": "an added table's held-back changes are applied, the last with the "
+    "range; the store not told",
     "finish.after_record": "the store records the replication ended; slot and origin not dropped",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
     "store.renamed": "a range renamed into its bucket and synced; its writer's emptied scratch "

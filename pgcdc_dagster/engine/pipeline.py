@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
@@ -138,16 +139,19 @@ def add_tables(
        tables', so a follow keeps the rest of the target fresh while they copy.
     2. They are published and copied as of a temporary slot's consistent point ``C``, without
        the range.
-    3. With the range (the range lock, or a follow holding it that made way, waiting up to
-       ``wait_s`` seconds for either: :func:`~.range_lock.range_lock_or_way`), their changes
-       the applies held back, from ``C`` to the target's origin ``O``, are applied from the
-       stored ranges (:func:`~.apply.apply_added_changes`), and they enter ``synced_from`` at
-       ``max(C, O)``: later applies take their changes past it.
+    3. Their changes the applies held back, from ``C`` to the target's origin as it stands,
+       are applied from the stored ranges (:func:`~.apply.apply_added_changes`), still
+       without the range, in passes while each catches up on enough to take a while.
+    4. With the range (the range lock, or a follow holding it that made way, waiting up to
+       ``wait_s`` seconds for either: :func:`~.range_lock.range_lock_or_way`), the origin
+       ``O`` stands still: the last held-back changes, up to ``O``, are applied, and the
+       tables enter ``synced_from`` at ``max(C, O)``: later applies take their changes past
+       it.
 
     One add or snapshot at a time (:func:`~.range_lock.tables_lock`, held throughout). Crash
     anywhere: the tables stay in ``adding``, their changes held back, and the next add copies
-    them again from scratch; a prune removes nothing meanwhile (it would remove the ranges step
-    3 reads)."""
+    them again from scratch; a prune removes nothing meanwhile (it would remove the ranges steps
+    3 and 4 read)."""
     from .apply import apply_added_changes
     from .snapshot import add_tables as copy_added
 
@@ -183,22 +187,49 @@ def add_tables(
         )
         added = [t.table for t in result.tables]
         unpublished = {table: shape.unpublished for table, shape in result.shapes.items()}
+
+        def held_back_through(since: Lsn) -> tuple[Lsn, int]:
+            """The added tables' held-back changes committed in ``(since, O]``, ``O`` the
+            target's origin now, applied: ``O`` (at least ``since``) and how many."""
+            through = max(origin_progress(settings) or since, since)
+            changes = apply_added_changes(
+                settings.target_dsn,
+                store,
+                added,
+                since=since,
+                through=through,
+                unpublished=unpublished,
+            )
+            return through, changes
+
+        # What the applies held back during the copy (hours of a busy table's changes, for a
+        # big one) is applied first without the range, while they go on: nothing else writes
+        # these tables (the applies hold them back, the tables lock keeps other adds away).
+        # Each pass takes what was held back during the one before, so the last, with the
+        # range, is short: the follow makes way only for that.
+        applied, held_back = result.consistent_point, 0
+        for _ in range(_UNLOCKED_PASSES):
+            began = time.monotonic()
+            applied, changes = held_back_through(applied)
+            held_back += changes
+            if time.monotonic() - began < _SHORT_PASS_S:
+                break
+        failpoint("add.before_range")
         with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
             chain = store.chain()
             if chain is not None and chain.finished:  # read with the range: no finish between
                 raise StoreError(chain.finished)
-            origin = origin_progress(settings) or result.consistent_point
-            held_back = apply_added_changes(
-                settings.target_dsn,
-                store,
-                added,
-                since=result.consistent_point,
-                through=origin,
-                unpublished=unpublished,
-            )
+            applied, changes = held_back_through(applied)  # the origin does not move now
+            held_back += changes
             failpoint("add.after_held_back")
-            store.record_added(added, max(result.consistent_point, origin), unpublished)
+            store.record_added(added, applied, unpublished)
     return dataclasses.replace(result, held_back=held_back)
+
+
+_UNLOCKED_PASSES = 5
+"""At most this many passes of an add's held-back changes before it takes the range."""
+_SHORT_PASS_S = 0.2
+"""A pass shorter than this leaves a last one, with the range, of about as short."""
 
 
 def adding_not_done(chain: Chain | None) -> str | None:

@@ -208,6 +208,49 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
 
 
+def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_redone_once(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """SIGKILL of a real add process once it applied, without the range, the changes of ``b``
+    the applies held back while it copied (committed on the target, ``b`` not yet recorded):
+    the applies go on holding ``b`` back, and the next add empties ``b`` and copies it again,
+    so the changes it had applied are not applied twice."""
+    settings = _started(source_dsn, target_dsn, tmp_path, spark)
+    child = subprocess.Popen(
+        [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(4);add.before_range=kill@1"},
+        stderr=subprocess.PIPE,
+    )
+    temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        pattern = (f"{settings.slot}_add_%",)
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))  # copied
+    _source(
+        source_dsn,
+        "UPDATE b SET v = 'during' WHERE k = 1",
+        "INSERT INTO b VALUES (7, 'during')",
+        "INSERT INTO a VALUES (4, 'during')",
+    )
+    catch_up(settings)  # b's held back, for the add to apply
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
+    with psycopg.connect(target_dsn) as conn:  # the add applied them, then was killed
+        assert conn.execute("SELECT count(*) FROM b WHERE v = 'during'").fetchone() == (2,)
+    chain = OutputStore(settings.store).chain()
+    assert chain is not None and chain.adding == (ADDED,)
+    _source(source_dsn, "INSERT INTO b VALUES (8, 'meanwhile')", "INSERT INTO a VALUES (5, 'm')")
+    done = catch_up(settings)
+    assert {tuple(applied.held_back) for _, applied in done if applied.changes} == {("public.b",)}
+
+    pipeline.add_tables(settings, [ADDED], spark)
+    _source(source_dsn, "INSERT INTO b VALUES (9, 'after')")
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM b").fetchone() == (8,)
+
+
 def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
     source_dsn, target_dsn, tmp_path, spark
 ):
@@ -229,6 +272,53 @@ def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
     pipeline.add_tables(settings, [ADDED], spark)
     catch_up(settings)
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+
+
+def test_an_apply_in_flight_when_an_add_begins_cannot_write_its_table_beside_the_copy(
+    source_dsn, target_dsn, tmp_path, spark, monkeypatch
+):
+    """``b`` published by hand and created empty on the target by hand, so its changes stream
+    and an apply writes them: an apply that read the store's chain before the add recorded
+    ``b`` as being added is inside its transaction, ``b``'s rows written, not committed, when
+    the add begins. The add's guard sees ``b`` empty; the add then waits for that apply (its
+    moment with the range) and empties what it committed before copying, so each row is on the
+    target once. Without that moment the copy and the apply's rows would both land (``b`` has
+    no key: a row too many)."""
+    _source(
+        source_dsn, "CREATE TABLE a (id int PRIMARY KEY, v text)", "INSERT INTO a VALUES (1, 'x')"
+    )
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "inflight")
+    pipeline.take_snapshot(settings, spark)
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE b (k int, v text)")
+    _source(
+        source_dsn,
+        "CREATE TABLE b (k int, v text)",
+        "ALTER TABLE b REPLICA IDENTITY FULL",
+        "INSERT INTO b SELECT g, 'before' FROM generate_series(1, 3) g",
+        f"ALTER PUBLICATION {settings.publication} ADD TABLE b",
+        "INSERT INTO b VALUES (4, 'published'), (5, 'published')",
+        "INSERT INTO a VALUES (2, 'y')",
+    )
+    monkeypatch.setenv(failpoints.ENV, "apply.in_transaction=sleep(3)@1")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
+    applier = threading.Thread(target=catch_up, args=(settings,))
+    applier.start()
+    in_transaction = (
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND state = 'idle in transaction'"
+    )
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        _wait_for(lambda: conn.execute(in_transaction).fetchone() != (0,))
+    added = pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
+    applier.join(timeout=60)
+    assert [(t.table, t.rows) for t in added.tables] == [(ADDED, 5)]
+    _source(source_dsn, "INSERT INTO b VALUES (6, 'after')", "INSERT INTO a VALUES (3, 'z')")
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
 
 
 def _writes_to_a_and_b(dsn: str, stop: threading.Event) -> None:
