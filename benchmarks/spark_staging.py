@@ -16,8 +16,15 @@ Spark path its session start is timed apart), not the user's command.
    driver's peak RSS (the JVM and its Python workers are not the driver);
 4. both targets are compared with the source (row counts and a content hash per table).
 
+``--held-back``: ``pgbench_accounts`` is recorded in the store as being added (as ``pgcdc
+add-table`` records a table while it copies) before the paths run, so each path's
+``apply_range`` holds its changes back and applies the other tables', and then
+``apply_added_changes`` applies them as the add does (by Spark's workers on the ``executors``
+path, in process on the other): what an add meets when a big transaction wrote its table
+while it copied. Reported besides: that step's seconds and split.
+
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/spark_staging.py
-[--scale 10] [--bulk 3000000]``
+[--scale 10] [--bulk 3000000] [--held-back]``
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ import psycopg
 from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, bench_clusters, prepare, verify_target
 
 from pgcdc_dagster.engine import pipeline
-from pgcdc_dagster.engine.apply import apply_range
+from pgcdc_dagster.engine.apply import apply_added_changes, apply_range
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.spark_session import get_spark
 from pgcdc_dagster.engine.store import OutputStore
 
 OTHER_ORIGIN = "pgcdc_bench_b"
+ADDED = TableName("public", "pgbench_accounts")
 
 
 def bulk_updates(dsn: str, changes: int) -> int:
@@ -60,7 +70,9 @@ def bulk_updates(dsn: str, changes: int) -> int:
     return written
 
 
-def child(path: str, target_dsn: str, store: str, range_key: str, origin: str) -> dict[str, Any]:
+def child(
+    path: str, target_dsn: str, store: str, range_key: str, origin: str, held_back: str = ""
+) -> dict[str, Any]:
     """One path's apply, in this (fresh) process."""
     from pgcdc_dagster.engine.lsn import LsnRange
 
@@ -78,8 +90,28 @@ def child(path: str, target_dsn: str, store: str, range_key: str, origin: str) -
         target_dsn, stored, origin, spark=spark, spark_min_changes=1, store=OutputStore(Path(store))
     )
     seconds = time.perf_counter() - t0
+    added: dict[str, Any] = {}
+    if held_back:
+        t0 = time.perf_counter()
+        applied = apply_added_changes(
+            target_dsn,
+            OutputStore(Path(store)),
+            [ADDED],
+            since=Lsn.parse(result.previous_lsn or "0/0"),
+            through=Lsn.parse(result.replay_lsn or "0/0"),
+            unpublished={},
+            staging_key=f"{origin} add",
+            spark=None if spark is None else lambda: spark,
+            spark_min_changes=1,
+        )
+        added = {
+            "held_back_s": round(time.perf_counter() - t0, 2),
+            "held_back_changes": applied.changes,
+            "held_back_ranges_on_spark": applied.on_spark,
+        }
     return {
         "path": path,
+        **added,
         "spark_start_s": round(spark_s, 2),
         "seconds": round(seconds, 2),
         "compaction_path": result.compaction_path,
@@ -98,7 +130,8 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=10)
     parser.add_argument("--transactions", type=int, default=2500, help="pgbench, per client")
     parser.add_argument("--bulk", type=int, default=3_000_000, help="account updates")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--held-back", action="store_true")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child)))
@@ -130,6 +163,8 @@ def main() -> None:
             conn.execute(
                 "SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (OTHER_ORIGIN, progress)
             )
+        if args.held_back:
+            pipeline.store_of(settings).begin_adding([ADDED])
         runs = []
         for path, db, origin in (
             ("in-process", DB_OURS, settings.origin),
@@ -137,7 +172,8 @@ def main() -> None:
         ):
             out = subprocess.run(
                 [sys.executable, __file__, "--child", path,
-                 target.dsn(db), settings.store, rng.key, origin],
+                 target.dsn(db), settings.store, rng.key, origin,
+                 "held-back" if args.held_back else ""],
                 check=True, capture_output=True, text=True,
             ).stdout  # fmt: skip
             run = json.loads(out.strip().splitlines()[-1])

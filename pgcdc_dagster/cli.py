@@ -538,7 +538,8 @@ def cmd_add_table(args: argparse.Namespace) -> int:
         print(
             f"added {report['added_tables']}: {report['rows']} rows copied as of "
             f"{report['consistent_point']}, {report['held_back_changes']} change(s) held back "
-            "meanwhile applied, the rest applied by the next catchup or follow"
+            f"meanwhile applied ({report['held_back_with_range']} with the range), the rest "
+            "applied by the next catchup or follow"
         )
     return 0
 

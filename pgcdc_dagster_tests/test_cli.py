@@ -478,6 +478,9 @@ def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, cap
     assert code == 0, err
     report = json.loads(out)
     assert report["added_tables"] == "public.later" and report["rows"] == 2
+    # Nothing was applied while it copied: one pass without the range, one with it.
+    assert report["held_back_changes"] == report["held_back_with_range"] == 0
+    assert report["held_back_passes"] >= 2 and report["held_back_ranges_on_spark"] == 0
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
     code, _, err = run_cli(capsys, "catchup")
@@ -509,7 +512,8 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
     try:
         code, out, err = run_cli(capsys, "add-table", "later", "--wait", "60")
         assert code == 0, err
-        assert out.startswith("added public.later: 500 rows copied")
+        assert out.startswith("added public.later: 500 rows copied"), out
+        assert "change(s) held back meanwhile applied (" in out, out
         with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
             conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
         deadline = time.monotonic() + 60

@@ -68,7 +68,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -264,7 +264,7 @@ def apply_range(
             if t in relations and lsn > progress
         }
         shared: dict[TableName, SharedStage] | None = None
-        if spark is not None and stored.changes >= spark_min_changes:
+        if spark is not None and on_spark(stored, spark_min_changes):
             if additions:
                 # Shared staging tables are typed like the target's columns and made before
                 # the apply transaction, so the columns the range adds come first, in their
@@ -364,6 +364,27 @@ def apply_range(
     return result
 
 
+def on_spark(stored: StoredRange, spark_min_changes: int) -> bool:
+    """Whether ``stored`` is big enough to be worth a Spark job (when a session is at hand):
+    its compaction and staging then run on Spark's workers (:mod:`.spark_staging`)."""
+    return stored.changes >= spark_min_changes
+
+
+@dataclass
+class HeldBackApplied:
+    """What :func:`apply_added_changes` applied."""
+
+    changes: int = 0
+    ranges: int = 0
+    on_spark: int = 0
+    """Of ``ranges``, those Spark's workers compacted and staged."""
+
+    def __add__(self, other: HeldBackApplied) -> HeldBackApplied:
+        return HeldBackApplied(
+            self.changes + other.changes, self.ranges + other.ranges, self.on_spark + other.on_spark
+        )
+
+
 def apply_added_changes(
     target_dsn: str,
     store: OutputStore,
@@ -372,7 +393,10 @@ def apply_added_changes(
     since: Lsn,
     through: Lsn,
     unpublished: Mapping[TableName, Sequence[str]],
-) -> int:
+    staging_key: str,
+    spark: Callable[[], SparkSession] | None = None,
+    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+) -> HeldBackApplied:
     """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
     the applies held back (:func:`apply_range`), range by range in LSN order; return how many
     there were. ``since``: their copy's consistent point, or where an earlier call stopped;
@@ -385,11 +409,17 @@ def apply_added_changes(
     (:func:`~.pipeline.add_tables`). Each range's share is one target transaction that leaves
     the origin alone (it already stands past the range); nothing is lost by a crash between
     two, since the tables stay in ``Chain.adding`` and the next add copies them again. A prune
-    removes no range while a table is being added (:mod:`.retention`)."""
+    removes no range while a table is being added (:mod:`.retention`).
+
+    A range of ``spark_min_changes`` or more (``spark``: a session, started when first needed)
+    whose transactions all lie at or before ``through`` is compacted and staged by Spark's
+    workers, as :func:`apply_range` does such a range (a big transaction on a table while it
+    copied is not funnelled through this process), in shared staging tables of
+    ``staging_key``: not the origin's, whose tables an apply running beside makes anew."""
+    applied = HeldBackApplied()
     if through <= since:
-        return 0  # no apply went past the copy: the applies to come take it all
+        return applied  # no apply went past the copy: the applies to come take it all
     wanted = set(tables)
-    changes = 0
     with _target_session(target_dsn, None) as conn:
         for rng in store.chain_from(since):
             if rng.start >= through:
@@ -403,9 +433,27 @@ def apply_added_changes(
                 for t, rel in relations_of(stored.manifest.relations).items()
                 if t in wanted and used & rel.versions.keys()
             }
-            if relations:
-                changes += _apply_held_back(conn, stored, relations, since, through, unpublished)
-    return changes
+            if not relations:
+                continue
+            staging = None
+            whole = stored.transform_lsn is not None and stored.transform_lsn <= through
+            if spark is not None and whole and on_spark(stored, spark_min_changes):
+                staging = _HeldBackStaging(spark(), target_dsn, staging_key)
+            applied += HeldBackApplied(
+                _apply_held_back(conn, stored, relations, since, through, unpublished, staging),
+                1,
+                int(staging is not None),
+            )
+    return applied
+
+
+@dataclass(frozen=True)
+class _HeldBackStaging:
+    """Where a big range's held-back changes are staged by Spark's workers."""
+
+    spark: SparkSession
+    target_dsn: str
+    key: str
 
 
 def _apply_held_back(
@@ -415,15 +463,40 @@ def _apply_held_back(
     since: Lsn,
     through: Lsn,
     unpublished: Mapping[TableName, Sequence[str]],
+    staging: _HeldBackStaging | None,
 ) -> int:
     """One range's share of :func:`apply_added_changes`, in one transaction: net rows first
-    and, for a table whose net rows a unique key refused, its changes in commit order (as
-    :func:`apply_range` does)."""
+    (staged by Spark's workers with ``staging``) and, for a table whose net rows a unique key
+    refused, its changes in commit order, compacted here (as :func:`apply_range` does)."""
     targets = read_target_tables(conn, list(relations))
     relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
     additions = plan_schema_drift(relations, targets, unpublished)
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
     in_order: set[TableName] = set()
+    if staging is not None:
+        if additions:  # first: the staging tables are typed like the target's columns
+            with conn.transaction():
+                _add_columns(conn, additions)
+            additions = []
+            targets = read_target_tables(conn, list(relations))
+        shared = stage_on_spark(
+            staging.spark,
+            conn,
+            staging.target_dsn,
+            staging.key,
+            [str(f) for f in stored.files],
+            relations,
+            after_lsn=int(since),
+        )
+        try:
+            with conn.transaction():
+                conn.execute("SET LOCAL session_replication_role = replica")
+                _apply_staged(conn, _from_shared(shared, targets), result)
+                drop_shared(conn, staging.key)
+            return sum(s.changes for s in shared.values())
+        except _RefusedNetRows as refused:  # rolled back whole: again here, that table's
+            drop_shared(conn, staging.key)  # changes in commit order
+            in_order.add(refused.table)
     while True:
         try:
             with conn.transaction():

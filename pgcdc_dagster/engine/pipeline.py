@@ -152,7 +152,7 @@ def add_tables(
     anywhere: the tables stay in ``adding``, their changes held back, and the next add copies
     them again from scratch; a prune removes nothing meanwhile (it would remove the ranges steps
     3 and 4 read)."""
-    from .apply import apply_added_changes
+    from .apply import HeldBackApplied, apply_added_changes
     from .snapshot import add_tables as copy_added
 
     store = store_of(settings)
@@ -187,31 +187,36 @@ def add_tables(
         )
         added = [t.table for t in result.tables]
         unpublished = {table: shape.unpublished for table, shape in result.shapes.items()}
+        session = None if spark is None else spark if callable(spark) else lambda: spark
 
-        def held_back_through(since: Lsn) -> tuple[Lsn, int]:
+        def held_back_through(since: Lsn) -> tuple[Lsn, HeldBackApplied]:
             """The added tables' held-back changes committed in ``(since, O]``, ``O`` the
-            target's origin now, applied: ``O`` (at least ``since``) and how many."""
+            target's origin now, applied: ``O`` (at least ``since``) and what they were."""
             through = max(origin_progress(settings) or since, since)
-            changes = apply_added_changes(
+            applied = apply_added_changes(
                 settings.target_dsn,
                 store,
                 added,
                 since=since,
                 through=through,
                 unpublished=unpublished,
+                staging_key=f"{settings.origin} add",
+                spark=session,
+                spark_min_changes=settings.spark_min_changes,
             )
-            return through, changes
+            return through, applied
 
         # What the applies held back during the copy (hours of a busy table's changes, for a
         # big one) is applied first without the range, while they go on: nothing else writes
         # these tables (the applies hold them back, the tables lock keeps other adds away).
         # Each pass takes what was held back during the one before, so the last, with the
         # range, is short: the follow makes way only for that.
-        applied, held_back = result.consistent_point, 0
+        applied, held_back, passes = result.consistent_point, HeldBackApplied(), 0
         for _ in range(_UNLOCKED_PASSES):
             began = time.monotonic()
-            applied, changes = held_back_through(applied)
-            held_back += changes
+            applied, without_range = held_back_through(applied)
+            held_back += without_range
+            passes += 1
             if time.monotonic() - began < _SHORT_PASS_S:
                 break
         failpoint("add.before_range")
@@ -219,11 +224,17 @@ def add_tables(
             chain = store.chain()
             if chain is not None and chain.finished:  # read with the range: no finish between
                 raise StoreError(chain.finished)
-            applied, changes = held_back_through(applied)  # the origin does not move now
-            held_back += changes
+            applied, with_range = held_back_through(applied)  # the origin does not move now
             failpoint("add.after_held_back")
             store.record_added(added, applied, unpublished)
-    return dataclasses.replace(result, held_back=held_back)
+    held_back += with_range
+    return dataclasses.replace(
+        result,
+        held_back=held_back.changes,
+        held_back_with_range=with_range.changes,
+        held_back_passes=passes + 1,
+        held_back_on_spark=held_back.on_spark,
+    )
 
 
 _UNLOCKED_PASSES = 5
@@ -369,11 +380,11 @@ def apply_stored_range(
     """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
     returns one) only for ranges large enough to be worth a Spark job. ``conn``: a target
     connection kept across ranges (see :func:`~.apply.apply_range`)."""
-    from .apply import apply_range
+    from .apply import apply_range, on_spark
 
     stored = stored_range(settings, rng)
     session = None
-    if spark is not None and stored.changes >= settings.spark_min_changes:
+    if spark is not None and on_spark(stored, settings.spark_min_changes):
         session = spark() if callable(spark) else spark
     store = store_of(settings)
     with server_errors("target", settings.target_dsn):

@@ -162,8 +162,8 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     """An update, a delete and an insert of ``b`` (no key) committed after its copy's
     consistent point, caught up (``a``'s changes applied, ``b``'s held back, in this process
     or by Spark's workers) while the add's copy is still under way: the add applies them once
-    its copy is done, before any later catch-up, and records ``b`` from the origin, so the
-    next catch-up applies none again."""
+    its copy is done (on Spark too, for ranges past the threshold), before any later
+    catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
     overrides = {"spark_min_changes": 1} if applied_on == "spark" else {}
     settings = _started(source_dsn, target_dsn, tmp_path, spark, **overrides)
     monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(4)")
@@ -197,6 +197,8 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     adder.join(timeout=120)
     (result,) = added
     assert result.held_back == 3
+    # By Spark's workers for a range past the threshold, as an apply would.
+    assert (result.held_back_on_spark > 0) == (applied_on == "spark")
     chain = OutputStore(settings.store).chain()
     origin = pipeline.origin_progress(settings)
     assert chain is not None and chain.adding == () and chain.synced_from == {ADDED: origin}
@@ -218,7 +220,7 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
     settings = _started(source_dsn, target_dsn, tmp_path, spark)
     child = subprocess.Popen(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
-        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(4);add.before_range=kill@1"},
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(6);add.before_range=kill@1"},
         stderr=subprocess.PIPE,
     )
     temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
@@ -233,6 +235,7 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
         "INSERT INTO a VALUES (4, 'during')",
     )
     catch_up(settings)  # b's held back, for the add to apply
+    assert child.poll() is None  # still in its copy's last step: it reads the origin after
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
     with psycopg.connect(target_dsn) as conn:  # the add applied them, then was killed

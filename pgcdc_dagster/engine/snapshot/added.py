@@ -64,6 +64,13 @@ class AddedTablesResult:
     seconds: float
     held_back: int = 0
     """The tables' changes the applies held back while they were copied, applied after."""
+    held_back_with_range: int = 0
+    """Of ``held_back``, those applied in the last pass, with the range (a follow made way for
+    it); the others were applied beside the applies."""
+    held_back_passes: int = 0
+    """Passes over the held-back changes, the last one with the range."""
+    held_back_on_spark: int = 0
+    """Ranges whose held-back changes Spark's workers compacted and staged."""
 
     @property
     def rows(self) -> int:
