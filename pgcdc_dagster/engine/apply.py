@@ -961,14 +961,15 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
     ident = rel.identity_positions
     deletes = net.deletes
     if deletes.num_rows:
-        spec = [(f"k{j}", p) for j, p in enumerate(ident)]
-        stage.deletes = _stage_rows(conn, f"pgcdc_del_{i}", deletes, spec, target, rel)
+        keys: list[tuple[str, int | None]] = [(f"k{j}", p) for j, p in enumerate(ident)]
+        stage.deletes = _stage_rows(conn, f"pgcdc_del_{i}", deletes, keys, target, rel)
     upserts = net.upserts
     stage.upsert_rows = upserts.num_rows
     if upserts.num_rows:
         stage.keep = _flagged(upserts, "u", width)
         stage.has_origin = bool(ident) and upserts.column("f0").null_count < upserts.num_rows
-        spec = [(f"c{j}", j) for j in range(width)] + [(f"u{j}", None) for j in stage.keep]
+        spec: list[tuple[str, int | None]] = [(f"c{j}", j) for j in range(width)]
+        spec += [(f"u{j}", None) for j in stage.keep]
         if stage.has_origin:
             spec += [(f"f{j}", p) for j, p in enumerate(ident)]
         rows = upserts.select([alias for alias, _ in spec])

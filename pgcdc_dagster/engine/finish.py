@@ -79,6 +79,7 @@ def finish(
                     raise FinishRefusedError(
                         f"{refusal}, or pgcdc finish --abandon to end the replication without them"
                     )
+            assert chain.consistent_point is not None  # a complete chain has one
             store.record_finished(applied or chain.consistent_point)
         failpoint("finish.after_record")
         with (
