@@ -330,6 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "runs_in_flight": _runs_in_flight(settings),
         "no_longer_published": [str(t) for t in agreement.no_longer_published],
         "adding": agreement.adding_line(),
+        "row_filter_changed": agreement.refiltered_lines(),
         "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
     }
     _print_status(args, status)
@@ -403,6 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "differing_tables": differing,
                     "no_longer_published": [str(t) for t in stale],
                     "adding": adding,
+                    "row_filter_changed": agreement.refiltered_lines(),
                     "tables": tables,
                 },
                 indent=2,
@@ -410,8 +412,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     else:
         _print_tables(tables, stale)
-        if adding is not None:  # why those tables differ, and whether to act
-            print(f"NOTE {adding}")
+        # Why those tables differ, and what to do.
+        for note in ([adding] if adding is not None else []) + agreement.refiltered_lines():
+            print(f"NOTE {note}")
     _refuse_differing(differing, stale)
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")

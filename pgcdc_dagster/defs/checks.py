@@ -95,8 +95,10 @@ REPLICATED_TABLES = "replicated_tables"
     name=REPLICATED_TABLES,
     description="The tables the replication copied and those the publication sends agree: "
     "none is no longer sent (its target copy would drift, silently), none is sent without "
-    "having been added (its ranges fail to apply), and no pgcdc add-table was left unfinished "
-    "(its tables' changes are held back). The slot sensor evaluates it every minute.",
+    "having been added (its ranges fail to apply), no pgcdc add-table was left unfinished "
+    "(its tables' changes are held back), and no table's row filter changed since it was "
+    "copied (the rows that change let in were never copied). The slot sensor evaluates it "
+    "every minute.",
 )
 def replicated_tables(
     context: AssetCheckExecutionContext, pgcdc: PgcdcResource
@@ -110,7 +112,8 @@ def replicated_tables_result(
     """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (a table sent
     but never added), a warning when a target copy is not kept in sync (a table no longer
     sent: nothing fails, as with native replication; an add left unfinished: its tables'
-    changes are held back). An add under way passes, and says so."""
+    changes are held back; a row filter changed since the copy: the rows the change let in
+    or out are not). An add under way passes, and says so."""
     try:
         agreement = pipeline.tables_agreement(settings, timeout_s=timeout_s)
     except ENGINE_ERRORS as exc:
@@ -126,6 +129,7 @@ def replicated_tables_result(
         )
     if (adding := agreement.adding_line()) is not None:
         lines.append(adding)
+    lines += agreement.refiltered_lines()
     return AssetCheckResult(
         check_name=REPLICATED_TABLES,
         passed=agreement.agree,
@@ -135,6 +139,7 @@ def replicated_tables_result(
             "no_longer_published": text(" ".join(map(str, agreement.no_longer_published))),
             "not_added": text(" ".join(map(str, agreement.not_added))),
             "adding": text(" ".join(map(str, agreement.adding))),
+            "row_filter_changed": text(" ".join(str(t) for t, _, _ in agreement.refiltered)),
         },
     )
 

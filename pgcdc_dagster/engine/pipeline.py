@@ -116,7 +116,7 @@ def take_snapshot(
             result.consistent_point,
             result.snapshot_name,
             [t.table for t in result.tables],
-            {table: shape.unpublished for table, shape in result.shapes.items()},
+            result.shapes,
         )
     return result
 
@@ -226,7 +226,7 @@ def add_tables(
                 raise StoreError(chain.finished)
             applied, with_range = held_back_through(applied)  # the origin does not move now
             failpoint("add.after_held_back")
-            store.record_added(added, applied, unpublished)
+            store.record_added(added, applied, result.shapes)
     held_back += with_range
     return dataclasses.replace(
         result,
@@ -446,12 +446,28 @@ class TablesAgreement:
     adding_by: str = ""
     """Who is adding them (the holder of :func:`~.range_lock.tables_lock`); empty: nobody, an
     add ended before finishing and must run again."""
+    refiltered: tuple[tuple[TableName, str | None, str | None], ...] = ()
+    """Replicated tables whose row filter in the publication changed since they were copied:
+    ``(table, then, now)``, ``None`` for no filter (:attr:`~.store.Chain.row_filters`). The
+    stream follows the new filter from the change on, but nothing copies the rows it newly
+    passes nor removes those it no longer does (as with native replication)."""
 
     @property
     def agree(self) -> bool:
         """Nothing to act on: an add under way is not a problem, one left unfinished is."""
         unfinished = self.adding and not self.adding_by
-        return not (self.no_longer_published or self.not_added or unfinished)
+        return not (self.no_longer_published or self.not_added or unfinished or self.refiltered)
+
+    def refiltered_lines(self) -> list[str]:
+        """One line a table whose row filter changed since its copy, with the fix."""
+        return [
+            f"{table}: the publication's row filter is {_filter_text(now)}, it was "
+            f"{_filter_text(then)} when the table was copied, so the target lacks the rows "
+            "only the new one passes and keeps those only the old one did (as with native "
+            f"replication): TRUNCATE {table} on the target, then pgcdc add-table {table} to "
+            "copy it again"
+            for table, then, now in self.refiltered
+        ]
 
     def adding_line(self) -> str | None:
         """One line on the tables being added, with the fix when an add did not finish."""
@@ -469,17 +485,33 @@ class TablesAgreement:
         )
 
 
+def _filter_text(row_filter: str | None) -> str:
+    return "none" if row_filter is None else f"WHERE {row_filter}"
+
+
 def tables_agreement(
     settings: ReplicationSettings, *, timeout_s: int | None = None
 ) -> TablesAgreement:
-    """How the chain's tables and the publication's agree (one query of the source, within
+    """How the chain's tables and the publication's agree (one source session, within
     ``timeout_s`` when given, and one of the target when a replicated table is no longer sent
     or one is being added). Nothing to say before a base snapshot completes, nor of a chain
     that predates its record of tables."""
+    from .publication import publication_tables
+    from .published import published_shapes
+
     chain = store_of(settings).chain()
     if chain is None or not chain.complete or not chain.tables:
         return TablesAgreement()
-    published = replicated_tables(settings, timeout_s=timeout_s)
+    with _source_session(settings, timeout_s, autocommit=True) as conn:
+        published = publication_tables(conn, settings.publication)
+        sent = set(published)
+        compared = [t for t in chain.row_filters if t in sent and t not in chain.adding]
+        shapes = published_shapes(conn, settings.publication, compared)
+    refiltered = []
+    for table in compared:
+        now = shape.row_filter if (shape := shapes.get(table)) else None
+        if now != chain.row_filters[table]:
+            refiltered.append((table, chain.row_filters[table], now))
     wanted = set(settings.tables) if settings.tables else None
     replicated = {*chain.tables, *chain.adding}
     adders = tables_changing(settings.target_dsn, settings.slot) if chain.adding else []
@@ -491,6 +523,7 @@ def tables_agreement(
             t for t in published if t not in replicated and (wanted is None or t in wanted)
         ),
         adding=chain.adding,
+        refiltered=tuple(refiltered),
     )
 
 

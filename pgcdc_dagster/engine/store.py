@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,6 +56,9 @@ from .errors import PgcdcError
 from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn, LsnRange
+
+if TYPE_CHECKING:
+    from .published import PublishedShape
 
 MANIFEST = "_RANGE.json"
 CHAIN = "_CHAIN.json"
@@ -234,6 +237,12 @@ class Chain:
     """Per table, the columns the publication's column list left out when the table was
     copied (:class:`~.published.PublishedShape`): the target keeps them, empty, and the apply
     takes their absence from the stream for that, not for a column dropped on the source."""
+    row_filters: dict[TableName, str | None] = field(default_factory=dict)
+    """Per table, the publication's row filter when the table was copied (``None``: none).
+    A filter changed since leaves the target as the old one made it, as with native
+    replication: rows that pass only the new one were never copied, rows that pass only the
+    old one stay (:func:`~.pipeline.tables_agreement`). A table copied before filters were
+    recorded is absent: not compared."""
     adding: tuple[TableName, ...] = ()
     """Tables an add (``pgcdc add-table``) began to copy and has not finished: their rows on
     the target may be partial, so every apply holds their changes back (applying the other
@@ -273,22 +282,35 @@ def _put_tables(
     record: dict[str, Any],
     tables: Sequence[TableName],
     unpublished: Mapping[TableName, Sequence[str]],
+    row_filters: Mapping[TableName, str | None],
     adding: Sequence[TableName] = (),
     synced_from: Mapping[TableName, Lsn] | None = None,
 ) -> None:
     """Write a chain's per-table fields (:attr:`Chain.tables`, :attr:`Chain.unpublished`,
-    :attr:`Chain.adding`, :attr:`Chain.synced_from`) into its ``record``, each only when it
-    holds something."""
+    :attr:`Chain.row_filters`, :attr:`Chain.adding`, :attr:`Chain.synced_from`) into its
+    ``record``, each only when it holds something."""
     if tables:
         record["tables"] = [[t.schema, t.name] for t in sorted(tables)]
     if any(unpublished.values()):
         record["unpublished"] = [
             [t.schema, t.name, list(cols)] for t, cols in sorted(unpublished.items()) if cols
         ]
+    if row_filters:
+        record["row_filters"] = [[t.schema, t.name, f] for t, f in sorted(row_filters.items())]
     if adding:
         record["adding"] = [[t.schema, t.name] for t in sorted(adding)]
     if synced_from:
         record["synced_from"] = [[t.schema, t.name, str(x)] for t, x in sorted(synced_from.items())]
+
+
+def _unpublished(shapes: Mapping[TableName, PublishedShape]) -> dict[TableName, tuple[str, ...]]:
+    return {t: shape.unpublished for t, shape in shapes.items() if shape.unpublished}
+
+
+def _row_filters(
+    tables: Sequence[TableName], shapes: Mapping[TableName, PublishedShape]
+) -> dict[TableName, str | None]:
+    return {t: shape.row_filter if (shape := shapes.get(t)) else None for t in tables}
 
 
 @dataclass(frozen=True)
@@ -593,11 +615,12 @@ class OutputStore:
         consistent_point: Lsn,
         snapshot_name: str,
         tables: Sequence[TableName] = (),
-        unpublished: Mapping[TableName, Sequence[str]] | None = None,
+        shapes: Mapping[TableName, PublishedShape] | None = None,
     ) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
-        last step, after the target's origin is set. ``tables``: those it copied;
-        ``unpublished``: see :attr:`Chain.unpublished`.
+        last step, after the target's origin is set. ``tables``: those it copied; ``shapes``:
+        what the publication sent of those it narrowed then (:attr:`Chain.unpublished`,
+        :attr:`Chain.row_filters`).
 
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
@@ -608,7 +631,8 @@ class OutputStore:
             consistent_point,
             snapshot_name,
             tables=tuple(tables),
-            unpublished={t: tuple(c) for t, c in (unpublished or {}).items()},
+            unpublished=_unpublished(shapes or {}),
+            row_filters=_row_filters(tables, shapes or {}),
         )
         with self.chain_lock():
             self._write_chain(self._record_of(chain))
@@ -658,11 +682,11 @@ class OutputStore:
         self,
         tables: Sequence[TableName],
         consistent_point: Lsn,
-        unpublished: Mapping[TableName, Sequence[str]],
+        shapes: Mapping[TableName, PublishedShape],
     ) -> None:
         """Record that ``tables`` were copied as of ``consistent_point`` (their own copy's):
-        they leave :attr:`Chain.adding` and enter :attr:`Chain.synced_from`, with the columns
-        their publication left out (``unpublished``)."""
+        they leave :attr:`Chain.adding` and enter :attr:`Chain.synced_from`, with what their
+        publication sent of them then (``shapes``: the columns it left out, its row filter)."""
         with self.chain_lock() as chain:
             complete = self._complete(chain)
             done = set(tables)
@@ -671,8 +695,9 @@ class OutputStore:
                     complete,
                     unpublished={
                         **{t: c for t, c in complete.unpublished.items() if t not in done},
-                        **{t: tuple(c) for t, c in unpublished.items() if c},
+                        **_unpublished({t: s for t, s in shapes.items() if t in done}),
                     },
+                    row_filters={**complete.row_filters, **_row_filters(tables, shapes)},
                     tables=sorted({*complete.tables, *done}),
                     adding=[t for t in complete.adding if t not in done],
                     synced_from={**complete.synced_from, **dict.fromkeys(done, consistent_point)},
@@ -716,6 +741,7 @@ class OutputStore:
         fields = {
             "tables": chain.tables,
             "unpublished": chain.unpublished,
+            "row_filters": chain.row_filters,
             "adding": chain.adding,
             "synced_from": chain.synced_from,
         }
@@ -795,6 +821,10 @@ class OutputStore:
             unpublished={
                 TableName(schema, name): tuple(columns)
                 for schema, name, columns in raw.get("unpublished", [])
+            },
+            row_filters={
+                TableName(schema, name): row_filter
+                for schema, name, row_filter in raw.get("row_filters", [])
             },
             adding=tuple(TableName(schema, name) for schema, name in raw.get("adding", [])),
             synced_from={

@@ -207,3 +207,61 @@ def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
     assert all(equal for _, equal in equal_tables(settings))
     with psycopg.connect(target_dsn) as conn:
         assert conn.execute("SELECT count(*), count(ssn) FROM users").fetchone() == (10, 0)
+
+
+def test_a_row_filter_changed_midstream_is_named_with_its_fix_and_an_add_again_converges(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """The publication's row filter of ``orders`` changed after its copy: the stream follows
+    the new filter from there, but the rows only it passes were never copied and those only
+    the old one passed stay, as with native replication, and nothing fails. The chain
+    recorded each table's filter at its copy, so status, verify and the ``replicated_tables``
+    check name the change and the fix; the fix (the target's rows emptied, the table added
+    again) copies it as now published and records the new filter."""
+    from pgcdc_dagster.defs.checks import replicated_tables_result
+
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "refilter", publication="mine")
+    pipeline.take_snapshot(settings, spark)
+    chain = OutputStore(settings.store).chain()
+    assert chain is not None
+    assert chain.row_filters == {ORDERS: "(tenant = 1)", USERS: None, M: "(k >= 5)", WHOLE: None}
+    assert pipeline.tables_agreement(settings).agree
+
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            "ALTER PUBLICATION mine SET TABLE orders WHERE (tenant = 2), "
+            'users (id, name, "Odd Col"), m (id, k) WHERE (k >= 5), whole'
+        )
+        conn.execute("INSERT INTO orders VALUES (200, 2, 'two'), (201, 1, 'one')")
+    catch_up(settings)  # nothing fails
+
+    agreement = pipeline.tables_agreement(settings)
+    assert not agreement.agree
+    assert agreement.refiltered == ((ORDERS, "(tenant = 1)", "(tenant = 2)"),)
+    (line,) = agreement.refiltered_lines()
+    assert line.startswith(
+        "public.orders: the publication's row filter is WHERE (tenant = 2), it was WHERE "
+        "(tenant = 1) when the table was copied"
+    )
+    assert line.endswith("TRUNCATE public.orders on the target, then pgcdc add-table "
+                         "public.orders to copy it again")  # fmt: skip
+    evaluation = replicated_tables_result(settings)
+    assert not evaluation.passed and evaluation.severity.value == "WARN"
+    assert evaluation.description == line
+    assert dict(equal_tables(settings))["public.orders"] is False
+
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("TRUNCATE orders")
+    added = pipeline.add_tables(settings, [ORDERS], spark)
+    assert added.shapes[ORDERS].row_filter == "(tenant = 2)"
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO orders VALUES (202, 2, 'after')")
+        conn.execute("UPDATE orders SET tenant = 2 WHERE id = 1")  # enters the new filter
+    catch_up(settings)
+    assert pipeline.tables_agreement(settings).agree
+    assert all(equal for _, equal in equal_tables(settings))
+    assert _ids(target_dsn, "SELECT id FROM orders ORDER BY id") == _ids(
+        source_dsn, "SELECT id FROM orders WHERE tenant = 2 ORDER BY id"
+    )
