@@ -375,14 +375,11 @@ class HeldBackApplied:
     """What :func:`apply_added_changes` applied."""
 
     changes: int = 0
-    ranges: int = 0
     on_spark: int = 0
-    """Of ``ranges``, those Spark's workers compacted and staged."""
+    """Ranges whose share Spark's workers compacted and staged."""
 
     def __add__(self, other: HeldBackApplied) -> HeldBackApplied:
-        return HeldBackApplied(
-            self.changes + other.changes, self.ranges + other.ranges, self.on_spark + other.on_spark
-        )
+        return HeldBackApplied(self.changes + other.changes, self.on_spark + other.on_spark)
 
 
 def apply_added_changes(
@@ -441,7 +438,6 @@ def apply_added_changes(
                 staging = _HeldBackStaging(spark(), target_dsn, staging_key)
             applied += HeldBackApplied(
                 _apply_held_back(conn, stored, relations, since, through, unpublished, staging),
-                1,
                 int(staging is not None),
             )
     return applied

@@ -108,6 +108,17 @@ def test_adding_a_table_the_target_already_holds_is_refused_before_anything_chan
         assert conn.execute("SELECT k FROM b").fetchall() == [(99,)]
 
 
+def _an_add_again_converges(settings: ReplicationSettings, spark, *, key: int, rows: int) -> None:
+    """``b`` added again, then a row ``key`` inserted and caught up: both tables equal the
+    source, ``b`` with ``rows`` rows (it has no key: a change applied twice is a row too many)."""
+    pipeline.add_tables(settings, [ADDED], spark)
+    _source(settings.source_dsn, f"INSERT INTO b VALUES ({int(key)}, 'after')")
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
+    with psycopg.connect(settings.target_dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM b").fetchone() == (rows,)
+
+
 ADD_IN_CHILD = (
     "import sys; from pgcdc_dagster.engine import pipeline; "
     "from pgcdc_dagster.engine.identifiers import TableName; "
@@ -147,12 +158,17 @@ def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converg
             (f"{settings.slot}_add_%",),
         ).fetchone() == (0,)
 
-    pipeline.add_tables(settings, [ADDED], spark)
-    _source(source_dsn, "INSERT INTO b VALUES (6, 'after')")
-    catch_up(settings)
-    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
-    with psycopg.connect(target_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM b").fetchone() == (6,)
+    _an_add_again_converges(settings, spark, key=6, rows=6)
+
+
+def _wait_for_its_copy(source_dsn: str, settings: ReplicationSettings) -> None:
+    """Until an add's copy is done: its temporary slot (whose snapshot it copies in) came and
+    went."""
+    temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        pattern = (f"{settings.slot}_add_%",)
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
+        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))
 
 
 @pytest.mark.parametrize("applied_on", ["process", "spark"])
@@ -174,11 +190,7 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
         target=lambda: added.append(pipeline.add_tables(settings, [ADDED], spark))
     )
     adder.start()
-    temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        pattern = (f"{settings.slot}_add_%",)
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))  # copied
+    _wait_for_its_copy(source_dsn, settings)
     _source(
         source_dsn,
         "UPDATE b SET v = 'during' WHERE k = 1",
@@ -223,11 +235,7 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
         env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(6);add.before_range=kill@1"},
         stderr=subprocess.PIPE,
     )
-    temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        pattern = (f"{settings.slot}_add_%",)
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))  # copied
+    _wait_for_its_copy(source_dsn, settings)
     _source(
         source_dsn,
         "UPDATE b SET v = 'during' WHERE k = 1",
@@ -246,12 +254,7 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
     done = catch_up(settings)
     assert {tuple(applied.held_back) for _, applied in done if applied.changes} == {("public.b",)}
 
-    pipeline.add_tables(settings, [ADDED], spark)
-    _source(source_dsn, "INSERT INTO b VALUES (9, 'after')")
-    catch_up(settings)
-    assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
-    with psycopg.connect(target_dsn) as conn:
-        assert conn.execute("SELECT count(*) FROM b").fetchone() == (8,)
+    _an_add_again_converges(settings, spark, key=9, rows=8)
 
 
 def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
