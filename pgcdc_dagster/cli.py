@@ -330,7 +330,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "runs_in_flight": _runs_in_flight(settings),
         "no_longer_published": [str(t) for t in agreement.no_longer_published],
         "adding": agreement.adding_line(),
-        "row_filter_changed": agreement.refiltered_lines(),
+        "published_otherwise": agreement.reshaped_lines(),
         "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
     }
     _print_status(args, status)
@@ -404,7 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "differing_tables": differing,
                     "no_longer_published": [str(t) for t in stale],
                     "adding": adding,
-                    "row_filter_changed": agreement.refiltered_lines(),
+                    "published_otherwise": agreement.reshaped_lines(),
                     "tables": tables,
                 },
                 indent=2,
@@ -413,7 +413,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         _print_tables(tables, stale)
         # Why those tables differ, and what to do.
-        for note in ([adding] if adding is not None else []) + agreement.refiltered_lines():
+        for note in ([adding] if adding is not None else []) + agreement.reshaped_lines():
             print(f"NOTE {note}")
     _refuse_differing(differing, stale)
     if result is not None and not result.success:

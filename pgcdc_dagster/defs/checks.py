@@ -96,9 +96,9 @@ REPLICATED_TABLES = "replicated_tables"
     description="The tables the replication copied and those the publication sends agree: "
     "none is no longer sent (its target copy would drift, silently), none is sent without "
     "having been added (its ranges fail to apply), no pgcdc add-table was left unfinished "
-    "(its tables' changes are held back), and no table's row filter changed since it was "
-    "copied (the rows that change let in were never copied). The slot sensor evaluates it "
-    "every minute.",
+    "(its tables' changes are held back), and the publication sends no table otherwise than "
+    "when it was copied (a row filter changed, a column list that sends more: what that let "
+    "in was never copied). The slot sensor evaluates it every minute.",
 )
 def replicated_tables(
     context: AssetCheckExecutionContext, pgcdc: PgcdcResource
@@ -112,8 +112,8 @@ def replicated_tables_result(
     """:func:`replicated_tables`'s evaluation: an error when ranges cannot apply (a table sent
     but never added), a warning when a target copy is not kept in sync (a table no longer
     sent: nothing fails, as with native replication; an add left unfinished: its tables'
-    changes are held back; a row filter changed since the copy: the rows the change let in
-    or out are not). An add under way passes, and says so."""
+    changes are held back; a table published otherwise since its copy: the rows or columns
+    the change let in are not). An add under way passes, and says so."""
     try:
         agreement = pipeline.tables_agreement(settings, timeout_s=timeout_s)
     except ENGINE_ERRORS as exc:
@@ -129,7 +129,7 @@ def replicated_tables_result(
         )
     if (adding := agreement.adding_line()) is not None:
         lines.append(adding)
-    lines += agreement.refiltered_lines()
+    lines += agreement.reshaped_lines()
     return AssetCheckResult(
         check_name=REPLICATED_TABLES,
         passed=agreement.agree,
@@ -139,7 +139,7 @@ def replicated_tables_result(
             "no_longer_published": text(" ".join(map(str, agreement.no_longer_published))),
             "not_added": text(" ".join(map(str, agreement.not_added))),
             "adding": text(" ".join(map(str, agreement.adding))),
-            "row_filter_changed": text(" ".join(str(t) for t, _, _ in agreement.refiltered)),
+            "published_otherwise": text(" ".join(str(r.table) for r in agreement.reshaped)),
         },
     )
 

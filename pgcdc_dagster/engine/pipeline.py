@@ -446,28 +446,19 @@ class TablesAgreement:
     adding_by: str = ""
     """Who is adding them (the holder of :func:`~.range_lock.tables_lock`); empty: nobody, an
     add ended before finishing and must run again."""
-    refiltered: tuple[tuple[TableName, str | None, str | None], ...] = ()
-    """Replicated tables whose row filter in the publication changed since they were copied:
-    ``(table, then, now)``, ``None`` for no filter (:attr:`~.store.Chain.row_filters`). The
-    stream follows the new filter from the change on, but nothing copies the rows it newly
-    passes nor removes those it no longer does (as with native replication)."""
+    reshaped: tuple[Reshaped, ...] = ()
+    """Replicated tables the publication sends more or other rows of than when they were
+    copied: nothing copies what the change let in (as with native replication)."""
 
     @property
     def agree(self) -> bool:
         """Nothing to act on: an add under way is not a problem, one left unfinished is."""
         unfinished = self.adding and not self.adding_by
-        return not (self.no_longer_published or self.not_added or unfinished or self.refiltered)
+        return not (self.no_longer_published or self.not_added or unfinished or self.reshaped)
 
-    def refiltered_lines(self) -> list[str]:
-        """One line a table whose row filter changed since its copy, with the fix."""
-        return [
-            f"{table}: the publication's row filter is {_filter_text(now)}, it was "
-            f"{_filter_text(then)} when the table was copied, so the target lacks the rows "
-            "only the new one passes and keeps those only the old one did (as with native "
-            f"replication): TRUNCATE {table} on the target, then pgcdc add-table {table} to "
-            "copy it again"
-            for table, then, now in self.refiltered
-        ]
+    def reshaped_lines(self) -> list[str]:
+        """One line a table the publication sends otherwise than at its copy, with the fix."""
+        return [r.line() for r in self.reshaped]
 
     def adding_line(self) -> str | None:
         """One line on the tables being added, with the fix when an add did not finish."""
@@ -482,6 +473,38 @@ class TablesAgreement:
         return (
             f"adding {names} did not finish, so their changes are held back (the other "
             f"tables' are applied): run pgcdc add-table {names} again"
+        )
+
+
+@dataclass(frozen=True)
+class Reshaped:
+    """A replicated table whose row filter changed since its copy (:attr:`~.store.Chain.
+    row_filters`), or whose column list now sends columns it left out then
+    (:attr:`~.store.Chain.unpublished`). The stream follows the publication from the change
+    on; a column list that leaves out more stops the apply (:mod:`.apply`), this does not."""
+
+    table: TableName
+    filter_then: str | None
+    filter_now: str | None
+    columns_now_sent: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        what = []
+        if self.filter_now != self.filter_then:
+            what.append(
+                f"the publication's row filter is {_filter_text(self.filter_now)}, it was "
+                f"{_filter_text(self.filter_then)} when the table was copied, so the target "
+                "lacks the rows only the new one passes and keeps those only the old one did"
+            )
+        if self.columns_now_sent:
+            names = ", ".join(self.columns_now_sent)
+            what.append(
+                f"the publication now sends column(s) {names}, left out when the table was "
+                "copied, so they are empty in the rows copied then"
+            )
+        return (
+            f"{self.table}: {'; and '.join(what)} (as with native replication): TRUNCATE "
+            f"{self.table} on the target, then pgcdc add-table {self.table} to copy it again"
         )
 
 
@@ -506,12 +529,14 @@ def tables_agreement(
         published = publication_tables(conn, settings.publication)
         sent = set(published)
         compared = [t for t in chain.row_filters if t in sent and t not in chain.adding]
-        shapes = published_shapes(conn, settings.publication, compared)
-    refiltered = []
+        shapes = published_shapes(conn, settings.publication, compared, whole=True)
+    reshaped = []
     for table in compared:
-        now = shape.row_filter if (shape := shapes.get(table)) else None
-        if now != chain.row_filters[table]:
-            refiltered.append((table, chain.row_filters[table], now))
+        shape, then = shapes.get(table), chain.row_filters[table]
+        now = shape.row_filter if shape else then  # gone since read: no_longer_published
+        sent_now = [c for c in chain.unpublished.get(table, ()) if shape and c in shape.columns]
+        if now != then or sent_now:
+            reshaped.append(Reshaped(table, then, now, tuple(sent_now)))
     wanted = set(settings.tables) if settings.tables else None
     replicated = {*chain.tables, *chain.adding}
     adders = tables_changing(settings.target_dsn, settings.slot) if chain.adding else []
@@ -523,7 +548,7 @@ def tables_agreement(
             t for t in published if t not in replicated and (wanted is None or t in wanted)
         ),
         adding=chain.adding,
-        refiltered=tuple(refiltered),
+        reshaped=tuple(reshaped),
     )
 
 

@@ -56,12 +56,13 @@ column of every row."""
 
 
 def published_shapes(
-    conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName]
+    conn: psycopg.Connection[Any], name: str, tables: Sequence[TableName], *, whole: bool = False
 ) -> dict[TableName, PublishedShape]:
     """The tables of ``tables`` that publication ``name`` narrows, with what it sends of each
-    (a table it sends whole is absent). Read it in the snapshot that is copied (the exported
-    one): the slot decodes each change with the publication as it stood at that change, and
-    the copy must stand where the stream begins."""
+    (a table it sends whole is absent, unless ``whole``; one it does not send always is). Read
+    it in the snapshot that is copied (the exported one): the slot decodes each change with
+    the publication as it stood at that change, and the copy must stand where the stream
+    begins."""
     if conn.info.server_version < FIRST_SHAPING_VERSION or not tables:
         return {}
     rows = conn.execute(
@@ -71,7 +72,7 @@ def published_shapes(
     for schema, table, stored, published, row_filter in rows:
         sent = set(published or stored)
         unpublished = tuple(c for c in stored if c not in sent)
-        if unpublished or row_filter is not None:
+        if unpublished or row_filter is not None or whole:
             columns = tuple(c for c in stored if c in sent)
             shapes[TableName(schema, table)] = PublishedShape(columns, unpublished, row_filter)
     return shapes

@@ -209,20 +209,23 @@ def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
         assert conn.execute("SELECT count(*), count(ssn) FROM users").fetchone() == (10, 0)
 
 
-def test_a_row_filter_changed_midstream_is_named_with_its_fix_and_an_add_again_converges(
+def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_an_add_again_converges(
     source_dsn, target_dsn, tmp_path, spark
 ):
-    """The publication's row filter of ``orders`` changed after its copy: the stream follows
-    the new filter from there, but the rows only it passes were never copied and those only
-    the old one passed stay, as with native replication, and nothing fails. The chain
-    recorded each table's filter at its copy, so status, verify and the ``replicated_tables``
-    check name the change and the fix; the fix (the target's rows emptied, the table added
-    again) copies it as now published and records the new filter."""
+    """The publication's row filter of ``orders`` changed after its copy, and its column list
+    of ``users`` now sends ``ssn``: the stream follows the publication from there, but the
+    rows only the new filter passes were never copied, those only the old one passed stay,
+    and the users copied before have no ``ssn``, as with native replication, and nothing
+    fails. The chain recorded each table's filter and left-out columns at its copy, so status,
+    verify and the ``replicated_tables`` check name the change and the fix; the fix (the
+    target's rows emptied, the tables added again) copies them as now published and records
+    that."""
     from pgcdc_dagster.defs.checks import replicated_tables_result
+    from pgcdc_dagster.engine.pipeline import Reshaped
 
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)
-    settings = settings_for(source_dsn, target_dsn, tmp_path, "refilter", publication="mine")
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "reshape", publication="mine")
     pipeline.take_snapshot(settings, spark)
     chain = OutputStore(settings.store).chain()
     assert chain is not None
@@ -232,36 +235,49 @@ def test_a_row_filter_changed_midstream_is_named_with_its_fix_and_an_add_again_c
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(
             "ALTER PUBLICATION mine SET TABLE orders WHERE (tenant = 2), "
-            'users (id, name, "Odd Col"), m (id, k) WHERE (k >= 5), whole'
+            'users (id, name, "Odd Col", ssn), m (id, k) WHERE (k >= 5), whole'
         )
         conn.execute("INSERT INTO orders VALUES (200, 2, 'two'), (201, 1, 'one')")
+        conn.execute("UPDATE users SET name = 'sent' WHERE id = 3")
     catch_up(settings)  # nothing fails
 
     agreement = pipeline.tables_agreement(settings)
     assert not agreement.agree
-    assert agreement.refiltered == ((ORDERS, "(tenant = 1)", "(tenant = 2)"),)
-    (line,) = agreement.refiltered_lines()
-    assert line.startswith(
-        "public.orders: the publication's row filter is WHERE (tenant = 2), it was WHERE "
-        "(tenant = 1) when the table was copied"
+    assert agreement.reshaped == (
+        Reshaped(ORDERS, "(tenant = 1)", "(tenant = 2)"),
+        Reshaped(USERS, None, None, ("ssn",)),
     )
-    assert line.endswith("TRUNCATE public.orders on the target, then pgcdc add-table "
-                         "public.orders to copy it again")  # fmt: skip
+    lines = agreement.reshaped_lines()
+    assert lines == [
+        "public.orders: the publication's row filter is WHERE (tenant = 2), it was WHERE "
+        "(tenant = 1) when the table was copied, so the target lacks the rows only the new one "
+        "passes and keeps those only the old one did (as with native replication): TRUNCATE "
+        "public.orders on the target, then pgcdc add-table public.orders to copy it again",
+        "public.users: the publication now sends column(s) ssn, left out when the table was "
+        "copied, so they are empty in the rows copied then (as with native replication): "
+        "TRUNCATE public.users on the target, then pgcdc add-table public.users to copy it "
+        "again",
+    ]
     evaluation = replicated_tables_result(settings)
     assert not evaluation.passed and evaluation.severity.value == "WARN"
-    assert evaluation.description == line
-    assert dict(equal_tables(settings))["public.orders"] is False
+    assert evaluation.description == "; ".join(lines)
+    equal = dict(equal_tables(settings))
+    assert equal["public.orders"] is False and equal["public.users"] is False
 
     with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE orders")
-    added = pipeline.add_tables(settings, [ORDERS], spark)
+        conn.execute("TRUNCATE orders, users")
+    added = pipeline.add_tables(settings, [ORDERS, USERS], spark)
     assert added.shapes[ORDERS].row_filter == "(tenant = 2)"
+    assert added.shapes[USERS].unpublished == ("joined",)
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO orders VALUES (202, 2, 'after')")
         conn.execute("UPDATE orders SET tenant = 2 WHERE id = 1")  # enters the new filter
+        conn.execute("UPDATE users SET ssn = 'new' WHERE id = 4")
     catch_up(settings)
     assert pipeline.tables_agreement(settings).agree
     assert all(equal for _, equal in equal_tables(settings))
     assert _ids(target_dsn, "SELECT id FROM orders ORDER BY id") == _ids(
         source_dsn, "SELECT id FROM orders WHERE tenant = 2 ORDER BY id"
     )
+    with psycopg.connect(target_dsn) as conn:
+        assert conn.execute("SELECT count(ssn) FROM users").fetchone() == (10,)
