@@ -37,6 +37,7 @@ from .receive import receive
 from .retention import prune_if_due
 from .settings import ReplicationSettings
 from .slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
+from .staging import drop_shared
 from .store import Chain, OutputStore, RangeResult, StoredRange, StoreError
 
 if TYPE_CHECKING:
@@ -188,6 +189,11 @@ def add_tables(
         added = [t.table for t in result.tables]
         unpublished = {table: shape.unpublished for table, shape in result.shapes.items()}
         session = None if spark is None else spark if callable(spark) else lambda: spark
+        staging_key = f"{settings.origin} add"
+        with connect(settings.target_dsn, role="target", autocommit=True) as conn:
+            # Shared staging tables a killed add's Spark workers filled (a big range's rows);
+            # nothing else uses them: one add at a time.
+            drop_shared(conn, staging_key)
 
         def held_back_through(since: Lsn) -> tuple[Lsn, HeldBackApplied]:
             """The added tables' held-back changes committed in ``(since, O]``, ``O`` the
@@ -200,7 +206,7 @@ def add_tables(
                 since=since,
                 through=through,
                 unpublished=unpublished,
-                staging_key=f"{settings.origin} add",
+                staging_key=staging_key,
                 spark=session,
                 spark_min_changes=settings.spark_min_changes,
             )

@@ -180,8 +180,16 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     or by Spark's workers) while the add's copy is still under way: the add applies them once
     its copy is done (on Spark too, for ranges past the threshold), before any later
     catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
+    from pgcdc_dagster.engine.staging import SCHEMA, shared_name, shared_tables
+
     overrides = {"spark_min_changes": 1} if applied_on == "spark" else {}
     settings = _started(source_dsn, target_dsn, tmp_path, spark, **overrides)
+    staging_key = f"{settings.origin} add"
+    with psycopg.connect(target_dsn, autocommit=True) as conn:  # as a killed add's workers
+        conn.execute(f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}")  # would leave them
+        conn.execute(
+            psycopg.sql.SQL("CREATE TABLE {} (k int)").format(shared_name(staging_key, 0, "up"))
+        )
     monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(4)")
     monkeypatch.setattr(failpoints, "_armed", None)
     monkeypatch.setattr(failpoints, "_hits", {})
@@ -209,8 +217,11 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     adder.join(timeout=120)
     (result,) = added
     assert result.held_back == 3
-    # By Spark's workers for a range past the threshold, as an apply would.
+    # By Spark's workers for a range past the threshold, as an apply would; their staging
+    # tables, and those a killed add left, are gone.
     assert (result.held_back_on_spark > 0) == (applied_on == "spark")
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        assert shared_tables(conn, staging_key) == []
     chain = OutputStore(settings.store).chain()
     origin = pipeline.origin_progress(settings)
     assert chain is not None and chain.adding == () and chain.synced_from == {ADDED: origin}
