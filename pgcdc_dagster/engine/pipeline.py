@@ -154,6 +154,7 @@ def add_tables(
     them again from scratch; a prune removes nothing meanwhile (it would remove the ranges steps
     3 and 4 read)."""
     from .apply import HeldBackApplied, apply_added_changes
+    from .published import unpublished_columns
     from .snapshot import add_tables as copy_added
 
     store = store_of(settings)
@@ -187,7 +188,7 @@ def add_tables(
             driver_max_rows=settings.driver_max_rows(),
         )
         added = [t.table for t in result.tables]
-        unpublished = {table: shape.unpublished for table, shape in result.shapes.items()}
+        unpublished = unpublished_columns(result.shapes)
         session = None if spark is None else spark if callable(spark) else lambda: spark
         staging_key = f"{settings.origin} add"
         with connect(settings.target_dsn, role="target", autocommit=True) as conn:

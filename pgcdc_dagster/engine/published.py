@@ -8,7 +8,7 @@ publication up) because copy tasks, on Spark executors too, need only this.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,21 @@ def published_shapes(
             columns = tuple(c for c in stored if c in sent)
             shapes[TableName(schema, table)] = PublishedShape(columns, unpublished, row_filter)
     return shapes
+
+
+def unpublished_columns(
+    shapes: Mapping[TableName, PublishedShape],
+) -> dict[TableName, tuple[str, ...]]:
+    """Per table ``shapes`` narrow by a column list, the columns it leaves out (what the
+    store's chain keeps, and an apply of the table's changes must know)."""
+    return {t: shape.unpublished for t, shape in shapes.items() if shape.unpublished}
+
+
+def row_filters(
+    tables: Sequence[TableName], shapes: Mapping[TableName, PublishedShape]
+) -> dict[TableName, str | None]:
+    """Each of ``tables``' row filter in ``shapes`` (``None``: none)."""
+    return {t: shape.row_filter if (shape := shapes.get(t)) else None for t in tables}
 
 
 def row_filter_sql(row_filter: str) -> sql.Composed:

@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,9 +56,7 @@ from .errors import PgcdcError
 from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn, LsnRange
-
-if TYPE_CHECKING:
-    from .published import PublishedShape
+from .published import PublishedShape, row_filters, unpublished_columns
 
 MANIFEST = "_RANGE.json"
 CHAIN = "_CHAIN.json"
@@ -301,16 +299,6 @@ def _put_tables(
         record["adding"] = [[t.schema, t.name] for t in sorted(adding)]
     if synced_from:
         record["synced_from"] = [[t.schema, t.name, str(x)] for t, x in sorted(synced_from.items())]
-
-
-def _unpublished(shapes: Mapping[TableName, PublishedShape]) -> dict[TableName, tuple[str, ...]]:
-    return {t: shape.unpublished for t, shape in shapes.items() if shape.unpublished}
-
-
-def _row_filters(
-    tables: Sequence[TableName], shapes: Mapping[TableName, PublishedShape]
-) -> dict[TableName, str | None]:
-    return {t: shape.row_filter if (shape := shapes.get(t)) else None for t in tables}
 
 
 @dataclass(frozen=True)
@@ -631,8 +619,8 @@ class OutputStore:
             consistent_point,
             snapshot_name,
             tables=tuple(tables),
-            unpublished=_unpublished(shapes or {}),
-            row_filters=_row_filters(tables, shapes or {}),
+            unpublished=unpublished_columns(shapes or {}),
+            row_filters=row_filters(tables, shapes or {}),
         )
         with self.chain_lock():
             self._write_chain(self._record_of(chain))
@@ -695,9 +683,9 @@ class OutputStore:
                     complete,
                     unpublished={
                         **{t: c for t, c in complete.unpublished.items() if t not in done},
-                        **_unpublished({t: s for t, s in shapes.items() if t in done}),
+                        **unpublished_columns({t: s for t, s in shapes.items() if t in done}),
                     },
-                    row_filters={**complete.row_filters, **_row_filters(tables, shapes)},
+                    row_filters={**complete.row_filters, **row_filters(tables, shapes)},
                     tables=sorted({*complete.tables, *done}),
                     adding=[t for t in complete.adding if t not in done],
                     synced_from={**complete.synced_from, **dict.fromkeys(done, consistent_point)},

@@ -128,6 +128,13 @@ ADD_IN_CHILD = (
 )
 
 
+ADD_ON_SPARK_IN_CHILD = ADD_IN_CHILD.replace(
+    "[TableName('public', 'b')], None)",
+    "[TableName('public', 'b')], __import__('pgcdc_dagster.engine.spark_session', "
+    "fromlist=['get_spark']).get_spark)",
+)
+
+
 @pytest.mark.parametrize("point", ["add.after_begin", "add.after_copy", "add.after_held_back"])
 def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converges(
     source_dsn, target_dsn, tmp_path, spark, point
@@ -266,6 +273,49 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
     assert {tuple(applied.held_back) for _, applied in done if applied.changes} == {("public.b",)}
 
     _an_add_again_converges(settings, spark, key=9, rows=8)
+
+
+def test_an_add_killed_while_spark_stages_its_held_back_range_is_redone_once(
+    source_dsn, target_dsn, tmp_path, spark
+):
+    """A real add process with its own Spark (every range past the threshold), SIGKILLed with
+    its JVM and Python workers once a worker committed its part of the shared staging tables
+    of a range the applies held back for it: the next add, in this process, drops what the
+    workers staged, empties ``b`` and copies it again, exactly once."""
+    from psycopg import sql
+
+    from pgcdc_dagster.engine.staging import shared_tables
+
+    settings = _started(source_dsn, target_dsn, tmp_path, spark, spark_min_changes=1)
+    child = subprocess.Popen(
+        [sys.executable, "-c", ADD_ON_SPARK_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": "add.after_copy=sleep(4);apply.staging=sleep(60)"},
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its group (the JVM, the workers) is killed, not this one
+    )
+    _wait_for_its_copy(source_dsn, settings)
+    _source(source_dsn, "UPDATE b SET v = 'during' WHERE k = 1", "INSERT INTO a VALUES (4, 'd')")
+    catch_up(settings)  # b's held back, for the add to stage on Spark
+
+    def staged() -> int:
+        with psycopg.connect(target_dsn, autocommit=True) as conn:
+            return sum(
+                conn.execute(sql.SQL("SELECT count(*) FROM {}").format(t)).fetchone()[0]
+                for t in shared_tables(conn, f"{settings.origin} add")
+            )
+
+    try:
+        _wait_for(lambda: staged() > 0, timeout=120)  # a worker's part committed
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+    _, stderr = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
+    chain = OutputStore(settings.store).chain()
+    assert chain is not None and chain.adding == (ADDED,)
+
+    _an_add_again_converges(settings, None, key=9, rows=6)
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        assert shared_tables(conn, f"{settings.origin} add") == []
 
 
 def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
