@@ -311,6 +311,10 @@ def run_while_following(
         "native_add_s": round(native, 3),
         "ours_made_way_s": totals.get("made_way_s"),
         "ours_held_back_changes": report.get("held_back_changes"),
+        "ours_held_back_with_range": report.get("held_back_with_range"),
+        "ours_held_back_passes": report.get("held_back_passes"),
+        "ours_held_back_transactions": report.get("held_back_transactions"),
+        "ours_held_back_s": report.get("held_back_seconds"),
         "ours_follow_said": [
             line for line in err.splitlines() if "made way" in line or "going on" in line
         ],

@@ -541,7 +541,8 @@ def cmd_add_table(args: argparse.Namespace) -> int:
         print(
             f"added {report['added_tables']}: {report['rows']} rows copied as of "
             f"{report['consistent_point']}, {report['held_back_changes']} change(s) held back "
-            f"meanwhile applied ({report['held_back_with_range']} with the range), the rest "
+            f"meanwhile applied in {report['held_back_transactions']} transaction(s) "
+            f"({report['held_back_with_range']} with the range), the rest "
             "applied by the next catchup or follow"
         )
     return 0

@@ -513,7 +513,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
         code, out, err = run_cli(capsys, "add-table", "later", "--wait", "60")
         assert code == 0, err
         assert out.startswith("added public.later: 500 rows copied"), out
-        assert "change(s) held back meanwhile applied (" in out, out
+        assert "change(s) held back meanwhile applied in " in out, out
         with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
             conn.execute("UPDATE later SET v = 'after' WHERE id = 1")
         deadline = time.monotonic() + 60

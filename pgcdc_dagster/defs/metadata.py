@@ -231,6 +231,8 @@ def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
         "held_back_with_range": number(result.held_back_with_range),
         "held_back_passes": number(result.held_back_passes),
         "held_back_ranges_on_spark": number(result.held_back_on_spark),
+        "held_back_transactions": number(result.held_back_transactions),
+        "held_back_seconds": MetadataValue.float(round(float(result.held_back_seconds), 3)),
         "foreign_keys_not_valid": text("; ".join(result.foreign_keys.not_valid) or "none"),
         "foreign_keys_skipped": text("; ".join(result.foreign_keys.skipped) or "none"),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),

@@ -80,9 +80,9 @@ from psycopg import sql
 
 from .compaction import (
     DEFAULT_SPARK_MIN_CHANGES,
+    HeldBack,
     NetChanges,
     TableRelation,
-    compact_held_back,
     compact_in_commit_order,
     compact_range,
     relations_of,
@@ -370,6 +370,12 @@ def on_spark(stored: StoredRange, spark_min_changes: int) -> bool:
     return stored.changes >= spark_min_changes
 
 
+HELD_BACK_BATCH_CHANGES = 100_000
+"""At most about this many held-back changes (those of the tables being added) of consecutive
+stored ranges are applied in one target transaction (:func:`apply_added_changes`); the batch's
+rows are in memory meanwhile (about 50 MB for a pgbench-like table)."""
+
+
 @dataclass
 class HeldBackApplied:
     """What :func:`apply_added_changes` applied."""
@@ -377,9 +383,17 @@ class HeldBackApplied:
     changes: int = 0
     on_spark: int = 0
     """Ranges whose share Spark's workers compacted and staged."""
+    transactions: int = 0
+    """Target transactions the changes were applied in (consecutive ranges' share together)."""
+    seconds: float = 0.0
 
     def __add__(self, other: HeldBackApplied) -> HeldBackApplied:
-        return HeldBackApplied(self.changes + other.changes, self.on_spark + other.on_spark)
+        return HeldBackApplied(
+            self.changes + other.changes,
+            self.on_spark + other.on_spark,
+            self.transactions + other.transactions,
+            round(self.seconds + other.seconds, 4),
+        )
 
 
 def apply_added_changes(
@@ -393,53 +407,66 @@ def apply_added_changes(
     staging_key: str,
     spark: Callable[[], SparkSession] | None = None,
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+    batch_changes: int | None = None,
 ) -> HeldBackApplied:
     """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
-    the applies held back (:func:`apply_range`), range by range in LSN order; return how many
-    there were. ``since``: their copy's consistent point, or where an earlier call stopped;
-    ``through``: the target's origin as the caller read it (the applies took the ranges' other
-    tables up to it, so every range it reads is stored).
+    the applies held back (:func:`apply_range`), in LSN order; say what was applied.
+    ``since``: their copy's consistent point, or where an earlier call stopped; ``through``:
+    the target's origin as the caller read it (the applies took the ranges' other tables up to
+    it, so every range it reads is stored).
 
     Nothing else writes ``tables`` meanwhile (the applies hold them back), so the caller may
     call this without the range while the origin moves on, and then once more with it, up to
     the origin that no longer moves, before it records the tables as added there
-    (:func:`~.pipeline.add_tables`). Each range's share is one target transaction that leaves
-    the origin alone (it already stands past the range); nothing is lost by a crash between
-    two, since the tables stay in ``Chain.adding`` and the next add copies them again. A prune
-    removes no range while a table is being added (:mod:`.retention`).
+    (:func:`~.pipeline.add_tables`). Consecutive ranges' shares, up to ``batch_changes``
+    changes (default :data:`HELD_BACK_BATCH_CHANGES`), are compacted together
+    (:class:`~.compaction.HeldBack`) and applied in one target transaction that leaves the
+    origin alone (it already stands past them); nothing is lost by a crash between two, since
+    the tables stay in ``Chain.adding`` and the next add copies them again. A prune removes no
+    range while a table is being added (:mod:`.retention`).
 
     A range of ``spark_min_changes`` or more (``spark``: a session, started when first needed)
     whose transactions all lie at or before ``through`` is compacted and staged by Spark's
     workers, as :func:`apply_range` does such a range (a big transaction on a table while it
-    copied is not funnelled through this process), in shared staging tables of
+    copied is not funnelled through this process), alone, in shared staging tables of
     ``staging_key``: not the origin's, whose tables an apply running beside makes anew."""
     applied = HeldBackApplied()
     if through <= since:
         return applied  # no apply went past the copy: the applies to come take it all
+    started = time.perf_counter()
     wanted = set(tables)
+    cap = batch_changes or HELD_BACK_BATCH_CHANGES
+
+    def gathered() -> HeldBack:
+        return HeldBack(wanted, since=int(since), through=int(through))
+
     with _target_session(target_dsn, None) as conn:
+        batch = gathered()
         for rng in store.chain_from(since):
             if rng.start >= through:
                 break
             stored = store.get(rng)
-            if stored is None or rng.end <= since:
+            if stored is None or rng.end <= since or not batch.lists_any(stored):
                 continue
-            used = stored.relation_versions()
-            relations = {
-                t: rel
-                for t, rel in relations_of(stored.manifest.relations).items()
-                if t in wanted and used & rel.versions.keys()
-            }
-            if not relations:
-                continue
-            staging = None
             whole = stored.transform_lsn is not None and stored.transform_lsn <= through
             if spark is not None and whole and on_spark(stored, spark_min_changes):
+                applied += _apply_held_back(conn, batch, unpublished)
+                batch = gathered()
                 staging = _HeldBackStaging(spark(), target_dsn, staging_key)
-            applied += HeldBackApplied(
-                _apply_held_back(conn, stored, relations, since, through, unpublished, staging),
-                int(staging is not None),
-            )
+                on_workers = _held_back_on_spark(conn, stored, wanted, since, unpublished, staging)
+                if isinstance(on_workers, HeldBackApplied):
+                    applied += on_workers
+                    continue
+                batch.add(stored)  # refused: again here, that table in commit order
+                applied += _apply_held_back(conn, batch, unpublished, in_order={on_workers})
+                batch = gathered()
+                continue
+            batch.add(stored)
+            if batch.rows >= cap:
+                applied += _apply_held_back(conn, batch, unpublished)
+                batch = gathered()
+        applied += _apply_held_back(conn, batch, unpublished)
+    applied.seconds = round(time.perf_counter() - started, 4)
     return applied
 
 
@@ -454,45 +481,21 @@ class _HeldBackStaging:
 
 def _apply_held_back(
     conn: psycopg.Connection[Any],
-    stored: StoredRange,
-    relations: dict[TableName, TableRelation],
-    since: Lsn,
-    through: Lsn,
+    batch: HeldBack,
     unpublished: Mapping[TableName, Sequence[str]],
-    staging: _HeldBackStaging | None,
-) -> int:
-    """One range's share of :func:`apply_added_changes`, in one transaction: net rows first
-    (staged by Spark's workers with ``staging``) and, for a table whose net rows a unique key
-    refused, its changes in commit order, compacted here (as :func:`apply_range` does)."""
+    in_order: set[TableName] | None = None,
+) -> HeldBackApplied:
+    """``batch``'s changes in one transaction: net rows, and for a table whose net rows a
+    unique key refused (or one of ``in_order``), its changes in commit order (as
+    :func:`apply_range` does)."""
+    if not batch.rows:
+        return HeldBackApplied()
+    relations = batch.relations()
     targets = read_target_tables(conn, list(relations))
     relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
     additions = plan_schema_drift(relations, targets, unpublished)
-    result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
-    in_order: set[TableName] = set()
-    if staging is not None:
-        if additions:  # first: the staging tables are typed like the target's columns
-            with conn.transaction():
-                _add_columns(conn, additions)
-            additions = []
-            targets = read_target_tables(conn, list(relations))
-        shared = stage_on_spark(
-            staging.spark,
-            conn,
-            staging.target_dsn,
-            staging.key,
-            [str(f) for f in stored.files],
-            relations,
-            after_lsn=int(since),
-        )
-        try:
-            with conn.transaction():
-                conn.execute("SET LOCAL session_replication_role = replica")
-                _apply_staged(conn, _from_shared(shared, targets), result)
-                drop_shared(conn, staging.key)
-            return sum(s.changes for s in shared.values())
-        except _RefusedNetRows as refused:  # rolled back whole: again here, that table's
-            drop_shared(conn, staging.key)  # changes in commit order
-            in_order.add(refused.table)
+    result = ApplyResult(f"{batch.ranges} range(s)", ApplyStatus.APPLIED, None, None)
+    in_order = set(in_order or ())
     while True:
         try:
             with conn.transaction():
@@ -500,17 +503,66 @@ def _apply_held_back(
                 if additions:
                     _add_columns(conn, additions)
                     targets = read_target_tables(conn, list(relations))
-                rels = {
-                    t: rel.with_identity(()) if t in in_order else rel
-                    for t, rel in relations.items()
-                }
-                nets = compact_held_back(stored, rels, since=int(since), through=int(through))
+                nets = batch.compact(
+                    {
+                        t: rel.with_identity(()) if t in in_order else rel
+                        for t, rel in relations.items()
+                    }
+                )
                 _apply_staged(conn, _stage_all(conn, nets, targets), result)
-            return sum(net.changes for net in nets.values())
+            return HeldBackApplied(sum(net.changes for net in nets.values()), transactions=1)
         except _RefusedNetRows as refused:
             if refused.table in in_order:
                 raise refused.error from refused.error.__cause__
             in_order.add(refused.table)
+
+
+def _held_back_on_spark(
+    conn: psycopg.Connection[Any],
+    stored: StoredRange,
+    tables: set[TableName],
+    since: Lsn,
+    unpublished: Mapping[TableName, Sequence[str]],
+    staging: _HeldBackStaging,
+) -> HeldBackApplied | TableName:
+    """One big range's share of :func:`apply_added_changes` (every transaction of it at or
+    before the caller's ``through``), compacted and staged by Spark's workers and merged in
+    one transaction; or the table whose net rows a unique key refused (rolled back whole,
+    the staging dropped)."""
+    used = stored.relation_versions()
+    relations = {
+        t: rel
+        for t, rel in relations_of(stored.manifest.relations).items()
+        if t in tables and used & rel.versions.keys()
+    }
+    if not relations:
+        return HeldBackApplied()
+    targets = read_target_tables(conn, list(relations))
+    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
+    additions = plan_schema_drift(relations, targets, unpublished)
+    if additions:  # first: the staging tables are typed like the target's columns
+        with conn.transaction():
+            _add_columns(conn, additions)
+        targets = read_target_tables(conn, list(relations))
+    shared = stage_on_spark(
+        staging.spark,
+        conn,
+        staging.target_dsn,
+        staging.key,
+        [str(f) for f in stored.files],
+        relations,
+        after_lsn=int(since),
+    )
+    result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
+    try:
+        with conn.transaction():
+            conn.execute("SET LOCAL session_replication_role = replica")
+            _apply_staged(conn, _from_shared(shared, targets), result)
+            drop_shared(conn, staging.key)
+    except _RefusedNetRows as refused:
+        drop_shared(conn, staging.key)
+        return refused.table
+    return HeldBackApplied(sum(s.changes for s in shared.values()), on_spark=1, transactions=1)
 
 
 @contextlib.contextmanager

@@ -241,6 +241,8 @@ def add_tables(
         held_back_with_range=with_range.changes,
         held_back_passes=passes + 1,
         held_back_on_spark=held_back.on_spark,
+        held_back_transactions=held_back.transactions,
+        held_back_seconds=held_back.seconds,
     )
 
 

@@ -8,6 +8,7 @@ import itertools
 import time
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -117,27 +118,78 @@ def compact_in_commit_order(
     return compact_arrow(changes, {table: relation}, after_lsn=after_lsn, floors=floors)[table]
 
 
-def compact_held_back(
-    stored: StoredRange,
-    relations: Mapping[TableName, TableRelation],
-    *,
-    since: int,
-    through: int,
-) -> dict[TableName, NetChanges]:
-    """The net changes of ``relations``' tables (added ones, whose changes the range's apply
-    held back) committed after ``since`` (their copy's consistent point) and at or before
-    ``through`` (the target's origin: what the apply took of the range's other tables). A
-    relation with no identity (``with_identity(())``) gives its changes in commit order."""
-    changes = stored.read_table(KERNEL_COLUMNS)
-    versions = pa.array([v for rel in relations.values() for v in rel.versions], pa.int32())
-    lsns = changes.column("commit_end_lsn")
-    changes = changes.filter(
-        pc.and_(
-            pc.is_in(changes.column("relation_version"), value_set=versions),
-            pc.and_(pc.greater(lsns, since), pc.less_equal(lsns, through)),
+class HeldBack:
+    """The changes of tables being added (which the applies held back) committed in
+    ``(since, through]``, gathered from consecutive stored ranges to be compacted and applied
+    as one (:func:`~..apply.apply_added_changes`).
+
+    Why gathered: an add's copy of a big table lasts as long as it takes, and a follow stores a
+    range every few hundred milliseconds meanwhile; one transaction per range cost about 25 ms
+    each (the target's catalog read, staging, the statements, the commit) for a few hundred
+    changes. Gathered, those costs are paid once per batch.
+
+    What must hold: the rows stay in commit order (ranges are added in LSN order, each in its
+    own order); each range's relation versions (indexes into its own manifest's ``relations``)
+    are renumbered into one list, so a table altered between two gathered ranges keeps each
+    row's own layout, as the kernel does for a mid-range ``ALTER TABLE``; only the versions
+    rows use are kept, so a table's latest shape is that of its latest change."""
+
+    def __init__(self, tables: Collection[TableName], *, since: int, through: int) -> None:
+        self.tables = frozenset(tables)
+        self.since = since
+        self.through = through
+        self._parts: list[pa.Table] = []
+        self._relations: list[Mapping[str, Any]] = []
+        self.rows = 0
+        self.ranges = 0
+
+    def lists_any(self, stored: StoredRange) -> bool:
+        """Whether ``stored``'s manifest describes any of the tables (else it holds none of
+        their changes, and its files need not be read)."""
+        return any(self._wanted(rel) for rel in stored.manifest.relations)
+
+    def _wanted(self, rel: Mapping[str, Any]) -> bool:
+        return TableName(str(rel["schema"]), str(rel["table"])) in self.tables
+
+    def add(self, stored: StoredRange) -> int:
+        """Gather ``stored``'s share; return how many changes it had."""
+        listed = [v for v, rel in enumerate(stored.manifest.relations) if self._wanted(rel)]
+        if not listed:
+            return 0
+        changes = stored.read_table(KERNEL_COLUMNS)
+        lsns = changes.column("commit_end_lsn")
+        rows = changes.filter(
+            pc.and_(
+                pc.is_in(
+                    changes.column("relation_version"), value_set=pa.array(listed, pa.int32())
+                ),
+                pc.and_(pc.greater(lsns, self.since), pc.less_equal(lsns, self.through)),
+            )
         )
-    )
-    return compact_arrow(changes, relations)
+        if rows.num_rows == 0:
+            return 0
+        versions = rows.column("relation_version").to_numpy()
+        lookup = np.full(int(versions.max()) + 1, -1, np.int32)
+        for version in np.unique(versions).tolist():
+            lookup[version] = len(self._relations)
+            self._relations.append(stored.manifest.relations[version])
+        at = rows.schema.get_field_index("relation_version")
+        rows = rows.set_column(at, "relation_version", pa.array(lookup[versions], pa.int32()))
+        self._parts.append(rows)
+        self.rows += rows.num_rows
+        self.ranges += 1
+        return rows.num_rows
+
+    def relations(self) -> dict[TableName, TableRelation]:
+        """The gathered tables, each by its latest gathered version, every version's layout."""
+        return relations_of(self._relations)
+
+    def compact(self, relations: Mapping[TableName, TableRelation]) -> dict[TableName, NetChanges]:
+        """Net changes per table (a relation with no identity, ``with_identity(())``, gives its
+        changes in commit order)."""
+        if not self._parts:
+            return {}
+        return compact_arrow(pa.concat_tables(self._parts), relations)
 
 
 def _split_by_table(
@@ -183,11 +235,11 @@ __all__ = [
     "DEFAULT_SPARK_MIN_CHANGES",
     "CompactionError",
     "CompactionResult",
+    "HeldBack",
     "NetChanges",
     "RelationColumn",
     "TableRelation",
     "compact_arrow",
-    "compact_held_back",
     "compact_in_commit_order",
     "compact_range",
     "compact_table",

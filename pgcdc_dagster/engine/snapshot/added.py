@@ -71,6 +71,11 @@ class AddedTablesResult:
     """Passes over the held-back changes, the last one with the range."""
     held_back_on_spark: int = 0
     """Ranges whose held-back changes Spark's workers compacted and staged."""
+    held_back_transactions: int = 0
+    """Target transactions the held-back changes were applied in (consecutive ranges'
+    together)."""
+    held_back_seconds: float = 0.0
+    """Time spent applying them, over every pass."""
 
     @property
     def rows(self) -> int:
