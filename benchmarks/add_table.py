@@ -263,6 +263,10 @@ def run_while_following(
 ) -> dict[str, Any]:
     """The two adds while each side's replication runs, with probes (see the docstring)."""
     written = wal_position(source_dsn)  # b's rows are before it
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        # A checkpoint logs the running transactions: a record past b's rows for the slot's
+        # restart point to move to (an idle source may have logged its last one just before).
+        conn.execute("CHECKPOINT")
     follow = subprocess.Popen(
         [PGCDC, "follow", "--json"],
         env=env,

@@ -408,6 +408,7 @@ def apply_added_changes(
     spark: Callable[[], SparkSession] | None = None,
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
     batch_changes: int | None = None,
+    progressed: Callable[[HeldBackApplied, Lsn], None] | None = None,
 ) -> HeldBackApplied:
     """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
     the applies held back (:func:`apply_range`), in LSN order; say what was applied.
@@ -423,7 +424,9 @@ def apply_added_changes(
     (:class:`~.compaction.HeldBack`) and applied in one target transaction that leaves the
     origin alone (it already stands past them); nothing is lost by a crash between two, since
     the tables stay in ``Chain.adding`` and the next add copies them again. A prune removes no
-    range while a table is being added (:mod:`.retention`).
+    range while a table is being added (:mod:`.retention`). ``progressed`` is told, after each
+    transaction, what was applied so far and the position it reached (for people: an add of a
+    big, busy table may have minutes of these after its copy).
 
     A range of ``spark_min_changes`` or more (``spark``: a session, started when first needed)
     whose transactions all lie at or before ``through`` is compacted and staged by Spark's
@@ -440,6 +443,14 @@ def apply_added_changes(
     def gathered() -> HeldBack:
         return HeldBack(wanted, since=int(since), through=int(through))
 
+    reached = since
+
+    def done(step: HeldBackApplied) -> None:
+        nonlocal applied
+        applied += step
+        if progressed is not None and step.transactions:
+            progressed(applied, reached)
+
     with _target_session(target_dsn, None) as conn:
         batch = gathered()
         for rng in store.chain_from(since):
@@ -450,22 +461,24 @@ def apply_added_changes(
                 continue
             whole = stored.transform_lsn is not None and stored.transform_lsn <= through
             if spark is not None and whole and on_spark(stored, spark_min_changes):
-                applied += _apply_held_back(conn, batch, unpublished)
+                done(_apply_held_back(conn, batch, unpublished))
                 batch = gathered()
                 staging = _HeldBackStaging(spark(), target_dsn, staging_key)
                 on_workers = _held_back_on_spark(conn, stored, wanted, since, unpublished, staging)
+                reached = min(rng.end, through)
                 if isinstance(on_workers, HeldBackApplied):
-                    applied += on_workers
+                    done(on_workers)
                     continue
                 batch.add(stored)  # refused: again here, that table in commit order
-                applied += _apply_held_back(conn, batch, unpublished, in_order={on_workers})
+                done(_apply_held_back(conn, batch, unpublished, in_order={on_workers}))
                 batch = gathered()
                 continue
             batch.add(stored)
+            reached = min(rng.end, through)
             if batch.rows >= cap:
-                applied += _apply_held_back(conn, batch, unpublished)
+                done(_apply_held_back(conn, batch, unpublished))
                 batch = gathered()
-        applied += _apply_held_back(conn, batch, unpublished)
+        done(_apply_held_back(conn, batch, unpublished))
     applied.seconds = round(time.perf_counter() - started, 4)
     return applied
 

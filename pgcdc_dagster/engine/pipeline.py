@@ -23,6 +23,7 @@ from .identifiers import TableName
 from .lsn import Lsn, LsnRange
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .origin import progress_of
+from .progress import SnapshotProgress, active, publish
 from .range_lock import (
     RangeBusyError,
     RangeLock,
@@ -196,10 +197,25 @@ def add_tables(
             # nothing else uses them: one add at a time.
             drop_shared(conn, staging_key)
 
-        def held_back_through(since: Lsn) -> tuple[Lsn, HeldBackApplied]:
+        began = time.monotonic()
+
+        def held_back_through(since: Lsn, label: str) -> tuple[Lsn, HeldBackApplied]:
             """The added tables' held-back changes committed in ``(since, O]``, ``O`` the
-            target's origin now, applied: ``O`` (at least ``since``) and what they were."""
+            target's origin now, applied: ``O`` (at least ``since``) and what they were.
+            ``label`` names the pass in the progress shown meanwhile."""
             through = max(origin_progress(settings) or since, since)
+
+            def progressed(so_far: HeldBackApplied, at: Lsn) -> None:
+                note = (
+                    f"{label}: {so_far.changes:,} change(s) held back during the copy applied "
+                    f"in {so_far.transactions} transaction(s), at {at} of {through}"
+                )
+                publish(
+                    SnapshotProgress(
+                        "held back", time.monotonic() - began, note=note, work="add-table"
+                    )
+                )
+
             applied = apply_added_changes(
                 settings.target_dsn,
                 store,
@@ -210,6 +226,7 @@ def add_tables(
                 staging_key=staging_key,
                 spark=session,
                 spark_min_changes=settings.spark_min_changes,
+                progressed=progressed if active() else None,
             )
             return through, applied
 
@@ -220,18 +237,19 @@ def add_tables(
         # range, is short: the follow makes way only for that.
         applied, held_back, passes = result.consistent_point, HeldBackApplied(), 0
         for _ in range(_UNLOCKED_PASSES):
-            began = time.monotonic()
-            applied, without_range = held_back_through(applied)
-            held_back += without_range
+            started = time.monotonic()
             passes += 1
-            if time.monotonic() - began < _SHORT_PASS_S:
+            applied, without_range = held_back_through(applied, f"pass {passes}")
+            held_back += without_range
+            if time.monotonic() - started < _SHORT_PASS_S:
                 break
         failpoint("add.before_range")
         with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
             chain = store.chain()
             if chain is not None and chain.finished:  # read with the range: no finish between
                 raise StoreError(chain.finished)
-            applied, with_range = held_back_through(applied)  # the origin does not move now
+            # The origin does not move now.
+            applied, with_range = held_back_through(applied, "with the range")
             failpoint("add.after_held_back")
             store.record_added(added, applied, result.shapes)
     held_back += with_range

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import failpoints, pipeline
+from pgcdc_dagster.engine import failpoints, pipeline, progress
 from pgcdc_dagster.engine.apply import ApplyError
 from pgcdc_dagster.engine.follow import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
@@ -135,6 +135,25 @@ ADD_ON_SPARK_IN_CHILD = ADD_IN_CHILD.replace(
 )
 
 
+def _caught_up_three_times_while_it_copies(settings: ReplicationSettings) -> list:
+    """Three catch-ups, each after changes to ``b`` (a column added to it before the second)
+    and to ``a``: the applies of the ranges that held ``b`` back."""
+    held = []
+    for statements in (
+        ["UPDATE b SET v = 'first' WHERE k = 1", "INSERT INTO a VALUES (4, 'first')"],
+        [
+            "ALTER TABLE b ADD COLUMN w int",
+            "UPDATE b SET w = 10 WHERE k = 3",
+            "INSERT INTO b VALUES (8, 'second', 20)",
+            "INSERT INTO a VALUES (5, 'second')",
+        ],
+        ["DELETE FROM b WHERE k = 8", "UPDATE b SET v = 'third' WHERE k = 1"],
+    ):
+        _source(settings.source_dsn, *statements)
+        held += [a for _, a in catch_up(settings) if a.held_back == ["public.b"]]
+    return held
+
+
 @pytest.mark.parametrize("batched", [True, False])
 def test_held_back_changes_of_many_ranges_are_applied_together_each_in_its_own_layout(
     source_dsn, target_dsn, tmp_path, spark, monkeypatch, batched
@@ -153,33 +172,26 @@ def test_held_back_changes_of_many_ranges_are_applied_together_each_in_its_own_l
     monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(8)")
     monkeypatch.setattr(failpoints, "_armed", None)
     monkeypatch.setattr(failpoints, "_hits", {})
-    added = []
+    added, shown = [], []
     adder = threading.Thread(
         target=lambda: added.append(pipeline.add_tables(settings, [ADDED], spark))
     )
-    adder.start()
-    _wait_for_its_copy(source_dsn, settings)
-    held = []
-    for statements in (
-        ["UPDATE b SET v = 'first' WHERE k = 1", "INSERT INTO a VALUES (4, 'first')"],
-        [
-            "ALTER TABLE b ADD COLUMN w int",
-            "UPDATE b SET w = 10 WHERE k = 3",
-            "INSERT INTO b VALUES (8, 'second', 20)",
-            "INSERT INTO a VALUES (5, 'second')",
-        ],
-        ["DELETE FROM b WHERE k = 8", "UPDATE b SET v = 'third' WHERE k = 1"],
-    ):
-        _source(source_dsn, *statements)
-        held += [a for _, a in catch_up(settings) if a.held_back == ["public.b"]]
-    assert adder.is_alive()  # still in its copy's last step
+    with progress.listening(shown.append):
+        adder.start()
+        _wait_for_its_copy(source_dsn, settings)
+        held = _caught_up_three_times_while_it_copies(settings)
+        assert adder.is_alive()  # still in its copy's last step
+        adder.join(timeout=120)
     assert len(held) >= 3  # ranges that held b back
-    adder.join(timeout=120)
     (result,) = added
     assert result.held_back == 5
     # Unbatched: one a range holding b's changes past its copy (one per catch-up above; the
     # range the refused apply stopped at holds only changes its copy has).
     assert result.held_back_transactions == (1 if batched else 3)
+    # Shown while applied, after the copy's own progress: what, in how many transactions.
+    lines = [r.line() for r in shown if r.phase == "held back"]
+    assert lines and lines[0].startswith("add-table held back: pass 1: ")
+    assert f"5 change(s) held back during the copy applied in {1 if batched else 3} " in lines[-1]
     expected = [
         (1, "third", None),
         (2, "before", None),
