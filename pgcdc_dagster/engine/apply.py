@@ -372,8 +372,8 @@ def on_spark(stored: StoredRange, spark_min_changes: int) -> bool:
 
 HELD_BACK_BATCH_CHANGES = 100_000
 """At most about this many held-back changes (those of the tables being added) of consecutive
-stored ranges are applied in one target transaction (:func:`apply_added_changes`); the batch's
-rows are in memory meanwhile (about 50 MB for a pgbench-like table)."""
+stored ranges are applied in one target transaction (:func:`apply_added_changes`): they are
+in this process's memory meanwhile (the kernel's columns of each, as for a range's apply)."""
 
 
 @dataclass

@@ -151,11 +151,11 @@ class HeldBack:
     def _wanted(self, rel: Mapping[str, Any]) -> bool:
         return TableName(str(rel["schema"]), str(rel["table"])) in self.tables
 
-    def add(self, stored: StoredRange) -> int:
-        """Gather ``stored``'s share; return how many changes it had."""
+    def add(self, stored: StoredRange) -> None:
+        """Gather ``stored``'s share."""
         listed = [v for v, rel in enumerate(stored.manifest.relations) if self._wanted(rel)]
         if not listed:
-            return 0
+            return
         changes = stored.read_table(KERNEL_COLUMNS)
         lsns = changes.column("commit_end_lsn")
         rows = changes.filter(
@@ -167,7 +167,7 @@ class HeldBack:
             )
         )
         if rows.num_rows == 0:
-            return 0
+            return
         versions = rows.column("relation_version").to_numpy()
         lookup = np.full(int(versions.max()) + 1, -1, np.int32)
         for version in np.unique(versions).tolist():
@@ -178,7 +178,6 @@ class HeldBack:
         self._parts.append(rows)
         self.rows += rows.num_rows
         self.ranges += 1
-        return rows.num_rows
 
     def relations(self) -> dict[TableName, TableRelation]:
         """The gathered tables, each by its latest gathered version, every version's layout."""
