@@ -241,22 +241,15 @@ def apply_range(
         assert transform is not None
 
         chain = store.chain()
-        # The tables the range's rows write: only those are read on the target and checked
-        # for drift (a relation no row uses may not match the target, see relation_versions).
-        used = stored.relation_versions()
-        relations = {
-            t: rel
-            for t, rel in relations_of(stored.manifest.relations).items()
-            if used & rel.versions.keys()
-        }
+        relations = _written(stored)
         # Tables being added (pgcdc add-table): their copy is under way, or a killed add left
         # it partial. Their changes are held back (the add applies them once its copy is
         # done); the other tables' are applied.
         held_back = {t: relations.pop(t) for t in (chain.adding if chain else ()) if t in relations}
         result.held_back = sorted(str(t) for t in held_back)
-        targets = read_target_tables(conn, list(relations))
-        relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-        additions = plan_schema_drift(relations, targets, chain.unpublished if chain else {})
+        relations, targets, additions = _on_target(
+            conn, relations, chain.unpublished if chain else {}
+        )
         # A table added after the snapshot skips its changes that its own copy holds.
         floors = {
             t: int(lsn)
@@ -265,26 +258,21 @@ def apply_range(
         }
         shared: dict[TableName, SharedStage] | None = None
         if spark is not None and on_spark(stored, spark_min_changes):
-            if additions:
-                # Shared staging tables are typed like the target's columns and made before
-                # the apply transaction, so the columns the range adds come first, in their
-                # own transaction: a column ahead of its values is harmless, and a re-run
-                # finds it there.
-                with conn.transaction():
-                    result.added_columns += _add_columns(conn, additions)
-                additions = []
-                targets = read_target_tables(conn, list(relations))
             spark_started = time.perf_counter()
-            shared = stage_on_spark(
-                spark,
+            shared, targets, added = _staged_on_workers(
                 conn,
+                spark,
                 target_dsn,
                 origin_name,
-                [str(f) for f in stored.files],
+                stored,
                 relations,
+                targets,
+                additions,
                 after_lsn=int(progress),
                 floors=floors,
             )
+            result.added_columns += added
+            additions = []
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
             result.staging_seconds = round(time.perf_counter() - spark_started, 4)
@@ -503,10 +491,7 @@ def _apply_held_back(
     :func:`apply_range` does)."""
     if not batch.rows:
         return HeldBackApplied()
-    relations = batch.relations()
-    targets = read_target_tables(conn, list(relations))
-    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-    additions = plan_schema_drift(relations, targets, unpublished)
+    relations, targets, additions = _on_target(conn, batch.relations(), unpublished)
     result = ApplyResult(f"{batch.ranges} range(s)", ApplyStatus.APPLIED, None, None)
     in_order = set(in_order or ())
     while True:
@@ -542,28 +527,19 @@ def _held_back_on_spark(
     before the caller's ``through``), compacted and staged by Spark's workers and merged in
     one transaction; or the table whose net rows a unique key refused (rolled back whole,
     the staging dropped)."""
-    used = stored.relation_versions()
-    relations = {
-        t: rel
-        for t, rel in relations_of(stored.manifest.relations).items()
-        if t in tables and used & rel.versions.keys()
-    }
+    relations = {t: rel for t, rel in _written(stored).items() if t in tables}
     if not relations:
         return HeldBackApplied()
-    targets = read_target_tables(conn, list(relations))
-    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-    additions = plan_schema_drift(relations, targets, unpublished)
-    if additions:  # first: the staging tables are typed like the target's columns
-        with conn.transaction():
-            _add_columns(conn, additions)
-        targets = read_target_tables(conn, list(relations))
-    shared = stage_on_spark(
-        staging.spark,
+    relations, targets, additions = _on_target(conn, relations, unpublished)
+    shared, targets, _ = _staged_on_workers(
         conn,
+        staging.spark,
         staging.target_dsn,
         staging.key,
-        [str(f) for f in stored.files],
+        stored,
         relations,
+        targets,
+        additions,
         after_lsn=int(since),
     )
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
@@ -576,6 +552,69 @@ def _held_back_on_spark(
         drop_shared(conn, staging.key)
         return refused.table
     return HeldBackApplied(sum(s.changes for s in shared.values()), on_spark=1, transactions=1)
+
+
+def _written(stored: StoredRange) -> dict[TableName, TableRelation]:
+    """The tables ``stored``'s rows write: only those are read on the target and checked for
+    drift (a relation no row uses may not match the target, see
+    :meth:`~.store.StoredRange.relation_versions`)."""
+    used = stored.relation_versions()
+    return {
+        t: rel
+        for t, rel in relations_of(stored.manifest.relations).items()
+        if used & rel.versions.keys()
+    }
+
+
+def _on_target(
+    conn: psycopg.Connection[Any],
+    relations: Mapping[TableName, TableRelation],
+    unpublished: Mapping[TableName, Sequence[str]],
+) -> tuple[dict[TableName, TableRelation], dict[TableName, TargetTable], list[ColumnAddition]]:
+    """``relations`` as the target holds their tables: each collapsed by the target's key where
+    the source sends whole rows, the target's tables, and the columns the changes bring that
+    the target lacks (:func:`plan_schema_drift`)."""
+    targets = read_target_tables(conn, list(relations))
+    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
+    return relations, targets, plan_schema_drift(relations, targets, unpublished)
+
+
+def _staged_on_workers(
+    conn: psycopg.Connection[Any],
+    spark: SparkSession,
+    target_dsn: str,
+    key: str,
+    stored: StoredRange,
+    relations: Mapping[TableName, TableRelation],
+    targets: dict[TableName, TargetTable],
+    additions: Sequence[ColumnAddition],
+    *,
+    after_lsn: int,
+    floors: Mapping[TableName, int] | None = None,
+) -> tuple[dict[TableName, SharedStage], dict[TableName, TargetTable], list[str]]:
+    """``stored``'s net rows of ``relations`` compacted and staged by Spark's workers in the
+    shared staging tables of ``key`` (:func:`~.spark_staging.stage_on_spark`); ``targets`` as
+    they then are, and the columns added first.
+
+    Shared staging tables are typed like the target's columns and made before the apply
+    transaction, so the columns the range adds come first, in their own transaction: a column
+    ahead of its values is harmless, and a re-run finds it there."""
+    added: list[str] = []
+    if additions:
+        with conn.transaction():
+            added = _add_columns(conn, additions)
+        targets = read_target_tables(conn, list(relations))
+    shared = stage_on_spark(
+        spark,
+        conn,
+        target_dsn,
+        key,
+        [str(f) for f in stored.files],
+        relations,
+        after_lsn=after_lsn,
+        floors=floors,
+    )
+    return shared, targets, added
 
 
 @contextlib.contextmanager

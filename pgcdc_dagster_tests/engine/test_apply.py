@@ -679,7 +679,10 @@ def _wait_for_backend_exit(dsn: str, pid: int, timeout: float) -> None:
     raise AssertionError(f"backend {pid} of the killed apply did not exit")
 
 
-def test_column_added_on_source_is_added_on_target_mid_range(make_replica):
+@pytest.mark.parametrize("on_spark", [False, True])
+def test_column_added_on_source_is_added_on_target_mid_range(make_replica, spark, on_spark):
+    """On Spark's path the column comes first, in a transaction of its own, so the shared
+    staging tables are typed like the target's columns."""
     replica = make_replica(ITEMS, ["items"])
     replica.source("INSERT INTO items (id, name) VALUES (1, 'a'), (2, 'b')")
     replica.sync()
@@ -691,8 +694,9 @@ def test_column_added_on_source_is_added_on_target_mid_range(make_replica):
     )
     stored = replica.receive()
     assert len(stored.manifest.relations) == 2  # a version before and after the ALTER
-    result = replica.apply(stored)
+    result = replica.apply(stored, **({"spark": spark, "spark_min_changes": 0} if on_spark else {}))
     assert result.added_columns == ["public.items.price numeric(10,2)"]
+    assert result.staged_by == ("spark executors" if on_spark else "driver")
     replica.assert_in_sync()
 
 
