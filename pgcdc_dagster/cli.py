@@ -69,9 +69,18 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     meta = materialization_metadata(result, "base_snapshot")
     print(
         f"base snapshot taken: consistent point {meta.get('consistent_point')}, "
-        f"{meta.get('rows')} rows, {meta.get('seconds')} s"
+        f"{meta.get('rows')} rows, {meta.get('seconds')} s{_on_spark(meta, 'copied tables')}"
     )
     return 0
+
+
+def _on_spark(meta: dict[str, Any], did: str) -> str:
+    """``; Spark application <id> <did> (UI <url>)`` when Spark did some of the work."""
+    app = meta.get("spark_application_id")
+    if not app:
+        return ""
+    ui = meta.get("spark_ui")
+    return f"; Spark application {app} {did}" + (f" (UI {ui})" if ui else "")
 
 
 def cmd_catchup(args: argparse.Namespace) -> int:
@@ -128,7 +137,8 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
             return 0
         raise CliError(f"not caught up to {target}: the next step is to {step.describe()}")
     summary["endpos_requested"] = str(target)
-    _print_summary(args, summary, f"caught up to {target}: {ran} range(s) run")
+    spark = _on_spark(totals, f"staged {totals.get('spark_ranges')} range(s)")
+    _print_summary(args, summary, f"caught up to {target}: {ran} range(s) run{spark}")
     return 0
 
 

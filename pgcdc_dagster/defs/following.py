@@ -37,6 +37,7 @@ from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from ..engine.range_lock import RangeLock
 from .keys import DECODED_CHANGES_KEY, target_key
+from .metadata import spark_metadata
 from .progress_log import logged
 from .range_events import no_gap_evaluation, range_events, register_range
 from .row_counts import TargetRowCounts
@@ -133,6 +134,8 @@ def follow_summary_metadata(
         "made_way": summary.made_way,
         "made_way_s": summary.made_way_s,
         "streams": summary.streams,
+        "spark_ranges": summary.spark_ranges,
+        **spark_metadata(summary.spark_app),
         "storage_outages": storage.outages.count if storage else 0,
         "storage_outage_s": storage.outages.total_s if storage else 0.0,
     }

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..engine.published import PublishedShape
     from ..engine.retention import PruneResult
     from ..engine.snapshot import AddedTablesResult, BaseSnapshotResult, TableCopyResult
+    from ..engine.spark_executors import SparkApp
     from ..engine.store import RangeResult
     from ..engine.verify import TableComparison
 
@@ -136,6 +137,7 @@ def apply_metadata(
         "staging_seconds": MetadataValue.float(float(applied.staging_seconds)),
         "staged_by": text(applied.staged_by),
         "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
+        **spark_metadata(applied.spark_app),
     }
     added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
     if added:
@@ -176,6 +178,8 @@ def copied_tables(
                 "rows": t.rows,
                 "bytes": t.bytes,
                 "seconds": None if t.seconds is None else round(float(t.seconds), 3),
+                "copied_by": t.copied_by,
+                "tasks": t.tasks,
                 "frozen": t.frozen,
                 "bundled_with": t.bundled_with,
                 **_narrowed(shapes, t.table),
@@ -187,12 +191,27 @@ def copied_tables(
             "rows": "int",
             "bytes": "int",
             "seconds": "float",
+            "copied_by": "string",
+            "tasks": "int",
             "frozen": "bool",
             "bundled_with": "int",
             "row_filter": "string",
             "columns_left_out": "string",
         },
     )
+
+
+def spark_metadata(app: SparkApp | None) -> dict[str, Any]:
+    """Where the Spark application that did the work is: its id, and its UI as a link the
+    run's page opens (none where the UI is off, as for a local session)."""
+    if app is None:
+        return {}
+    meta: dict[str, Any] = {"spark_application_id": text(app.application_id or "unknown")}
+    if app.ui_url:
+        meta["spark_ui"] = MetadataValue.url(app.ui_url)
+    if app.master:
+        meta["spark_master"] = text(app.master)
+    return meta
 
 
 def _loosened(not_null_dropped: Sequence[str]) -> dict[str, Any]:
@@ -213,6 +232,7 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
         "rows": number(result.rows),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),
         "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
+        **spark_metadata(result.spark_app),
     }
 
 
@@ -233,6 +253,7 @@ def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
         "held_back_ranges_on_spark": number(result.held_back_on_spark),
         "held_back_transactions": number(result.held_back_transactions),
         "held_back_seconds": MetadataValue.float(round(float(result.held_back_seconds), 3)),
+        **spark_metadata(result.spark_app),
         "foreign_keys_not_valid": text("; ".join(result.foreign_keys.not_valid) or "none"),
         "foreign_keys_skipped": text("; ".join(result.foreign_keys.skipped) or "none"),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),

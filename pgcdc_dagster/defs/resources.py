@@ -61,7 +61,9 @@ class OutputStoreResource(ConfigurableResource):
 
 class SparkResource(LazyPySparkResource):
     """dagster-pyspark's lazy session, built by :func:`pgcdc_dagster.engine.spark_session.get_spark`
-    so a run starts at most one session, and only when a step needs Spark."""
+    so a run starts at most one session, and only when a step needs Spark. ``spark_config``
+    (any ``spark.*`` setting; ``PGCDC_SPARK_CONF`` by default) goes to the session's builder,
+    so start-up settings (executor memory, ``spark.archives``) take effect."""
 
     master: str = ""
     remote: str = ""
@@ -75,10 +77,8 @@ class SparkResource(LazyPySparkResource):
             from ..engine.spark_session import get_spark
 
             target = spark_target(self.master, self.remote, Path(self.store or ".").resolve())
-            session = get_spark(**target)
-            for key, value in self.spark_config.items():
-                session.conf.set(key, value)
-            self._spark_session = session
+            conf = {key: str(value) for key, value in self.spark_config.items()}
+            self._spark_session = get_spark(**target, conf=conf)
 
 
 class PgcdcResource(ConfigurableResource):
@@ -99,6 +99,7 @@ class PgcdcResource(ConfigurableResource):
             store=self.store.path,
             spark_master=spark.master if spark else None,
             spark_remote=spark.remote if spark else None,
+            spark_conf={k: str(v) for k, v in spark.spark_config.items()} if spark else {},
             range_max_bytes=self.replication.range_max_bytes,
             snapshot_parquet=self.replication.snapshot_parquet,
             snapshot_driver_rows=self.replication.snapshot_driver_rows,
@@ -193,7 +194,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
         "pgcdc": pgcdc,
         "range_lock": RangeLockResource(pgcdc=pgcdc),
         "spark": SparkResource(
-            spark_config={},
+            spark_config=dict(settings.spark_conf),
             master=settings.spark_master or "",
             remote=settings.spark_remote or "",
             store=settings.store,

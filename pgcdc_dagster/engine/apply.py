@@ -93,6 +93,7 @@ from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn
 from .origin import mark_transaction, require_progress, reset_session, setup_session
+from .spark_executors import SparkApp, spark_app
 from .spark_staging import SharedStage, stage_on_spark
 from .staging import (
     copy_into,
@@ -161,6 +162,9 @@ class ApplyResult:
     staged_by: str = "driver"
     """Who COPYed the net rows into staging tables: ``driver`` (this process, inside the apply
     transaction) or ``spark executors`` (before it; :mod:`.spark_staging`)."""
+    spark_app: SparkApp | None = None
+    """The Spark application whose executors staged the range (``staged_by`` ``spark
+    executors``)."""
     compaction_seconds: float = 0.0
     staging_seconds: float = 0.0
     apply_seconds: float = 0.0
@@ -275,6 +279,7 @@ def apply_range(
             additions = []
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
+            result.spark_app = spark_app(spark)
             result.staging_seconds = round(time.perf_counter() - spark_started, 4)
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())

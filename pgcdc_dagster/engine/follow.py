@@ -123,6 +123,7 @@ from .range_lock import (
 from .receive import receive, receive_in_cuts
 from .settings import MiB, ReplicationSettings
 from .slot import current_flush_lsn, released
+from .spark_executors import SparkApp
 from .store import OutputStore, RangeResult
 from .stream_receive import receive_streaming
 
@@ -248,6 +249,10 @@ class FollowSummary:
     """Seconds it ran no session for those."""
     streams: int = 0
     """Times it read the slot by stream once it kept up (``follow_read``)."""
+    spark_ranges: int = 0
+    """Ranges whose changes Spark's executors staged (:mod:`.spark_staging`)."""
+    spark_app: SparkApp | None = None
+    """The Spark application that staged them."""
     receive_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,
@@ -1005,6 +1010,9 @@ class Follower:
                     self.summary.target_reconnects += 1
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.busy.add(APPLYING, began, time.monotonic())
+                if applied.spark_app is not None:
+                    self.summary.spark_ranges += 1
+                    self.summary.spark_app = applied.spark_app
                 self._count(received, lag)
                 done = RangeDone(received, applied)
                 self._done.put(Followed(done, lag, time.monotonic(), self._sessions))

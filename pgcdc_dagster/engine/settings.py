@@ -59,6 +59,7 @@ DEFAULT_FOLLOW_RETRY_S = 600.0
 DEFAULT_PARTITIONS_KEPT = 50_000
 """Half of the 100,000 partitions per asset Dagster recommends at most."""
 DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": DAY}
+SECRET_FIELDS = frozenset({"source_dsn", "target_dsn", "spark_conf"})
 
 
 class SettingsError(PgcdcError, ValueError):
@@ -84,6 +85,11 @@ class ReplicationSettings(BaseModel):
     """Spark master URL (``local[*]`` when neither this nor ``spark_remote`` is set)."""
     spark_remote: str | None = None
     """Spark Connect URL ``sc://host:port``; wins over ``spark_master``."""
+    spark_conf: dict[str, str] = Field(default_factory=dict, repr=False)
+    """Any ``spark.*`` setting for the session, from ``key=value`` pairs separated by ``;``
+    (``PGCDC_SPARK_CONF="spark.executor.memory=4g; spark.archives=env.tar.gz#env"``): executor
+    memory and cores, a packed virtualenv, the executors' Python. Kept out of ``repr``: a
+    cluster's settings may hold credentials (object store keys)."""
     range_max_bytes: PositiveInt = 256 * MiB
     """One range holds at most this much WAL, so one run stays a bounded amount of work."""
     snapshot_parquet: bool = False
@@ -172,6 +178,11 @@ class ReplicationSettings(BaseModel):
     def _parse_tables(cls, value: Any) -> Any:
         return parse_tables(value) if isinstance(value, str) else value
 
+    @field_validator("spark_conf", mode="before")
+    @classmethod
+    def _parse_spark_conf(cls, value: Any) -> Any:
+        return parse_spark_conf(value) if isinstance(value, str) else value
+
     @field_validator("store_retention", "follow_retry", mode="before")
     @classmethod
     def _parse_retention(cls, value: Any) -> Any:
@@ -201,7 +212,7 @@ class ReplicationSettings(BaseModel):
         from .spark_session import get_spark
 
         target = self.spark_target()
-        return get_spark(master=target["master"], remote=target["remote"])
+        return get_spark(master=target["master"], remote=target["remote"], conf=self.spark_conf)
 
     @property
     def origin(self) -> str:
@@ -270,6 +281,25 @@ def parse_tables(text: str | None) -> tuple[TableName, ...] | None:
         raise SettingsError(f"{PREFIX}TABLES: {exc}") from None
 
 
+def parse_spark_conf(text: str) -> dict[str, str]:
+    """``PGCDC_SPARK_CONF``: ``key=value`` pairs separated by ``;`` (a value may hold ``=``,
+    ``,`` and spaces: ``spark.archives`` lists, Java options). Every key is a ``spark.*``
+    setting, so a typo is named rather than passed on and ignored."""
+    conf: dict[str, str] = {}
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not key.startswith("spark."):
+            raise ValueError(  # the key alone: a value may be a secret
+                f"{key!r} is not a Spark setting: write spark.<name>=<value>, pairs separated "
+                "by ';'"
+            )
+        conf[key] = value.strip()
+    return conf
+
+
 def parse_duration(text: str) -> float | None:
     """``forever`` (``None``), or a number of seconds with an optional unit: ``90``, ``90s``,
     ``30m``, ``12h``, ``7d``; :class:`ValueError` saying what is accepted otherwise."""
@@ -289,9 +319,11 @@ def parse_duration(text: str) -> float | None:
 
 
 def _one_line(exc: ValidationError) -> str:
-    """Every problem of ``exc``, named by the variable, on one line."""
+    """Every problem of ``exc``, named by the variable, on one line (without the value of
+    a variable that may hold a secret)."""
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "?"
-        problems.append(f"{PREFIX}{field.upper()}={error.get('input')!r}: {error['msg'].lower()}")
+        shown = "" if field in SECRET_FIELDS else f"={error.get('input')!r}"
+        problems.append(f"{PREFIX}{field.upper()}{shown}: {error['msg'].lower()}")
     return "; ".join(problems)

@@ -4,10 +4,15 @@ Spark is the scheduler of the bulk work (the base snapshot's table copy, and lat
 not a data path of its own: tasks are plain Python functions that talk to PostgreSQL directly.
 What must hold for that to work:
 
-- the Python workers run the interpreter of this process (``PYSPARK_PYTHON``), or they cannot
-  import ``pgcdc_dagster`` and ``psycopg``; Spark's own default is whatever ``python3`` is on the
-  PATH, which on this kind of machine is a different interpreter. This is set only for ``local``
-  masters: on a real cluster the workers' interpreter is the cluster's business;
+- the Python workers of a ``local`` master run the interpreter of this process
+  (``PYSPARK_PYTHON``), or they cannot import ``pgcdc_dagster`` and ``psycopg``; Spark's own
+  default is whatever ``python3`` is on the PATH, which on this kind of machine is a different
+  interpreter. On a cluster the executors run the Python that ``spark.pyspark.python`` names
+  (else the workers' ``python3``); the package is shipped to them and checked there
+  (:mod:`.spark_executors`);
+- ``conf`` (the settings' ``spark_conf``, a Dagster run's ``spark_config``) reaches the builder,
+  so settings Spark reads only at start-up (executor memory and cores, ``spark.archives``)
+  take effect;
 - Spark binds loopback (``SPARK_LOCAL_IP``) unless told otherwise, so a laptop or CI box with odd
   interfaces neither warns nor exposes ports;
 - one process uses one session: ``getOrCreate`` hands back the running session, so a second call
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -37,11 +43,21 @@ def get_spark(
     master: str | None = None,
     remote: str | None = None,
     app_name: str = "pgcdc_dagster",
+    conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
-    """The process's SparkSession: created on first call, reused afterwards."""
+    """The process's SparkSession: created on first call, reused afterwards; on a cluster,
+    with the package's code added to it (:func:`~.spark_executors.ship_code`)."""
+    from .spark_executors import ship_code
+
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    conf = dict(conf or {})
     if remote:
-        return SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        connect_builder = SparkSession.builder.remote(remote).appName(app_name)
+        for key, value in conf.items():
+            connect_builder = connect_builder.config(key, value)
+        connect_session = connect_builder.getOrCreate()
+        ship_code(connect_session)
+        return connect_session
 
     master = master or DEFAULT_MASTER
     builder = (
@@ -62,9 +78,15 @@ def get_spark(
             .config("spark.driver.host", os.environ["SPARK_LOCAL_IP"])
             .config("spark.driver.bindAddress", os.environ["SPARK_LOCAL_IP"])
         )
+    if "spark.pyspark.python" in conf:
+        # PySpark names the executors' Python from this variable alone, not from the setting.
+        os.environ["PYSPARK_PYTHON"] = conf["spark.pyspark.python"]
+    for key, value in conf.items():
+        builder = builder.config(key, value)
     _launch_jvm_quietly(builder, Path(tempfile.gettempdir()) / f"pgcdc-spark-{os.getpid()}.log")
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("WARN")
+    ship_code(session)
     return session
 
 

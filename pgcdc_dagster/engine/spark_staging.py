@@ -31,6 +31,7 @@ from .compaction.spark import route_changes, unjoin_toast
 from .connect import connect
 from .failpoints import failpoint
 from .identifiers import TableName
+from .spark_executors import check_executors, task_log
 from .staging import (
     PARTITION_COLUMN,
     SCHEMA,
@@ -118,6 +119,7 @@ def stage_on_spark(
 
     ``conn`` is the driver's autocommit connection to the target, used for the DDL only.
     """
+    check_executors(spark, {"target": target_dsn})  # once per session: before any DDL
     tables = list(relations)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
     drop_shared(conn, origin_name)
@@ -235,6 +237,10 @@ def _staging_kernel(
                     rel.table,
                 )
         failpoint("apply.staging")
+        task_log(
+            f"staged {rows.num_rows:,} net rows of {net.changes:,} changes of {rel.table} "
+            f"(partition {pid})"
+        )
         ops = rows.column("op")
         return _summary_rows(
             [

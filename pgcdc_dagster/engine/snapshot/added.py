@@ -42,12 +42,15 @@ from .common import (
     SchemaRestoreResult,
     TableCopyResult,
     TargetNotEmptyError,
+    spark_app_of,
 )
 from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
 from .schema import copy_schema_post_data
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from ..spark_executors import SparkApp
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class AddedTablesResult:
     @property
     def rows(self) -> int:
         return sum(t.rows for t in self.tables)
+
+    @property
+    def spark_app(self) -> SparkApp | None:
+        return spark_app_of(self.tables)
 
 
 def temporary_slot_name(slot_name: str) -> str:
@@ -140,7 +147,9 @@ def add_tables(
             tgt.commit()
     with connect(source_dsn, role="source", autocommit=True) as src:
         ensure_publication(src, publication, resolved)
-        spark = start_spark_if_needed(src, resolved, spark, driver_max_rows)
+        spark = start_spark_if_needed(
+            src, resolved, spark, driver_max_rows, {"source": source_dsn, "target": target_dsn}
+        )
 
     # A big table copies for hours beside the applies: the same live progress as a snapshot's
     # (the command line's display, the run's log lines).

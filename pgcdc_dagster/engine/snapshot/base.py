@@ -32,6 +32,7 @@ from ..origin import (
 from ..progress import CopyWatcher
 from ..published import PublishedShape, published_shapes
 from ..sequences import sync_sequences
+from ..spark_executors import check_executors
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
@@ -254,14 +255,24 @@ def start_spark_if_needed(
     tables: Sequence[TableName],
     spark: SparkSession | Callable[[], SparkSession],
     driver_max_rows: int,
+    servers: Mapping[str, str],
 ) -> SparkSession | Callable[[], SparkSession]:
     """When ``spark`` is a callable and some table is too big for the driver, call it now on a
-    background thread; return what :func:`copy_tables` should call for the session."""
+    background thread, and check its executors against ``servers`` there too
+    (:func:`~..spark_executors.check_executors`); return what :func:`copy_tables` should call
+    for the session. Both overlap the slot's creation and the schema's."""
     if not callable(spark):
         return spark
     if not tables_for_spark(plan_table_ranges(src, tables, None), driver_max_rows):
         return spark
-    starting = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-spark-start").submit(spark)
+    provider = spark
+
+    def ready() -> SparkSession:
+        session = provider()
+        check_executors(session, servers)
+        return session
+
+    starting = ThreadPoolExecutor(1, thread_name_prefix="pgcdc-spark-start").submit(ready)
     return starting.result
 
 
@@ -339,7 +350,9 @@ def take_base_snapshot(
 
     with connect(source_dsn, role="source", autocommit=True) as src:
         ensure_publication(src, publication, resolved)
-        spark = start_spark_if_needed(src, resolved, spark, driver_max_rows)
+        spark = start_spark_if_needed(
+            src, resolved, spark, driver_max_rows, {"source": source_dsn, "target": target_dsn}
+        )
 
     exported = create_slot_with_snapshot(source_dsn, slot_name)
     slot = exported.slot

@@ -24,6 +24,7 @@ from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published import PublishedShape
 from ..settings import SPARK_TABLE_ROWS
+from ..spark_executors import SparkApp
 
 DEFAULT_ROWS_PER_TASK = 500_000
 """About one to two seconds of COPY per task: big enough that task start-up (two connections, a
@@ -142,11 +143,18 @@ class TableCopyResult:
     tasks: int = 1
     copy_formats: tuple[str, ...] = ()
     copied_by: str = "spark"
-    """``driver`` (a small table, copied by this process while Spark starts) or ``spark``."""
+    """``driver`` (a small table, copied by this process) or ``spark``."""
+    spark_app: SparkApp | None = None
+    """The Spark application whose tasks copied it (``copied_by`` ``spark``)."""
     frozen: bool = False
     """Loaded frozen (see :attr:`CopyTask.freeze`): its rows need no hint bits or freezing."""
     bundled_with: int = 0
     """See :attr:`RangeCopyResult.bundled_with`."""
+
+
+def spark_app_of(tables: Sequence[TableCopyResult]) -> SparkApp | None:
+    """The Spark application that copied some of ``tables``, if Spark copied any."""
+    return next((t.spark_app for t in tables if t.spark_app is not None), None)
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,10 @@ class BaseSnapshotResult:
     @property
     def rows(self) -> int:
         return sum(t.rows for t in self.tables)
+
+    @property
+    def spark_app(self) -> SparkApp | None:
+        return spark_app_of(self.tables)
 
 
 def run_tool(argv: Sequence[str], dsn: str, *, role: str, what: str) -> str:

@@ -27,6 +27,7 @@ from ..connect import (
 from ..errors import server_reason
 from ..identifiers import TableName
 from ..published import PublishedShape, row_filter_sql
+from ..spark_executors import task_log
 from .common import (
     COLUMNS,
     DEFAULT_ROWS_PER_TASK,
@@ -560,12 +561,19 @@ def copy_range(task: CopyTask) -> RangeCopyResult:
     parquet_file = None
     if task.export_dir is not None:
         parquet_file = write_parquet(task, kept)
+    seconds = time.perf_counter() - started
+    task_log(
+        f"copied {rows:,} rows, {nbytes:,} bytes of {task.range.table} (blocks "
+        f"{task.range.start_block or 0} to "
+        f"{'the end' if task.range.end_block is None else task.range.end_block}) "
+        f"in {seconds:.2f} s"
+    )
     return RangeCopyResult(
         table=task.range.table,
         start_block=task.range.start_block,
         rows=rows,
         bytes=nbytes,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         copy_format=used,
         parquet_file=parquet_file,
     )

@@ -18,13 +18,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import psycopg
 
-from ..connect import (
-    connect,
-    redact,
-)
+from ..connect import connect
+from ..errors import PgcdcError
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published import PublishedShape
+from ..spark_executors import (
+    SparkApp,
+    check_executors,
+    redact_all,
+    spark_app,
+    task_error_line,
+)
 from .common import (
     COLUMNS,
     DEFAULT_DRIVER_MAX_ROWS,
@@ -154,14 +159,6 @@ def _run_on_spark(
     return results
 
 
-def _task_failure(exc: BaseException) -> str:
-    """The Python error line of a failed Spark task, without the JVM stack around it."""
-    text = str(exc)
-    lines = [ln.strip() for ln in text.splitlines() if "Error:" in ln or "Exception:" in ln]
-    python_lines = [ln for ln in lines if not ln.startswith(("org.", "java.", "at ", "py4j"))]
-    return (python_lines or lines or [text.strip().splitlines()[0] if text.strip() else ""])[-1]
-
-
 def copy_tables(
     spark: SparkSession | Callable[[], SparkSession] | None,
     source_dsn: str,
@@ -260,22 +257,29 @@ def copy_tables(
     bundles, alone = bundle_tasks(driver_tasks)
     bundled = [t for bundle in bundles for t in bundle]
     frozen = {t.range.table for t in (*bundled, *alone, *spark_tasks) if t.freeze}
+    app: SparkApp | None = None
     try:
+        session = None
+        if spark_tasks:
+            # The executors are checked before the first row moves, the driver's included:
+            # a cluster that cannot run the tasks then leaves nothing half-copied.
+            session = spark() if callable(spark) else spark
+            assert session is not None
+            check_executors(session, {"source": source_dsn, "target": target_dsn})
+            app = spark_app(session)
         with _driver_pool(driver_tasks, workers) as pool:
             futures = [pool.submit(copy_bundle, bundle) for bundle in bundles]
             futures += [pool.submit(_one, task) for task in alone]
             results = []
-            if spark_tasks:
-                session = spark() if callable(spark) else spark
-                assert session is not None
+            if session is not None:
                 results += _run_on_spark(session, _groups(spark_tasks, parallelism), scheduler)
             results += [r for future in futures for r in future.result()]
     except Exception as exc:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, SnapshotError):
+        if isinstance(exc, PgcdcError):
             raise
-        message = redact(redact(_task_failure(exc), source_dsn), target_dsn)
+        message = redact_all(task_error_line(exc), (source_dsn, target_dsn))
         raise SnapshotError(f"the table copy failed in a copy task: {message}") from exc
     by_table: dict[TableName, list[RangeCopyResult]] = {t: [] for t in tables}
     for result in results:
@@ -294,6 +298,7 @@ def copy_tables(
             tasks=len(parts),
             copy_formats=tuple(sorted({r.copy_format for r in parts})),
             copied_by="spark" if table in for_spark else "driver",
+            spark_app=app if table in for_spark else None,
             frozen=table in frozen,
             bundled_with=max((r.bundled_with for r in parts), default=0),
         )
