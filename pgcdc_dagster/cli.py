@@ -25,6 +25,7 @@ from .defs.runner import (
     clear_the_way,
     dagster_instance,
     materialization_metadata,
+    observed_metadata,
     run_job,
 )
 from .engine.errors import PgcdcError
@@ -180,21 +181,9 @@ def _note_range(report: Any, keys: collections.deque[str]) -> None:
         keys.append(key)
 
 
-def _observed(result: Any, having: str | None = None) -> dict[str, Any]:
-    """The metadata values of the run's last asset observation (with the key ``having``, when
-    given): what an ops job reports (prune, add-table, finish; a follow's totals)."""
-    observed: dict[str, Any] = {}
-    for event in result.all_events:
-        if event.is_asset_observation:
-            metadata = event.asset_observation_data.asset_observation.metadata
-            if having is None or having in metadata:
-                observed = {k: v.value for k, v in metadata.items()}
-    return observed
-
-
 def _follow_totals(result: Any) -> dict[str, Any]:
     """The follow run's totals (its closing observation of ``decoded_changes``)."""
-    return _observed(result, having="overlap_s")
+    return observed_metadata(result, having="overlap_s")
 
 
 def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: str) -> None:
@@ -513,7 +502,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise CliError(f"--retention: {exc}") from None
     config = {"retention": args.retention or "", "dry_run": bool(args.dry_run)}
     result = run_job(PRUNE_JOB, run_config={"ops": {"prune_store": {"config": config}}})
-    report = _observed(result)
+    report = observed_metadata(result)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -544,7 +533,7 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     config = {"ops": {"copy_added_tables": {"config": {"tables": tables, "wait_s": args.wait}}}}
     with shown():  # the copy's progress, as a snapshot's
         result = run_job(ADD_TABLES_JOB, run_config=config)
-    report = {k: v for k, v in _observed(result).items() if k != "tables"}
+    report = {k: v for k, v in observed_metadata(result).items() if k != "tables"}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -568,7 +557,7 @@ def cmd_finish(args: argparse.Namespace) -> int:
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc finish", waiting=False)
     config = {"abandon": args.abandon, "wait_s": args.wait}
     result = run_job(FINISH_JOB, run_config={"ops": {"end_replication": {"config": config}}})
-    report = _observed(result)
+    report = observed_metadata(result)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

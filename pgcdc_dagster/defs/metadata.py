@@ -139,6 +139,8 @@ def apply_metadata(
         "apply_seconds": MetadataValue.float(float(applied.apply_seconds)),
         **spark_metadata(applied.spark_app),
     }
+    if applied.spark_app is not None:
+        meta["spark_tasks"] = number(applied.spark_tasks)
     added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
     if added:
         meta["added_columns"] = text(", ".join(added))

@@ -296,6 +296,18 @@ def clear_the_way(
         time.sleep(1)
 
 
+def observed_metadata(result: Any, having: str | None = None) -> dict[str, Any]:
+    """The metadata values of the run's last asset observation (with the key ``having``, when
+    given): what an ops job reports (prune, add-table, finish; a follow's totals)."""
+    observed: dict[str, Any] = {}
+    for event in result.all_events:
+        if event.is_asset_observation:
+            metadata = event.asset_observation_data.asset_observation.metadata
+            if having is None or having in metadata:
+                observed = {k: v.value for k, v in metadata.items()}
+    return observed
+
+
 def materialization_metadata(result: Any, key: str) -> dict[str, Any]:
     for event in result.get_asset_materialization_events():
         mat = event.step_materialization_data.materialization

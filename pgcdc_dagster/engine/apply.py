@@ -165,6 +165,8 @@ class ApplyResult:
     spark_app: SparkApp | None = None
     """The Spark application whose executors staged the range (``staged_by`` ``spark
     executors``)."""
+    spark_tasks: int = 0
+    """The Spark tasks that staged it."""
     compaction_seconds: float = 0.0
     staging_seconds: float = 0.0
     apply_seconds: float = 0.0
@@ -280,6 +282,7 @@ def apply_range(
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
             result.spark_app = spark_app(spark)
+            result.spark_tasks = sum(s.tasks for s in shared.values())
             result.staging_seconds = round(time.perf_counter() - spark_started, 4)
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())

@@ -85,7 +85,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import psycopg
 
@@ -126,6 +126,9 @@ from .slot import current_flush_lsn, released
 from .spark_executors import SparkApp
 from .store import OutputStore, RangeResult
 from .stream_receive import receive_streaming
+
+if TYPE_CHECKING:
+    from .apply import ApplyResult
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -250,7 +253,11 @@ class FollowSummary:
     streams: int = 0
     """Times it read the slot by stream once it kept up (``follow_read``)."""
     spark_ranges: int = 0
-    """Ranges whose changes Spark's executors staged (:mod:`.spark_staging`)."""
+    """Ranges whose changes Spark's executors staged (:mod:`.spark_staging`)..."""
+    spark_tasks: int = 0
+    spark_changes: int = 0
+    spark_seconds: float = 0.0
+    """... in this many tasks, this many changes, and seconds from the check to the counts."""
     spark_app: SparkApp | None = None
     """The Spark application that staged them."""
     receive_cpu_s: float = 0.0
@@ -260,6 +267,14 @@ class FollowSummary:
     busy: BusyTime = field(default_factory=BusyTime, repr=False)
     """The receiver's (side :data:`RECEIVING`) and the applier's (:data:`APPLYING`) busy
     intervals, folded into totals as they settle."""
+
+    def note_spark(self, applied: ApplyResult) -> None:
+        """Count a range that Spark's executors staged."""
+        self.spark_ranges += 1
+        self.spark_tasks += applied.spark_tasks
+        self.spark_changes += applied.changes
+        self.spark_seconds = round(self.spark_seconds + applied.staging_seconds, 3)
+        self.spark_app = applied.spark_app
 
     def close(self, started: float) -> None:
         self.seconds = round(time.monotonic() - started, 3)
@@ -1011,8 +1026,7 @@ class Follower:
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.busy.add(APPLYING, began, time.monotonic())
                 if applied.spark_app is not None:
-                    self.summary.spark_ranges += 1
-                    self.summary.spark_app = applied.spark_app
+                    self.summary.note_spark(applied)
                 self._count(received, lag)
                 done = RangeDone(received, applied)
                 self._done.put(Followed(done, lag, time.monotonic(), self._sessions))

@@ -84,6 +84,8 @@ class SharedStage:
     has_origin: bool = False
     keep: list[int] = field(default_factory=list)
     old_missing: list[int] = field(default_factory=list)
+    tasks: int = 0
+    """The Spark tasks (one per partition of the table's changes) that staged it."""
 
     @property
     def ordered_table(self) -> bool:
@@ -298,6 +300,7 @@ def _summarise(
         stage = out.get(table)
         if stage is None:
             stage = out[table] = SharedStage(relations[table])
+        stage.tasks += 1
         stage.changes += row["changes"] - row["truncates"]
         if row["truncates"] >= stage.truncates and row["truncates"]:
             stage.truncates = row["truncates"]
