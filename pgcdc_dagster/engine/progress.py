@@ -255,6 +255,11 @@ class CopyWatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: tuple[float, int] | None = None
+        self._waiting = ""
+        self._flowing_since = time.monotonic()
+        self._copy_rate: float | None = None
+        """The copy's average MB/s, from its first row flowing to its end: what the lines of
+        the phases after it show."""
         if active():
             with connect(source_dsn, role="source", autocommit=True) as src:
                 for schema, name, tuples, pages, blocks, block, typlens, size in src.execute(
@@ -267,7 +272,21 @@ class CopyWatcher:
         if active():
             publish(self._measure(phase))
 
+    def waiting(self, note: str) -> None:
+        """What the copy waits for before its rows flow (Spark starting on a cluster, its
+        executors being checked), said in the copy's lines instead of a rate of 0 MB/s; an
+        empty ``note`` once the rows flow."""
+        self._waiting = note
+        if not note:
+            self._flowing_since = time.monotonic()
+        if active() and note:
+            with contextlib.suppress(Exception):
+                measured = self._measure("copy")
+                measured.note = note
+                publish(measured)
+
     def __enter__(self) -> CopyWatcher:
+        self._flowing_since = time.monotonic()
         if active():
             self.baseline = {t.table: t.rows for t in self._measure("copy").tables}
             self._thread = threading.Thread(target=self._run, name="pgcdc-copy-progress")
@@ -279,12 +298,19 @@ class CopyWatcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            publish(self._measure("copy"))
+            final = self._measure("copy")
+            flowed = time.monotonic() - self._flowing_since
+            self._copy_rate = final.copied_bytes / flowed / 1e6 if flowed > 0 else 0.0
+            final.mb_per_s = self._copy_rate
+            publish(final)
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             with contextlib.suppress(Exception):
-                publish(self._measure("copy"))
+                measured = self._measure("copy")
+                if self._waiting:
+                    measured.note = self._waiting
+                publish(measured)
 
     def _measure(self, phase: str) -> SnapshotProgress:
         """One reading of the target. A table loaded frozen is truncated first, in the copy's
@@ -306,7 +332,9 @@ class CopyWatcher:
         now = time.monotonic()
         copied = sum(t.bytes for t in tables)
         rate = 0.0
-        if self._last is not None and now > self._last[0]:
+        if phase != "copy" and self._copy_rate is not None:
+            rate = self._copy_rate  # after the copy: what it averaged
+        elif self._last is not None and now > self._last[0]:
             rate = max(0.0, (copied - self._last[1]) / (now - self._last[0]) / 1e6)
         self._last = (now, copied)
         return SnapshotProgress(phase, now - self.started, tables, rate, work=self.work)

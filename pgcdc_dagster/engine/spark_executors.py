@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +54,7 @@ TASK_MODULES = (
     "pyarrow",
     "numpy",
     "pandas",
+    "pydantic",
     "pgcdc_dagster.engine.snapshot.copy",
     "pgcdc_dagster.engine.spark_staging",
 )
@@ -147,34 +148,43 @@ def ship_code(spark: SparkSession) -> Path | None:
 
 # ─── the check ────────────────────────────────────────────────────────────────────────────────
 
-_checked: dict[tuple[str, tuple[str, ...]], ExecutorCheck] = {}
+_checked: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ExecutorCheck] = {}
 _checking = threading.Lock()
 
 
 def check_executors(
-    spark: SparkSession, servers: Mapping[str, str], *, wait_s: float = EXECUTOR_WAIT_S
+    spark: SparkSession,
+    servers: Mapping[str, str],
+    paths: Sequence[str] = (),
+    *,
+    wait_s: float = EXECUTOR_WAIT_S,
 ) -> ExecutorCheck | None:
-    """Run the check on ``spark``'s executors against ``servers`` (``role: dsn``), once per
-    session and set of servers; ``None`` for a local session. Raises
-    :class:`SparkExecutorError` with one line when the executors cannot run the tasks."""
+    """Run the check on ``spark``'s executors against ``servers`` (``role: dsn``) and the
+    files the tasks will read (``paths``: a range's Parquet in the store, which must be on
+    storage every executor mounts), once per session, servers and paths; ``None`` for a local
+    session. Raises :class:`SparkExecutorError` with one line when the executors cannot run
+    the tasks."""
     if is_local(spark):
         return None
     app = spark_app(spark)
     key = (
         f"{app.application_id}:{id(spark)}",
         tuple(sorted(hashlib.sha256(f"{r}={d}".encode()).hexdigest() for r, d in servers.items())),
+        tuple(paths),
     )
     with _checking:
         if key in _checked:
             return _checked[key]
         started = time.monotonic()
-        reports = [json.loads(r) for r in _run_probe(spark, dict(servers), wait_s)]
+        reports = [json.loads(r) for r in _run_probe(spark, dict(servers), list(paths), wait_s)]
         check = _verdict(reports, servers, app, time.monotonic() - started)
         _checked[key] = check
         return check
 
 
-def _run_probe(spark: SparkSession, servers: dict[str, str], wait_s: float) -> list[str]:
+def _run_probe(
+    spark: SparkSession, servers: dict[str, str], paths: list[str], wait_s: float
+) -> list[str]:
     """The probe's reports, one per task; the job is cancelled after ``wait_s``."""
     from pyspark import cloudpickle
 
@@ -183,7 +193,7 @@ def _run_probe(spark: SparkSession, servers: dict[str, str], wait_s: float) -> l
     cloudpickle.register_pickle_by_value(spark_probe)
     connect = is_connect_session(spark)
     tasks = 2 if connect else max(1, int(spark.sparkContext.defaultParallelism))
-    work = functools.partial(spark_probe.probe, list(TASK_MODULES), servers)
+    work = functools.partial(spark_probe.probe, list(TASK_MODULES), servers, paths)
     tag = f"pgcdc-executor-check-{uuid.uuid4().hex[:8]}"
     outcome: dict[str, Any] = {}
 
@@ -253,6 +263,12 @@ def _verdict(
                     "the cluster under the address its connection string names (check the "
                     f"cluster's network, firewall and pg_hba.conf); {FIX}"
                 )
+        if report["unreadable"]:
+            raise SparkExecutorError(
+                f"Spark's executors cannot read {report['unreadable'][0]} {where}: the output "
+                "store (PGCDC_STORE) must be on storage every executor mounts at the same "
+                f"path (NFS, a cloud file system) for Spark to stage a range; {FIX}"
+            )
     first = reports[0]
     return ExecutorCheck(
         app=app,

@@ -19,10 +19,11 @@ import time
 CONNECT_TIMEOUT_S = 5
 
 
-def probe(modules: list[str], servers: dict[str, str], index: int) -> str:
+def probe(modules: list[str], servers: dict[str, str], paths: list[str], index: int) -> str:
     """A JSON report of this executor: host, Python, the version of each module of
-    ``modules`` that imports (the error of each that does not), and for each ``role: dsn`` of
-    ``servers`` the first line of the connection error, or ``null`` when it answered."""
+    ``modules`` that imports (the error of each that does not), for each ``role: dsn`` of
+    ``servers`` the first line of the connection error (``null`` when it answered), and which
+    of ``paths`` it cannot read."""
     report: dict[str, object] = {
         "task": index,
         "host": socket.gethostname(),
@@ -57,6 +58,7 @@ def probe(modules: list[str], servers: dict[str, str], index: int) -> str:
                     f" (after {time.monotonic() - started:.1f} s)"
                 )
     report["connections"] = connections
+    report["unreadable"] = [path for path in paths if not os.access(path, os.R_OK)]
     return json.dumps(report)
 
 

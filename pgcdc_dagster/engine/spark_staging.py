@@ -121,7 +121,7 @@ def stage_on_spark(
 
     ``conn`` is the driver's autocommit connection to the target, used for the DDL only.
     """
-    check_executors(spark, {"target": target_dsn})  # once per session: before any DDL
+    check_executors(spark, {"target": target_dsn}, files[:1])  # before any DDL
     tables = list(relations)
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
     drop_shared(conn, origin_name)

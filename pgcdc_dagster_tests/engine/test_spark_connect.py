@@ -13,6 +13,7 @@ import pytest
 from pgcdc_dagster.engine import pipeline, spark_server, verify
 from pgcdc_dagster.engine.apply import apply_range
 from pgcdc_dagster.engine.settings import SPARK_TABLE_ROWS, ReplicationSettings
+from pgcdc_dagster.engine.spark_executors import check_executors, package_zip
 from pgcdc_dagster.engine.spark_session import get_spark, is_connect_session
 
 
@@ -75,6 +76,12 @@ def scenario(source_dsn: str, target_dsn: str, store: str) -> None:
     assert is_connect_session(spark)
     snapshot = pipeline.take_snapshot(settings, spark)
     assert snapshot.rows == 20000
+    assert snapshot.spark_app is not None and snapshot.spark_app.application_id
+    # The executors were checked before the copy, and import the package from the zip the
+    # session shipped (addArtifacts), not from this checkout.
+    check = check_executors(spark, {"source": source_dsn, "target": target_dsn})
+    assert check is not None and check.tasks >= 1
+    assert package_zip().name in check.versions["pgcdc_dagster.engine.snapshot.copy"], check
 
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("UPDATE t SET v = 'x' WHERE id % 3 = 0")
@@ -93,6 +100,7 @@ def scenario(source_dsn: str, target_dsn: str, store: str) -> None:
         spark_min_changes=1,  # force the Spark compaction path
     )
     assert applied.status == "applied" and applied.compaction_path == "spark"
+    assert applied.spark_app == snapshot.spark_app and applied.spark_tasks >= 1
     comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
     assert [(str(c.table), c.equal) for c in comparisons] == [("public.t", True)]
     spark.stop()

@@ -231,6 +231,7 @@ def copy_published(
             tables,
             new_tables=set(tables).difference(existing),
             shapes=schema.shapes,
+            waiting=progress.waiting,
             **copy_options,
         )
     return schema, copies, time.perf_counter() - started

@@ -175,6 +175,7 @@ def copy_tables(
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
     new_tables: Collection[TableName] = (),
     shapes: Mapping[TableName, PublishedShape] | None = None,
+    waiting: Callable[[str], None] | None = None,
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
 
@@ -207,6 +208,9 @@ def copy_tables(
 
     ``shapes``: what the publication sends of the tables it narrows (only that is copied, see
     :func:`~.copy.plan_table_ranges`).
+
+    ``waiting`` is told what the copy waits for before rows flow (Spark's start and the check
+    of its executors), and ``""`` once they flow.
 
     ``scheduler``: ``rdd`` (classic sessions), ``dataframe`` (a plain Python UDF over
     ``spark.range``, one row per group of tasks: the only way on Spark Connect, which has no
@@ -263,10 +267,17 @@ def copy_tables(
         if spark_tasks:
             # The executors are checked before the first row moves, the driver's included:
             # a cluster that cannot run the tasks then leaves nothing half-copied.
+            if waiting is not None:
+                waiting(
+                    f"waiting for Spark and the check of its executors ({len(spark_tasks)} "
+                    f"Spark task(s) for {len(for_spark)} table(s))"
+                )
             session = spark() if callable(spark) else spark
             assert session is not None
             check_executors(session, {"source": source_dsn, "target": target_dsn})
             app = spark_app(session)
+            if waiting is not None:
+                waiting("")
         with _driver_pool(driver_tasks, workers) as pool:
             futures = [pool.submit(copy_bundle, bundle) for bundle in bundles]
             futures += [pool.submit(_one, task) for task in alone]
