@@ -11,6 +11,7 @@ import pytest
 from pgcdc_dagster.cli import main
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import range_lock
+from pgcdc_dagster.engine.settings import ReplicationSettings, SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,6 +76,27 @@ def test_missing_settings_are_one_clear_line(monkeypatch, capsys):
     code, _, err = run_cli(capsys, "status")
     assert code == 2
     assert err.startswith("pgcdc: PGCDC_SOURCE_DSN and PGCDC_TARGET_DSN not set")
+
+
+def test_spark_settings_pass_through_and_a_wrong_one_is_one_line_without_its_value():
+    conf = (
+        "spark.executor.memory=4g; spark.archives=deps.tar.gz#deps,more.zip#more;"
+        " spark.executor.extraJavaOptions=-Da=b -Dc=d"
+    )
+    settings = ReplicationSettings.from_env({"PGCDC_SPARK_CONF": conf}, require_servers=False)
+    assert settings.spark_conf == {
+        "spark.executor.memory": "4g",
+        "spark.archives": "deps.tar.gz#deps,more.zip#more",
+        "spark.executor.extraJavaOptions": "-Da=b -Dc=d",
+    }
+    assert "4g" not in repr(settings)  # a cluster's settings may hold keys
+    with pytest.raises(SettingsError) as wrong:
+        ReplicationSettings.from_env(
+            {"PGCDC_SPARK_CONF": "spark.a=1; fs.s3a.secret.key=hunter2"}, require_servers=False
+        )
+    message = str(wrong.value)
+    assert "PGCDC_SPARK_CONF" in message and "'fs.s3a.secret.key' is not a spark setting" in message
+    assert "hunter2" not in message and "\n" not in message
 
 
 def test_the_warm_spark_command_needs_only_the_store(monkeypatch, capsys, tmp_path):

@@ -213,6 +213,8 @@ def spark_metadata(app: SparkApp | None) -> dict[str, Any]:
         meta["spark_ui"] = MetadataValue.url(app.ui_url)
     if app.master:
         meta["spark_master"] = text(app.master)
+    if app.executors:
+        meta["spark_executors"] = text(app.executors)
     return meta
 
 

@@ -77,6 +77,8 @@ class SparkApp:
     application_id: str | None
     ui_url: str | None
     master: str | None
+    executors: str | None = None
+    """What the check found on the executors (:meth:`ExecutorCheck.summary`), once it ran."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,18 @@ class ExecutorCheck:
     python: str
     versions: Mapping[str, str]
     seconds: float
+
+    def summary(self) -> str:
+        """``2 task(s) on host-a, host-b: Python 3.11.2, psycopg 3.3.9, ...; 0.9 s``."""
+        third_party = ", ".join(
+            f"{name} {version}"
+            for name, version in self.versions.items()
+            if not name.startswith("pgcdc_dagster")
+        )
+        return (
+            f"{self.tasks} task(s) on {', '.join(self.hosts)}: Python {self.python}, "
+            f"{third_party}; checked in {self.seconds:.1f} s"
+        )
 
 
 def is_local(spark: SparkSession) -> bool:
@@ -293,9 +307,15 @@ def spark_app(spark: SparkSession) -> SparkApp:
             app_id = spark.conf.get("spark.app.id")
         except Exception:
             app_id = None
-        return SparkApp(app_id, None, None)
+        return SparkApp(app_id, None, None, _checked_summary(spark))
     sc = spark.sparkContext
-    return SparkApp(sc.applicationId, sc.uiWebUrl, str(sc.master))
+    return SparkApp(sc.applicationId, sc.uiWebUrl, str(sc.master), _checked_summary(spark))
+
+
+def _checked_summary(spark: SparkSession) -> str | None:
+    """The summary of the newest check of ``spark``'s executors, if one ran."""
+    found = [c for key, c in list(_checked.items()) if key[0].endswith(f":{id(spark)}")]
+    return found[-1].summary() if found else None
 
 
 def _where(app: SparkApp) -> str:
