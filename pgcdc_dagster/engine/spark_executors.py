@@ -26,10 +26,12 @@ What must hold:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -155,7 +157,14 @@ def ship_code(spark: SparkSession) -> Path | None:
     if is_connect_session(spark):
         spark.addArtifacts(str(archive), pyfile=True)
     else:
+        from pyspark import SparkFiles
+
         spark.sparkContext.addPyFile(str(archive))
+        # addPyFile also puts the zip on this process's path, ahead of the installed package:
+        # modules imported later would come from the zip (the same code, but their __file__
+        # inside an archive). The executors get it from the session, not from this list.
+        with contextlib.suppress(ValueError):
+            sys.path.remove(os.path.join(SparkFiles.getRootDirectory(), archive.name))
     _shipped.add(shipped)
     return archive
 
@@ -340,8 +349,6 @@ def task_log(line: str) -> None:
     """Inside a Spark task, one line on the executor's stderr (``pgcdc task: ...``): where a
     cluster's operator finds, in the worker's logs, what each of the engine's tasks did. The
     same task code run by the driver says nothing (its command reports)."""
-    import sys
-
     if "pyspark" not in sys.modules:  # the driver's own copies: no Spark here at all
         return
     from pyspark import TaskContext
