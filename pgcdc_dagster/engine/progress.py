@@ -269,8 +269,20 @@ class CopyWatcher:
                     self.estimates[str(TableName(schema, name))] = (rows, int(size))
 
     def phase(self, phase: str) -> None:
-        if active():
+        if not active():
+            return
+        if self._thread is None and not self._stop.is_set():
+            # Before the copy: nothing copied yet (a re-snapshot's tables still count the
+            # inserts of the copy before; the baseline is taken as the copy starts).
+            elapsed = time.monotonic() - self.started
+            publish(SnapshotProgress(phase, elapsed, self._ahead(), work=self.work))
+        else:
             publish(self._measure(phase))
+
+    def _ahead(self) -> list[TableProgress]:
+        return [
+            TableProgress(key, 0, rows, 0, size) for key, (rows, size) in self.estimates.items()
+        ]
 
     def waiting(self, note: str) -> None:
         """What the copy waits for before its rows flow (Spark starting on a cluster, its
