@@ -100,7 +100,8 @@ def scenario(source_dsn: str, target_dsn: str, store: str) -> None:
         spark_min_changes=1,  # force the Spark compaction path
     )
     assert applied.status == "applied" and applied.compaction_path == "spark"
-    assert applied.spark_app == snapshot.spark_app and applied.spark_tasks >= 1
+    assert applied.spark_app is not None and applied.spark_tasks >= 1
+    assert applied.spark_app.application_id == snapshot.spark_app.application_id
     comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
     assert [(str(c.table), c.equal) for c in comparisons] == [("public.t", True)]
     spark.stop()
