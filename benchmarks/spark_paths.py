@@ -594,6 +594,8 @@ def child_snapshot(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_range(params: dict[str, Any]) -> dict[str, Any]:
+    from spark_staging import apply_split
+
     from pgcdc_dagster.engine.apply import apply_range
     from pgcdc_dagster.engine.lsn import LsnRange
     from pgcdc_dagster.engine.store import OutputStore
@@ -622,13 +624,7 @@ def child_range(params: dict[str, Any]) -> dict[str, Any]:
                 "range": key,
                 "seconds": round(seconds, 3),
                 "status": str(result.status),
-                "compaction_path": result.compaction_path,
-                "staged_by": result.staged_by,
-                "compaction_s": result.compaction_seconds,
-                "staging_s": result.staging_seconds,
-                "apply_s": result.apply_seconds,
-                "changes": result.changes,
-                "net_rows": result.net_rows,
+                **apply_split(result),
                 "spark_stages": work,
             }
         )

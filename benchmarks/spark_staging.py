@@ -53,6 +53,19 @@ OTHER_ORIGIN = "pgcdc_bench_b"
 ADDED = TableName("public", "pgbench_accounts")
 
 
+def apply_split(result: Any) -> dict[str, Any]:
+    """Where an ``apply_range`` result says its time went, and what it applied."""
+    return {
+        "compaction_path": result.compaction_path,
+        "staged_by": result.staged_by,
+        "compaction_s": result.compaction_seconds,
+        "staging_s": result.staging_seconds,
+        "apply_s": result.apply_seconds,
+        "changes": result.changes,
+        "net_rows": result.net_rows,
+    }
+
+
 def bulk_updates(dsn: str, changes: int) -> int:
     """``changes`` row updates of ``pgbench_accounts``, one tenth of the table a transaction."""
     written = 0
@@ -114,13 +127,7 @@ def child(
         **added,
         "spark_start_s": round(spark_s, 2),
         "seconds": round(seconds, 2),
-        "compaction_path": result.compaction_path,
-        "staged_by": result.staged_by,
-        "compaction_s": result.compaction_seconds,
-        "staging_s": result.staging_seconds,
-        "apply_s": result.apply_seconds,
-        "changes": result.changes,
-        "net_rows": result.net_rows,
+        **apply_split(result),
         "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 

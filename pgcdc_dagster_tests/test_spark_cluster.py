@@ -68,7 +68,8 @@ def spark_env(cluster: StandaloneCluster, python: Path, *extra_conf: str) -> dic
     conf = [
         f"spark.pyspark.python={python}",
         "spark.executor.memory=512m",
-        # Spark's default of 200 shuffle partitions is 200 staging COPYs per table of a range.
+        # Small data: Spark's other shuffles need not be 200 partitions (the engine sizes the
+        # staging's own, see apply.staging_partitions).
         "spark.sql.shuffle.partitions=4",
         *extra_conf,
     ]

@@ -621,8 +621,25 @@ def _staged_on_workers(
         relations,
         after_lsn=after_lsn,
         floors=floors,
+        partitions=staging_partitions(spark, stored.changes),
     )
     return shared, targets, added
+
+
+CHANGES_PER_STAGING_TASK = 500_000
+"""About a second or two of a staging task's work (compaction and COPY): enough that a task's
+own costs (a target connection and transaction, a COPY per staging table) are noise."""
+
+
+def staging_partitions(spark: SparkSession, changes: int) -> int:
+    """How many partitions a range's changes are routed to (per table): one per
+    :data:`CHANGES_PER_STAGING_TASK`, and at least one per executor core, so that every core
+    works and a range is never cut into Spark's default of 200 (200 COPYs and transactions per
+    table for a range a few tasks carry)."""
+    from .spark_session import is_connect_session
+
+    cores = 2 if is_connect_session(spark) else int(spark.sparkContext.defaultParallelism)
+    return max(1, cores, -(-changes // CHANGES_PER_STAGING_TASK))
 
 
 @contextlib.contextmanager

@@ -13,8 +13,9 @@ What must hold for that to work:
 - ``conf`` (the settings' ``spark_conf``, a Dagster run's ``spark_config``) reaches the builder,
   so settings Spark reads only at start-up (executor memory and cores, ``spark.archives``)
   take effect;
-- Spark binds loopback (``SPARK_LOCAL_IP``) unless told otherwise, so a laptop or CI box with odd
-  interfaces neither warns nor exposes ports;
+- a local Spark binds loopback (``SPARK_LOCAL_IP``) unless told otherwise, so a laptop or CI box
+  with odd interfaces neither warns nor exposes ports; a driver on a cluster binds where Spark
+  chooses, since the executors connect back to it;
 - one process uses one session: ``getOrCreate`` hands back the running session, so a second call
   with other arguments does **not** change its master (stop the session first to switch).
 
@@ -49,7 +50,6 @@ def get_spark(
     with the package's code added to it (:func:`~.spark_executors.ship_code`)."""
     from .spark_executors import ship_code
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     conf = dict(conf or {})
     if remote:
         connect_builder = SparkSession.builder.remote(remote).appName(app_name)
@@ -60,6 +60,10 @@ def get_spark(
         return connect_session
 
     master = master or DEFAULT_MASTER
+    if master.startswith("local"):
+        # Only here: on a cluster the executors connect back to the driver, so it must not
+        # bind loopback.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (
         SparkSession.builder.master(master)
         .appName(app_name)
