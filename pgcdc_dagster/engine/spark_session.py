@@ -27,6 +27,7 @@ a Connect session attaches in under a second to a running server, but has no ``s
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import tempfile
@@ -101,6 +102,8 @@ def _launch_jvm_quietly(builder: SparkSession.Builder, log: Path) -> None:
     process's stay untouched (pointing file descriptors 1 and 2 elsewhere while it starts
     would also swallow what other threads print meanwhile: the CLI starts Spark on a worker
     thread while the main thread reports). ``getOrCreate`` then finds the gateway running.
+    The log goes when this process ends normally (a command per process would leave one
+    each); a process that dies keeps it for whoever looks into why.
     """
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
@@ -113,6 +116,7 @@ def _launch_jvm_quietly(builder: SparkSession.Builder, log: Path) -> None:
             conf.set(key, str(value))
         with open(log, "ab") as sink:
             gateway = launch_gateway(conf, popen_kwargs={"stdout": sink, "stderr": sink})
+        atexit.register(log.unlink, missing_ok=True)
         SparkContext._gateway = gateway
         SparkContext._jvm = gateway.jvm
 
