@@ -305,8 +305,9 @@ def take_base_snapshot(
 
     ``spark`` may be a callable that returns the session. It is called only when a table is
     estimated above ``driver_max_rows`` (smaller tables are copied by this process, see
-    :func:`copy_tables`), and then at once, on a background thread: Spark's start-up (seconds)
-    overlaps the slot, the exported snapshot, the schema copy and the driver's copies.
+    :func:`copy_tables`), and then at once, on a background thread: Spark's start-up and the
+    check of its executors (seconds) overlap the slot, the exported snapshot and the schema
+    copy; the rows wait for the check, so a cluster that cannot run the tasks copies none.
     ``begin`` is called once the guards passed and before anything changes (the
     pipeline records there that a snapshot is under way, see :func:`pipeline.take_snapshot`).
     """

@@ -182,10 +182,11 @@ def copy_tables(
     Who copies: a table estimated at or below ``driver_max_rows`` rows is copied by this
     process (threads, one task per ctid range, as many at once as ``parallelism`` or the CPU
     count; small whole tables in bundles, see :func:`~.copy.copy_bundle`), and the rest by
-    Spark. The driver's copies start at once and run while Spark
-    starts (``spark`` may be a callable that returns the session: it is called only when a
-    table needs Spark, and the caller may have started it in the background); without any
-    large table Spark is never asked for. ``spark=None`` copies everything from the driver.
+    Spark. When some table needs Spark, no copy starts before its session is up and its
+    executors passed :func:`~..spark_executors.check_executors` (``spark`` may be a callable
+    that returns the session: it is called only then, and the caller may have started it in
+    the background); then the driver's copies run beside Spark's. Without any large table
+    Spark is never asked for. ``spark=None`` copies everything from the driver.
     A copy task is the same function in both places, so both copy exactly the same rows.
 
     Spark runs one task per ctid range (:func:`plan_table_ranges`); ``parallelism`` caps how
