@@ -292,10 +292,7 @@ class CopyWatcher:
         if not note:
             self._flowing_since = time.monotonic()
         if active() and note:
-            with contextlib.suppress(Exception):
-                measured = self._measure("copy")
-                measured.note = note
-                publish(measured)
+            self._publish_copy()
 
     def __enter__(self) -> CopyWatcher:
         self._flowing_since = time.monotonic()
@@ -318,11 +315,15 @@ class CopyWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
-            with contextlib.suppress(Exception):
-                measured = self._measure("copy")
-                if self._waiting:
-                    measured.note = self._waiting
-                publish(measured)
+            self._publish_copy()
+
+    def _publish_copy(self) -> None:
+        """One reading of the copy, saying what it waits for while it waits (a reading lost
+        to a busy server is just a gap in the lines)."""
+        with contextlib.suppress(Exception):
+            reading = self._measure("copy")
+            reading.note = self._waiting
+            publish(reading)
 
     def _measure(self, phase: str) -> SnapshotProgress:
         """One reading of the target. A table loaded frozen is truncated first, in the copy's
