@@ -171,7 +171,7 @@ def ship_code(spark: SparkSession) -> Path | None:
 
 # ─── the check ────────────────────────────────────────────────────────────────────────────────
 
-_checked: dict[tuple[str, tuple[str, ...], tuple[str, ...]], ExecutorCheck] = {}
+_checked: dict[tuple[str, tuple[str, ...], bool], ExecutorCheck] = {}
 _checking = threading.Lock()
 
 
@@ -184,16 +184,17 @@ def check_executors(
 ) -> ExecutorCheck | None:
     """Run the check on ``spark``'s executors against ``servers`` (``role: dsn``) and the
     files the tasks will read (``paths``: a range's Parquet in the store, which must be on
-    storage every executor mounts), once per session, servers and paths; ``None`` for a local
-    session. Raises :class:`SparkExecutorError` with one line when the executors cannot run
-    the tasks."""
+    storage every executor mounts), once per session and servers, with files or without (one
+    range's file read says the store is shared: a follow's later big ranges are not checked
+    again); ``None`` for a local session. Raises :class:`SparkExecutorError` with one line
+    when the executors cannot run the tasks."""
     if is_local(spark):
         return None
     app = spark_app(spark)
     key = (
         f"{app.application_id}:{id(spark)}",
         tuple(sorted(hashlib.sha256(f"{r}={d}".encode()).hexdigest() for r, d in servers.items())),
-        tuple(paths),
+        bool(paths),
     )
     with _checking:
         if key in _checked:
