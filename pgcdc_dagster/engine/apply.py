@@ -66,6 +66,7 @@ version of the range did not have (they stay as they are, or NULL on insert).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -88,6 +89,16 @@ from .compaction import (
     relations_of,
 )
 from .connect import connect
+from .ddl import (
+    SchemaDriftError,
+    SourceDdl,
+    TableChanges,
+    carry_out,
+    in_play,
+    matches,
+    plan_changes,
+    read_records,
+)
 from .errors import ApplyError, server_reason
 from .failpoints import failpoint
 from .identifiers import TableName
@@ -121,16 +132,8 @@ class ApplyStatus(StrEnum):
     """The range holds no transaction: nothing to write."""
 
 
-FIRST_USER_OID = 16384
-"""Type oids below this are built in and mean the same on every cluster of a major version."""
-
-
 class ApplyGapError(ApplyError):
     """Changes between the target's origin progress and the range's start were not applied."""
-
-
-class SchemaDriftError(ApplyError):
-    """The target's columns differ from the source's in a way the apply will not repair."""
 
 
 @dataclass
@@ -154,8 +157,9 @@ class ApplyResult:
     previous_lsn: str | None
     """The origin's progress before this call."""
     tables: dict[str, TableApplyCounts] = field(default_factory=dict)
-    added_columns: list[str] = field(default_factory=list)
-    """``table.column type`` of every column added to the target for schema drift."""
+    schema_changes: list[str] = field(default_factory=list)
+    """The source's DDL the range showed, as carried out on the target (:mod:`.ddl`): one
+    line per step, each beginning with its table."""
     changes: int = 0
     net_rows: int = 0
     compaction_path: str | None = None
@@ -216,6 +220,7 @@ def apply_range(
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
     origin_wait_seconds: float = 30.0,
     conn: psycopg.Connection[Any] | None = None,
+    ddl: SourceDdl | None = None,
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
 
@@ -225,7 +230,9 @@ def apply_range(
     to wait for the origin to be released by an earlier, killed apply whose server backend has
     not exited yet. ``conn``: an autocommit connection to the target to apply on, for a caller
     that applies range after range (a follower); by default a connection of its own. It is
-    left as it was found: no transaction open, the session's origin reset.
+    left as it was found: no transaction open, the session's origin reset. ``ddl``: where to
+    read the source's catalog when a table's columns no longer match the target's
+    (:mod:`.ddl`); without it such a range is refused.
     """
     started = time.perf_counter()
     transform = stored.transform_lsn
@@ -253,8 +260,8 @@ def apply_range(
         # done); the other tables' are applied.
         held_back = {t: relations.pop(t) for t in (chain.adding if chain else ()) if t in relations}
         result.held_back = sorted(str(t) for t in held_back)
-        relations, targets, additions = _on_target(
-            conn, relations, chain.unpublished if chain else {}
+        relations, targets, plans = _on_target(
+            conn, relations, chain.unpublished if chain else {}, ddl
         )
         # A table added after the snapshot skips its changes that its own copy holds.
         floors = {
@@ -263,22 +270,21 @@ def apply_range(
             if t in relations and lsn > progress
         }
         shared: dict[TableName, SharedStage] | None = None
-        if spark is not None and on_spark(stored, spark_min_changes):
+        # A range with DDL to carry out is compacted here: Spark's workers stage into tables
+        # typed like the target's columns before the apply's transaction, and the DDL must
+        # commit with the rows (see :mod:`.ddl`).
+        if spark is not None and on_spark(stored, spark_min_changes) and not plans:
             spark_started = time.perf_counter()
-            shared, targets, added = _staged_on_workers(
+            shared = _staged_on_workers(
                 conn,
                 spark,
                 target_dsn,
                 origin_name,
                 stored,
                 relations,
-                targets,
-                additions,
                 after_lsn=int(progress),
                 floors=floors,
             )
-            result.added_columns += added
-            additions = []
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
             result.spark_app = spark_app(spark)
@@ -300,7 +306,6 @@ def apply_range(
             result.net_rows = compaction.net_rows
 
         in_order: dict[TableName, NetChanges] = {}
-        added_before = list(result.added_columns)  # the Spark path's, committed already
         while True:
             setup_session(conn, origin_name, origin_wait_seconds)
             try:
@@ -313,8 +318,8 @@ def apply_range(
                             "another apply ran at the same time; run this one again"
                         )
                     conn.execute("SET LOCAL session_replication_role = replica")
-                    result.added_columns = added_before + _add_columns(conn, additions)
-                    if additions:
+                    result.schema_changes = _carry_out(conn, plans)
+                    if plans:
                         targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()
                     if shared is None:
@@ -405,6 +410,7 @@ def apply_added_changes(
     spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
     batch_changes: int | None = None,
     progressed: Callable[[HeldBackApplied, Lsn], None] | None = None,
+    ddl: SourceDdl | None = None,
 ) -> HeldBackApplied:
     """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
     the applies held back (:func:`apply_range`), in LSN order; say what was applied.
@@ -457,24 +463,27 @@ def apply_added_changes(
                 continue
             whole = stored.transform_lsn is not None and stored.transform_lsn <= through
             if spark is not None and whole and on_spark(stored, spark_min_changes):
-                done(_apply_held_back(conn, batch, unpublished))
+                done(_apply_held_back(conn, batch, unpublished, ddl))
                 batch = gathered()
                 staging = _HeldBackStaging(spark(), target_dsn, staging_key)
-                on_workers = _held_back_on_spark(conn, stored, wanted, since, unpublished, staging)
+                on_workers = _held_back_on_spark(
+                    conn, stored, wanted, since, unpublished, staging, ddl
+                )
                 reached = min(rng.end, through)
                 if isinstance(on_workers, HeldBackApplied):
                     done(on_workers)
                     continue
-                batch.add(stored)  # refused: again here, that table in commit order
-                done(_apply_held_back(conn, batch, unpublished, in_order={on_workers}))
+                batch.add(stored)  # refused, or DDL: again here (that table in commit order)
+                refused = set() if on_workers is None else {on_workers}
+                done(_apply_held_back(conn, batch, unpublished, ddl, in_order=refused))
                 batch = gathered()
                 continue
             batch.add(stored)
             reached = min(rng.end, through)
             if batch.rows >= cap:
-                done(_apply_held_back(conn, batch, unpublished))
+                done(_apply_held_back(conn, batch, unpublished, ddl))
                 batch = gathered()
-        done(_apply_held_back(conn, batch, unpublished))
+        done(_apply_held_back(conn, batch, unpublished, ddl))
     applied.seconds = round(time.perf_counter() - started, 4)
     return applied
 
@@ -492,6 +501,7 @@ def _apply_held_back(
     conn: psycopg.Connection[Any],
     batch: HeldBack,
     unpublished: Mapping[TableName, Sequence[str]],
+    ddl: SourceDdl | None,
     in_order: set[TableName] | None = None,
 ) -> HeldBackApplied:
     """``batch``'s changes in one transaction: net rows, and for a table whose net rows a
@@ -499,15 +509,15 @@ def _apply_held_back(
     :func:`apply_range` does)."""
     if not batch.rows:
         return HeldBackApplied()
-    relations, targets, additions = _on_target(conn, batch.relations(), unpublished)
+    relations, targets, plans = _on_target(conn, batch.relations(), unpublished, ddl)
     result = ApplyResult(f"{batch.ranges} range(s)", ApplyStatus.APPLIED, None, None)
     in_order = set(in_order or ())
     while True:
         try:
             with conn.transaction():
                 conn.execute("SET LOCAL session_replication_role = replica")
-                if additions:
-                    _add_columns(conn, additions)
+                if plans:
+                    _carry_out(conn, plans)
                     targets = read_target_tables(conn, list(relations))
                 nets = batch.compact(
                     {
@@ -530,24 +540,25 @@ def _held_back_on_spark(
     since: Lsn,
     unpublished: Mapping[TableName, Sequence[str]],
     staging: _HeldBackStaging,
-) -> HeldBackApplied | TableName:
+    ddl: SourceDdl | None,
+) -> HeldBackApplied | TableName | None:
     """One big range's share of :func:`apply_added_changes` (every transaction of it at or
     before the caller's ``through``), compacted and staged by Spark's workers and merged in
     one transaction; or the table whose net rows a unique key refused (rolled back whole,
-    the staging dropped)."""
+    the staging dropped); or ``None`` when it has DDL to carry out (applied in process)."""
     relations = {t: rel for t, rel in _written(stored).items() if t in tables}
     if not relations:
         return HeldBackApplied()
-    relations, targets, additions = _on_target(conn, relations, unpublished)
-    shared, targets, _ = _staged_on_workers(
+    relations, targets, plans = _on_target(conn, relations, unpublished, ddl)
+    if plans:
+        return None  # DDL commits with the rows: this range's share goes with the others
+    shared = _staged_on_workers(
         conn,
         staging.spark,
         staging.target_dsn,
         staging.key,
         stored,
         relations,
-        targets,
-        additions,
         after_lsn=int(since),
     )
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
@@ -578,13 +589,80 @@ def _on_target(
     conn: psycopg.Connection[Any],
     relations: Mapping[TableName, TableRelation],
     unpublished: Mapping[TableName, Sequence[str]],
-) -> tuple[dict[TableName, TableRelation], dict[TableName, TargetTable], list[ColumnAddition]]:
+    ddl: SourceDdl | None,
+) -> tuple[dict[TableName, TableRelation], dict[TableName, TargetTable], list[TableChanges]]:
     """``relations`` as the target holds their tables: each collapsed by the target's key where
-    the source sends whole rows, the target's tables, and the columns the changes bring that
-    the target lacks (:func:`plan_schema_drift`)."""
+    the source sends whole rows (as the target will be once the range's DDL is carried out),
+    the target's tables as they are, and the DDL (:mod:`.ddl`) for those whose columns no
+    longer match the range's (their relations then read older versions as now named)."""
     targets = read_target_tables(conn, list(relations))
-    relations = {t: _identity_on_target(rel, targets[t]) for t, rel in relations.items()}
-    return relations, targets, plan_schema_drift(relations, targets, unpublished)
+    drifted = {
+        t: rel
+        for t, rel in relations.items()
+        if not matches(
+            rel, targets[t].columns, in_play(targets[t].columns, unpublished.get(t, ()), ())
+        )
+    }
+    if drifted:  # perhaps only columns kept after a drop on the source
+        records = read_records(conn, list(drifted))
+        drifted = {
+            t: rel
+            for t, rel in drifted.items()
+            if not matches(
+                rel,
+                targets[t].columns,
+                in_play(
+                    targets[t].columns,
+                    unpublished.get(t, ()),
+                    list(records[t].kept) if t in records else (),
+                ),
+            )
+        }
+    plans: dict[TableName, TableChanges] = {}
+    if drifted:
+        if ddl is None:
+            names = ", ".join(str(t) for t in drifted)
+            raise SchemaDriftError(
+                f"the columns of {names} changed on the source: applying this range needs the "
+                "source's catalog (apply it through pgcdc or the Dagster job)"
+            )
+        with connect(ddl.source_dsn, role="source", autocommit=True) as src:
+            plans, rewritten = plan_changes(
+                src,
+                conn,
+                {t: (rel, targets[t]) for t, rel in drifted.items()},
+                unpublished,
+                keep_dropped=ddl.keep_dropped,
+            )
+        relations = {**relations, **rewritten}
+    relations = {
+        t: _identity_on_target(rel, _as_after(targets[t], plans.get(t)))
+        for t, rel in relations.items()
+    }
+    return dict(relations), targets, [p for p in plans.values() if p]
+
+
+def _as_after(target: TargetTable, changes: TableChanges | None) -> TargetTable:
+    """``target``'s keys as they will be once ``changes`` are carried out (a key column
+    renamed; a key with a dropped column gone)."""
+    if changes is None or not (changes.renames or changes.drops):
+        return target
+    renamed = dict(changes.renames)
+    gone = set(changes.drops)
+
+    def after(names: Sequence[str]) -> tuple[str, ...] | None:
+        return None if gone & set(names) else tuple(renamed.get(n, n) for n in names)
+
+    return dataclasses.replace(
+        target,
+        primary_key=after(target.primary_key) or (),
+        unique_keys=tuple(frozenset(k) for key in target.unique_keys if (k := after(tuple(key)))),
+    )
+
+
+def _carry_out(conn: psycopg.Connection[Any], plans: Sequence[TableChanges]) -> list[str]:
+    """Every table's DDL (:func:`.ddl.carry_out`) in the caller's transaction; the steps."""
+    return [line for changes in plans for line in carry_out(conn, changes)]
 
 
 def _staged_on_workers(
@@ -594,25 +672,14 @@ def _staged_on_workers(
     key: str,
     stored: StoredRange,
     relations: Mapping[TableName, TableRelation],
-    targets: dict[TableName, TargetTable],
-    additions: Sequence[ColumnAddition],
     *,
     after_lsn: int,
     floors: Mapping[TableName, int] | None = None,
-) -> tuple[dict[TableName, SharedStage], dict[TableName, TargetTable], list[str]]:
+) -> dict[TableName, SharedStage]:
     """``stored``'s net rows of ``relations`` compacted and staged by Spark's workers in the
-    shared staging tables of ``key`` (:func:`~.spark_staging.stage_on_spark`); ``targets`` as
-    they then are, and the columns added first.
-
-    Shared staging tables are typed like the target's columns and made before the apply
-    transaction, so the columns the range adds come first, in their own transaction: a column
-    ahead of its values is harmless, and a re-run finds it there."""
-    added: list[str] = []
-    if additions:
-        with conn.transaction():
-            added = _add_columns(conn, additions)
-        targets = read_target_tables(conn, list(relations))
-    shared = stage_on_spark(
+    shared staging tables of ``key`` (:func:`~.spark_staging.stage_on_spark`), typed like the
+    target's columns (so never for a range with DDL to carry out, see :func:`apply_range`)."""
+    return stage_on_spark(
         spark,
         conn,
         target_dsn,
@@ -623,7 +690,6 @@ def _staged_on_workers(
         floors=floors,
         partitions=staging_partitions(spark, stored.changes),
     )
-    return shared, targets, added
 
 
 CHANGES_PER_STAGING_TASK = 500_000
@@ -791,90 +857,6 @@ def _identity_on_target(relation: TableRelation, target: TargetTable) -> TableRe
             f"({cols}), or a UNIQUE index) so rows can be matched"
         )
     return relation
-
-
-@dataclass(frozen=True)
-class ColumnAddition:
-    table: TableName
-    column: str
-    type_oid: int
-    typmod: int
-
-
-def plan_schema_drift(
-    relations: Mapping[TableName, TableRelation],
-    targets: Mapping[TableName, TargetTable],
-    unpublished: Mapping[TableName, Sequence[str]] | None = None,
-) -> list[ColumnAddition]:
-    """Columns to add to the target, or a :class:`SchemaDriftError` for drift the apply will
-    not repair (a column dropped or retyped on the source, or generated on the target only).
-    ``unpublished``: per table, the columns the publication's column list left out at the
-    snapshot (:attr:`~.store.Chain.unpublished`): absent from the stream by design, not
-    dropped.
-
-    User-defined types cannot be compared by oid across clusters: only built-in types are
-    checked for retyping, and only built-in types can be added.
-    """
-    additions: list[ColumnAddition] = []
-    for table, relation in relations.items():
-        target = targets[table]
-        for col in relation.columns:
-            have = target.columns.get(col.name)
-            if have is None:
-                if col.type_oid >= FIRST_USER_OID:
-                    raise SchemaDriftError(
-                        f"column {col.name} of table {table} exists on the source but not on "
-                        f"the target, and its type (oid {col.type_oid}) is user-defined, so "
-                        "the apply cannot name it on the target: add the column on the target "
-                        f"(ALTER TABLE {table} ADD COLUMN ...) with the source's type, then "
-                        "apply again"
-                    )
-                additions.append(ColumnAddition(table, col.name, col.type_oid, col.typmod))
-                continue
-            if have.generated:
-                raise SchemaDriftError(
-                    f"column {col.name} of table {table} is a generated column on the target but "
-                    "a plain column on the source: make the two definitions agree (drop the "
-                    "generation expression on the target, ALTER TABLE ... ALTER COLUMN ... "
-                    "DROP EXPRESSION)"
-                )
-            builtin = col.type_oid < FIRST_USER_OID and have.type_oid < FIRST_USER_OID
-            if builtin and (col.type_oid, col.typmod) != (have.type_oid, have.typmod):
-                raise SchemaDriftError(
-                    f"column {col.name} of table {table} has type oid {col.type_oid} (typmod "
-                    f"{col.typmod}) on the source but {have.type_sql} on the target: change the "
-                    f"target column to the source's type (ALTER TABLE {table} ALTER COLUMN "
-                    f"{col.name} TYPE ...), then apply again"
-                )
-        left_out = set((unpublished or {}).get(table, ()))
-        dropped = [
-            c.name
-            for c in target.columns.values()
-            if not c.generated and c.name not in relation.names and c.name not in left_out
-        ]
-        if dropped:
-            raise SchemaDriftError(
-                f"column(s) {', '.join(dropped)} of table {table} exist on the target but no "
-                "longer on the source (dropped there, or the publication lists fewer columns): "
-                f"drop them on the target (ALTER TABLE {table} DROP COLUMN ...) or add them back "
-                "on the source, then apply again"
-            )
-    return additions
-
-
-def _add_columns(conn: psycopg.Connection[Any], additions: Sequence[ColumnAddition]) -> list[str]:
-    added = []
-    for add in additions:
-        (type_sql,) = conn.execute(
-            "SELECT format_type(%s::oid, %s)", (add.type_oid, add.typmod)
-        ).fetchone()  # type: ignore[misc]
-        conn.execute(
-            sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(
-                add.table.sql, sql.Identifier(add.column), sql.SQL(type_sql)
-            )
-        )
-        added.append(f"{add.table}.{add.column} {type_sql}")
-    return added
 
 
 # -- staging and applying -------------------------------------------------------------------------
@@ -1317,7 +1299,9 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
     touches exactly one row equal to the old row (found first, then touched by its
     ``tableoid`` and ``ctid``), so duplicate rows stay duplicates, as on the source. The
     ``tableoid`` matters in a partitioned table, whose partitions each have a row at ``(0,1)``:
-    by ``ctid`` alone, one DELETE removed the row of every partition there."""
+    by ``ctid`` alone, one DELETE removed the row of every partition there. The function's
+    variables are named ``pgcdc_*``: PL/pgSQL takes a bare name for its variable, so a user's
+    column named like one (``c``, ``n``) made the statements ambiguous."""
     rel, target = stage.net.relation, stage.target
     what = f"the changes of table {rel.table}"
     if stage.direct is not None:
@@ -1330,7 +1314,7 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
     cols = sql.SQL(", ").join(sql.Identifier(n) for n in names)
 
     def r(prefix: str, j: int) -> sql.Composable:
-        return sql.SQL("r.{}").format(sql.Identifier(f"{prefix}{j}"))
+        return sql.SQL("pgcdc_r.{}").format(sql.Identifier(f"{prefix}{j}"))
 
     if stage.all_inserts:
         inserted = _run(
@@ -1361,7 +1345,7 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
         if j in stage.old_missing:
             test = sql.SQL("({} OR {})").format(r("m", j), test)
         matches.append(test)
-    find = sql.SQL("SELECT x.tableoid, x.ctid INTO o, c FROM {t} x WHERE {m} LIMIT 1;").format(
+    find = sql.SQL("SELECT x.tableoid, x.ctid INTO pgcdc_o, pgcdc_c FROM {t} x WHERE {m} LIMIT 1;").format(
         t=rel.table.sql, m=sql.SQL(" AND ").join(matches)
     )
     sets = []
@@ -1376,24 +1360,26 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
             sets.append(sql.SQL("{} = {}").format(sql.Identifier(name), r("c", j)))
     body = sql.SQL(
         """
-DECLARE r record; n int8; ins int8 := 0; upd int8 := 0; del int8 := 0; miss int8 := 0;
-  o oid; c tid;
+DECLARE pgcdc_r record; pgcdc_n int8; pgcdc_ins int8 := 0; pgcdc_upd int8 := 0;
+  pgcdc_del int8 := 0; pgcdc_miss int8 := 0; pgcdc_o oid; pgcdc_c tid;
 BEGIN
-  FOR r IN SELECT * FROM {s} ORDER BY ord LOOP
-    IF r.op = 'I' THEN
+  FOR pgcdc_r IN SELECT * FROM {s} ORDER BY ord LOOP
+    IF pgcdc_r.op = 'I' THEN
       INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE VALUES ({vals});
-      ins := ins + 1;
-    ELSIF r.op = 'U' THEN
+      pgcdc_ins := pgcdc_ins + 1;
+    ELSIF pgcdc_r.op = 'U' THEN
       {find}
-      UPDATE {t} t SET {sets} WHERE t.tableoid = o AND t.ctid = c;
-      GET DIAGNOSTICS n = ROW_COUNT; upd := upd + n; miss := miss + 1 - n;
-    ELSIF r.op = 'D' THEN
+      UPDATE {t} t SET {sets} WHERE t.tableoid = pgcdc_o AND t.ctid = pgcdc_c;
+      GET DIAGNOSTICS pgcdc_n = ROW_COUNT;
+      pgcdc_upd := pgcdc_upd + pgcdc_n; pgcdc_miss := pgcdc_miss + 1 - pgcdc_n;
+    ELSIF pgcdc_r.op = 'D' THEN
       {find}
-      DELETE FROM {t} t WHERE t.tableoid = o AND t.ctid = c;
-      GET DIAGNOSTICS n = ROW_COUNT; del := del + n; miss := miss + 1 - n;
+      DELETE FROM {t} t WHERE t.tableoid = pgcdc_o AND t.ctid = pgcdc_c;
+      GET DIAGNOSTICS pgcdc_n = ROW_COUNT;
+      pgcdc_del := pgcdc_del + pgcdc_n; pgcdc_miss := pgcdc_miss + 1 - pgcdc_n;
     END IF;
   END LOOP;
-  RETURN ARRAY[ins, upd, del, miss];
+  RETURN ARRAY[pgcdc_ins, pgcdc_upd, pgcdc_del, pgcdc_miss];
 END
 """
     ).format(

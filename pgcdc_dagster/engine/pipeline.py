@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .connect import connect, server_errors
+from .ddl import SourceDdl
 from .errors import PgcdcError
 from .failpoints import failpoint
 from .identifiers import TableName
@@ -227,6 +228,7 @@ def add_tables(
                 spark=session,
                 spark_min_changes=settings.spark_min_changes,
                 progressed=progressed if active() else None,
+                ddl=source_ddl(settings),
             )
             return through, applied
 
@@ -398,6 +400,11 @@ def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
     return stored
 
 
+def source_ddl(settings: ReplicationSettings) -> SourceDdl:
+    """How the applies follow the source's DDL (:mod:`.ddl`), from ``settings``."""
+    return SourceDdl(settings.source_dsn, keep_dropped=settings.dropped_columns == "keep")
+
+
 def apply_stored_range(
     settings: ReplicationSettings,
     rng: LsnRange,
@@ -423,6 +430,7 @@ def apply_stored_range(
             store=store,
             spark_min_changes=settings.spark_min_changes,
             conn=conn,
+            ddl=source_ddl(settings),
         )
     replay = Lsn.parse(applied.replay_lsn) if applied.replay_lsn else None
     prune_if_due(store, replay, settings.store_retention)

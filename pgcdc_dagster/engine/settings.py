@@ -110,6 +110,15 @@ class ReplicationSettings(BaseModel):
     dead, when its process cannot be checked directly (another host)."""
     retained_wal_limit: PositiveInt = 8 * 1024 * MiB
     """``slot_health`` fails above this many bytes of WAL retained by the slot."""
+    ddl: Literal["auto", "strict"] = "auto"
+    """What the apply does with a source's DDL it cannot follow column by column (a narrowing
+    type change, a volatile default, a rewritten table; :mod:`.ddl`): ``auto`` re-copies the
+    table by itself (a resync, while the other tables go on); ``strict`` stops with one line
+    naming ``pgcdc resync``. Either way nothing of the range is applied before."""
+    dropped_columns: Literal["drop", "keep"] = "drop"
+    """A column dropped on the source: ``drop`` drops it on the target too, in the
+    transaction of the range that shows it gone (the target keeps the source's shape);
+    ``keep`` leaves it on the target, NULL in rows inserted after (an audit copy's history)."""
     mode: Literal["follow", "range"] = "range"
     """What the slot sensor keeps going: one long-lived ``follow`` run, or one run per range."""
     follow_cut_ms: PositiveInt = 200

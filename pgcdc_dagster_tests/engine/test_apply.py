@@ -34,6 +34,7 @@ from pgcdc_dagster.engine.compaction import (
     compact_with_spark,
     relations_of,
 )
+from pgcdc_dagster.engine.ddl import SourceDdl
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.receive import receive
@@ -77,6 +78,7 @@ class Replica:
         return stored
 
     def apply(self, stored: StoredRange, **kwargs) -> ApplyResult:
+        kwargs.setdefault("ddl", SourceDdl(self.source_dsn))
         return apply_range(self.target_dsn, stored, ORIGIN, **kwargs)
 
     def sync(self, **kwargs) -> ApplyResult:

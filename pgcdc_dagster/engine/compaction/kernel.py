@@ -110,6 +110,15 @@ class TableRelation:
     columns: tuple[RelationColumn, ...]
     identity: tuple[str, ...]
     versions: Mapping[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    relid: int = 0
+    """The table's oid on the source (0 in a manifest that did not record it): it survives
+    renames of the table and its columns, so :mod:`..ddl` finds the table in the source's
+    catalog by it."""
+    fills: Mapping[str, str] = field(default_factory=dict)
+    """Per column a version of the range did not have yet, the value the source gave the rows
+    that existed when it was added (``ALTER TABLE ... ADD COLUMN ... DEFAULT``, its
+    ``attmissingval``, see :mod:`..ddl`): those versions' rows take it instead of keeping
+    the target's value, so a row inserted before the column was added gets it too."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -169,7 +178,8 @@ def relations_of(manifest_relations: Sequence[Mapping[str, Any]]) -> dict[TableN
         }
         ri = str(latest["replica_identity"])
         identity = () if ri == "f" else tuple(c.name for c in columns if c.key)
-        out[table] = TableRelation(table, ri, columns, identity, layouts)
+        relid = int(latest.get("relid", 0))
+        out[table] = TableRelation(table, ri, columns, identity, layouts, relid)
     return out
 
 
@@ -436,6 +446,7 @@ def _row_values(
         names,
         relation.table,
         missing_ok=True,
+        fills=relation.fills,
     )
     return values, missing | _unchanged(changes.column("unchanged_toast"), names)
 
@@ -448,8 +459,10 @@ def _pick(
     table: TableName,
     *,
     missing_ok: bool = False,
+    fills: Mapping[str, str] | None = None,
 ) -> tuple[list[pa.Array], np.ndarray]:
-    """Positional list values → one array per wanted column name, version by version."""
+    """Positional list values → one array per wanted column name, version by version; a
+    column a version lacks is null and flagged missing, or takes its value in ``fills``."""
     if isinstance(lists, pa.ChunkedArray):
         lists = lists.combine_chunks() if lists.num_chunks != 1 else lists.chunk(0)
     n = len(lists)
@@ -472,6 +485,8 @@ def _pick(
         for j, name in enumerate(wanted):
             if name in layout:
                 parts[j].append(pc.list_element(subset, layout.index(name)))
+            elif fills and name in fills:
+                parts[j].append(pa.array([fills[name]] * len(subset), pa.string()))
             else:
                 if not missing_ok and len(subset):
                     raise CompactionError(

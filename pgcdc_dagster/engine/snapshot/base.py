@@ -19,6 +19,7 @@ from psycopg import errors, sql
 from ..connect import (
     connect,
 )
+from ..ddl import record_copied
 from ..errors import server_message
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName
@@ -199,7 +200,22 @@ def prepare_published(
     shapes = _read_shapes(source_dsn, publication, tables, snapshot_name)
     pre_data = copy_schema_pre_data(source_dsn, target_dsn, tables, snapshot_name)
     loosened = _let_unpublished_be_empty(target_dsn, shapes)
+    _record_columns(source_dsn, target_dsn, tables, snapshot_name)
     return PublishedSchema(shapes, pre_data, tuple(loosened))
+
+
+def _record_columns(
+    source_dsn: str, target_dsn: str, tables: Sequence[TableName], snapshot_name: str
+) -> None:
+    """Record on the target which source column each of ``tables``' columns is, as of the
+    exported snapshot (:func:`~..ddl.record_copied`): later DDL is followed by it."""
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+        connect(target_dsn, role="target") as tgt,
+    ):
+        record_copied(src, tgt, tables)
+        tgt.commit()
 
 
 def copy_published(
