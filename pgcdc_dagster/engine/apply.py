@@ -1345,9 +1345,9 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
         if j in stage.old_missing:
             test = sql.SQL("({} OR {})").format(r("m", j), test)
         matches.append(test)
-    find = sql.SQL("SELECT x.tableoid, x.ctid INTO pgcdc_o, pgcdc_c FROM {t} x WHERE {m} LIMIT 1;").format(
-        t=rel.table.sql, m=sql.SQL(" AND ").join(matches)
-    )
+    find = sql.SQL(
+        "SELECT x.tableoid, x.ctid INTO pgcdc_o, pgcdc_c FROM {t} x WHERE {m} LIMIT 1;"
+    ).format(t=rel.table.sql, m=sql.SQL(" AND ").join(matches))
     sets = []
     for j, name in enumerate(names):
         if j in stage.keep:

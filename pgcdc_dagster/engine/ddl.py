@@ -48,6 +48,7 @@ commit together, so a kill leaves the target as it was and the next apply plans 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -487,34 +488,60 @@ def plan_table(
         relfilenode=record.relfilenode if record else 0,
         kept={**kept, **{n: target_attnum.get(n, 0) for n in changes.kept}},
     )
-    return changes, _read_as_now(relation, columns, target_attnum, attnum_of, changes)
+    return changes, _read_as_now(relation, target_attnum, live, attnum_of, changes)
 
 
 def _read_as_now(
     relation: TableRelation,
-    columns: Sequence[str],
     target_attnum: Mapping[str, int],
+    live: Mapping[str, SourceColumn],
     attnum_of: Mapping[str, int],
     changes: TableChanges,
 ) -> TableRelation:
-    """``relation`` with its versions laid out as the target was (``columns``: those written
-    before the DDL) read by attnum, so a renamed column's older values land under its new
-    name and a dropped column's nowhere; and the added columns' fills. Versions after the DDL
-    already use the current names."""
-    fills = {a.name: a.fill for a in changes.adds if a.fill is not None}
+    """``relation`` with each version's columns read by attnum, so a renamed column's older
+    values land under its new name and a dropped column's nowhere; and the added columns'
+    fills.
+
+    A version lists its columns in attnum order under the names they had then. The first
+    versions are read with the target's names (what the record knows), and once that no longer
+    fits (an attnum twice, or out of order) with the source's current names; a version that
+    fits neither is a run of DDL within one range this cannot untangle: a resync."""
+    fills = {a.name: a.fill for a in changes.adds}
     if not changes.renames and not changes.drops and not changes.kept:
         return replace(relation, fills=fills) if fills else relation
     latest = set(relation.names)
     name_of = {n: c for c, n in attnum_of.items()}
+    now_number = {name: col.attnum for name, col in live.items()}
     versions = {}
-    for version, (names, keys) in relation.versions.items():
-        before = list(names) == list(columns)
+    as_now = False
+    for version in sorted(relation.versions):
+        names, keys = relation.versions[version]
+        numbers = None
+        if not as_now:
+            numbers = _numbered(names, lambda n: target_attnum.get(n, now_number.get(n)))
+        if numbers is None:
+            as_now = True
+            numbers = _numbered(names, now_number.get)
+        if numbers is None:
+            raise ResyncNeeded(
+                {relation.table: "several column changes in one range cannot be told apart"}
+            )
         mapping = {}
-        for i, name in enumerate(names):
-            new = name_of.get(target_attnum.get(name, -1)) if before else name
+        for i, (name, number) in enumerate(zip(names, numbers, strict=True)):
+            new = name_of.get(number) if number is not None else None
             mapping[name] = new if new in latest else f"\0gone{i}"
         versions[version] = (tuple(mapping[n] for n in names), tuple(mapping[n] for n in keys))
     return replace(relation, versions=versions, fills=fills)
+
+
+def _numbered(names: Sequence[str], number: Any) -> list[int | None] | None:
+    """Each name's attnum by ``number`` (``None``: a column gone since), or ``None`` when they
+    are not strictly increasing: the names are not of that time."""
+    numbers = [number(n) for n in names]
+    known = [n for n in numbers if n is not None]
+    if any(b <= a for a, b in itertools.pairwise(known)):
+        return None
+    return numbers
 
 
 def plan_changes(

@@ -114,11 +114,11 @@ class TableRelation:
     """The table's oid on the source (0 in a manifest that did not record it): it survives
     renames of the table and its columns, so :mod:`..ddl` finds the table in the source's
     catalog by it."""
-    fills: Mapping[str, str] = field(default_factory=dict)
-    """Per column a version of the range did not have yet, the value the source gave the rows
-    that existed when it was added (``ALTER TABLE ... ADD COLUMN ... DEFAULT``, its
-    ``attmissingval``, see :mod:`..ddl`): those versions' rows take it instead of keeping
-    the target's value, so a row inserted before the column was added gets it too."""
+    fills: Mapping[str, str | None] = field(default_factory=dict)
+    """Per column the range adds, the value the source gave the rows that existed when it was
+    added (``ALTER TABLE ... ADD COLUMN ... DEFAULT``'s ``attmissingval``, or NULL; see
+    :mod:`..ddl`): the rows of versions without it take that value, written, instead of
+    keeping the target's, so a row inserted before the column was added is inserted too."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -459,7 +459,7 @@ def _pick(
     table: TableName,
     *,
     missing_ok: bool = False,
-    fills: Mapping[str, str] | None = None,
+    fills: Mapping[str, str | None] | None = None,
 ) -> tuple[list[pa.Array], np.ndarray]:
     """Positional list values → one array per wanted column name, version by version; a
     column a version lacks is null and flagged missing, or takes its value in ``fills``."""
