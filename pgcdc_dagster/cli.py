@@ -430,7 +430,8 @@ def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> N
             print(f"{mark} {t['table']}: not on the target (pgcdc add-table {t['table']})")
             continue
         rows = f"source {t['source_rows']} rows, target {t['target_rows']} rows"
-        print(f"{mark} {t['table']}: {rows}")
+        fix = "" if t["equal"] else f" (pgcdc resync {t['table']} copies it again)"
+        print(f"{mark} {t['table']}: {rows}{fix}")
     for table in stale:
         print(f"STALE {no_longer_published(table)}")
 
@@ -438,7 +439,8 @@ def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> N
 def _refuse_differing(differing: Sequence[str], stale: Sequence[TableName]) -> None:
     if differing or stale:
         names = ", ".join([*differing, *map(str, stale)])
-        raise CliError(f"tables differ between source and target: {names}")
+        fix = f": pgcdc resync {' '.join(differing)} copies them again" if differing else ""
+        raise CliError(f"tables differ between source and target: {names}{fix}")
 
 
 def cmd_cutover(args: argparse.Namespace) -> int:
@@ -519,9 +521,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_add_table(args: argparse.Namespace) -> int:
     """Runs the add_tables job: the tables copied as of a consistent point of their own, the
-    apply then taking their changes from there (see :mod:`.engine.snapshot.added`)."""
-    from .defs.jobs import ADD_TABLES_JOB
+    apply then taking their changes from there (see :mod:`.engine.snapshot.added`); for
+    ``pgcdc resync``, the resync_tables job: replicated tables copied again that way."""
+    from .defs.jobs import ADD_TABLES_JOB, RESYNC_TABLES_JOB
     from .engine.identifiers import TableName
+
+    resync = args.command == "resync"
 
     settings = ReplicationSettings.from_env()  # a wrong setting is one line before Dagster loads
     try:
@@ -529,16 +534,18 @@ def cmd_add_table(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(str(exc)) from None
     # Its run waits for the range itself, up to --wait: a live follow makes way for it.
-    clear_the_way(dagster_instance(), settings, args.wait, "pgcdc add-table", waiting=False)
-    config = {"ops": {"copy_added_tables": {"config": {"tables": tables, "wait_s": args.wait}}}}
+    clear_the_way(dagster_instance(), settings, args.wait, f"pgcdc {args.command}", waiting=False)
+    op = "copy_resynced_tables" if resync else "copy_added_tables"
+    config = {"ops": {op: {"config": {"tables": tables, "wait_s": args.wait}}}}
     with shown():  # the copy's progress, as a snapshot's
-        result = run_job(ADD_TABLES_JOB, run_config=config)
+        result = run_job(RESYNC_TABLES_JOB if resync else ADD_TABLES_JOB, run_config=config)
     report = {k: v for k, v in observed_metadata(result).items() if k != "tables"}
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(
-            f"added {report['added_tables']}: {report['rows']} rows copied as of "
+            f"{'resynced' if resync else 'added'} {report['added_tables']}: {report['rows']} "
+            "rows copied as of "
             f"{report['consistent_point']}, {report['held_back_changes']} change(s) held back "
             f"meanwhile applied in {report['held_back_transactions']} transaction(s) "
             f"({report['held_back_with_range']} with the range), the rest "
@@ -702,6 +709,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "add-table",
         help="add tables to the running replication: copied as of now, their changes from then",
+    )
+    p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
+    _asks_for_the_range(p)
+    p.set_defaults(func=cmd_add_table)
+    p = sub.add_parser(
+        "resync",
+        help="copy replicated tables again while replication goes on (a drifted table's repair)",
     )
     p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
     _asks_for_the_range(p)

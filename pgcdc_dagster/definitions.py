@@ -187,6 +187,7 @@ def op_jobs(tables: list[TableName]) -> list[Any]:
         build_follow_job(tables),
         build_prune_job(),
         build_add_tables_job(),
+        build_add_tables_job(resync=True),
         build_finish_job(),
     ]
 

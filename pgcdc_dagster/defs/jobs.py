@@ -47,8 +47,9 @@ from .runs import RANGE_LOCK_TAG, lock_holder_name
 FOLLOW_JOB = "follow"
 PRUNE_JOB = "prune"
 ADD_TABLES_JOB = "add_tables"
+RESYNC_TABLES_JOB = "resync_tables"
 FINISH_JOB = "finish"
-OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, FINISH_JOB)
+OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, RESYNC_TABLES_JOB, FINISH_JOB)
 """The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
@@ -167,13 +168,21 @@ class AddTablesConfig(Config):
     catch-up (a snapshot, a per-range run) to end."""
 
 
-def build_add_tables_job() -> JobDefinition:
+def build_add_tables_job(resync: bool = False) -> JobDefinition:
+    """``add_tables`` (``pgcdc add-table``), or with ``resync`` ``resync_tables`` (``pgcdc
+    resync``): replicated tables dropped on the target and copied again the same way."""
+
     @op(
-        name="copy_added_tables",
+        name="copy_resynced_tables" if resync else "copy_added_tables",
         out={},  # it yields its observation only
-        description="Add tables to the running replication: the publication extended, each "
-        "copied as of a consistent point of its own, and the apply told to take their changes "
-        "from there.",
+        description=(
+            "Copy replicated tables again while replication goes on: each dropped on the "
+            "target, copied as of a consistent point of its own, its changes taken from there."
+            if resync
+            else "Add tables to the running replication: the publication extended, each "
+            "copied as of a consistent point of its own, and the apply told to take their "
+            "changes from there."
+        ),
     )
     def copy_added_tables(
         context: OpExecutionContext,
@@ -191,23 +200,27 @@ def build_add_tables_job() -> JobDefinition:
                     lambda: spark.spark_session,
                     lock_holder=lock_holder_name(context.run.run_id),
                     wait_s=config.wait_s,
+                    resync=resync,
                 )
         except (*ENGINE_ERRORS, ValueError) as exc:
             raise as_failure(exc) from None
         yield AssetObservation(
             BASE_SNAPSHOT_KEY,
-            description="tables added to the replication",
+            description="tables copied again" if resync else "tables added to the replication",
             metadata=added_metadata(result),
         )
         context.log.info(
-            f"added {', '.join(str(t.table) for t in result.tables)} ({result.rows} rows) at "
+            f"{'resynced' if resync else 'added'} "
+            f"{', '.join(str(t.table) for t in result.tables)} ({result.rows} rows) at "
             f"consistent point {result.consistent_point}: their changes past it are applied"
         )
 
     @job(
-        name=ADD_TABLES_JOB,
+        name=RESYNC_TABLES_JOB if resync else ADD_TABLES_JOB,
         executor_def=in_process_executor,
-        description="Add tables to the running replication (pgcdc add-table).",
+        description="Copy replicated tables again while replication goes on (pgcdc resync)."
+        if resync
+        else "Add tables to the running replication (pgcdc add-table).",
     )
     def add_tables_job() -> None:
         copy_added_tables()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from .connect import connect, server_errors
-from .ddl import SourceDdl
+from .ddl import ResyncNeeded, SourceDdl
 from .errors import PgcdcError
 from .failpoints import failpoint
 from .identifiers import TableName
@@ -131,6 +131,8 @@ def add_tables(
     *,
     lock_holder: str | None = None,
     wait_s: float = 120.0,
+    resync: bool = False,
+    holding_range: bool = False,
 ) -> AddedTablesResult:
     """Add ``tables`` to the replication (:mod:`.snapshot.added`): copied as of a consistent
     point of their own, while the applies go on.
@@ -154,7 +156,11 @@ def add_tables(
     One add or snapshot at a time (:func:`~.range_lock.tables_lock`, held throughout). Crash
     anywhere: the tables stay in ``adding``, their changes held back, and the next add copies
     them again from scratch; a prune removes nothing meanwhile (it would remove the ranges steps
-    3 and 4 read)."""
+    3 and 4 read).
+
+    ``resync``: the tables are replicated already and copied again, each dropped and created
+    again on the target (``pgcdc resync``, :func:`resync_tables`). ``holding_range``: the
+    caller holds the range already (an apply that met DDL it cannot follow)."""
     from .apply import HeldBackApplied, apply_added_changes
     from .published import unpublished_columns
     from .snapshot import add_tables as copy_added
@@ -163,6 +169,11 @@ def add_tables(
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
     holder = lock_holder or command_holder()
 
+    def the_range() -> contextlib.AbstractContextManager[Any]:
+        if holding_range:
+            return contextlib.nullcontext()
+        return range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s)
+
     def begin(tables: Sequence[TableName]) -> None:
         store.begin_adding(tables)
         redo = set(chain.adding) if chain else set()
@@ -170,13 +181,19 @@ def add_tables(
             # Published already (by hand), so their changes stream: an apply that read the
             # chain before this may be writing them now. Once the range was ours for a moment,
             # every apply reads the chain after it, and holds them back.
-            with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
+            with the_range():
                 pass
 
     with tables_lock(settings.target_dsn, settings.slot, holder, wait_s):
         chain = store.chain()
         if chain is not None and chain.finished:
             raise StoreError(chain.finished)
+        if resync and (unknown := [t for t in tables if chain is None or t not in chain.tables]):
+            names = " ".join(str(t) for t in unknown)
+            raise StoreError(
+                f"{names} not replicated yet, so there is nothing to resync: pgcdc add-table "
+                f"{names} copies them into the replication"
+            )
         result = copy_added(
             settings.source_dsn,
             settings.target_dsn,
@@ -188,6 +205,7 @@ def add_tables(
             replicated=chain.tables if chain else (),
             begin=begin,
             driver_max_rows=settings.driver_max_rows(),
+            resync=resync,
         )
         added = [t.table for t in result.tables]
         unpublished = unpublished_columns(result.shapes)
@@ -246,7 +264,7 @@ def add_tables(
             if time.monotonic() - started < _SHORT_PASS_S:
                 break
         failpoint("add.before_range")
-        with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s):
+        with the_range():
             chain = store.chain()
             if chain is not None and chain.finished:  # read with the range: no finish between
                 raise StoreError(chain.finished)
@@ -413,7 +431,58 @@ def apply_stored_range(
 ) -> ApplyResult:
     """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
     returns one) only for ranges large enough to be worth a Spark job. ``conn``: a target
-    connection kept across ranges (see :func:`~.apply.apply_range`)."""
+    connection kept across ranges (see :func:`~.apply.apply_range`).
+
+    A table whose DDL in the range cannot be followed column by column (:mod:`.ddl`) is
+    re-copied first (``PGCDC_DDL=auto``: :func:`resync_tables`, under the range the caller
+    holds), and the range applied after, the table's changes up to its copy skipped; with
+    ``strict``, the apply stops there. Nothing of the range is applied before either."""
+    try:
+        return _apply_stored(settings, rng, spark, conn)
+    except ResyncNeeded as need:
+        if settings.ddl != "auto":
+            raise
+        resynced = resync_tables(settings, need.tables, spark, holding_range=True)
+        applied = _apply_stored(settings, rng, spark, conn)
+        applied.schema_changes += [
+            f"{t.table}: re-copied ({need.reasons[t.table]}), {t.rows} rows as of "
+            f"{resynced.consistent_point}"
+            for t in resynced.tables
+        ]
+        return applied
+
+
+def resync_tables(
+    settings: ReplicationSettings,
+    tables: Sequence[TableName],
+    spark: SparkProvider = None,
+    *,
+    holding_range: bool = False,
+    lock_holder: str | None = None,
+    wait_s: float = 120.0,
+) -> AddedTablesResult:
+    """Copy replicated ``tables`` again while replication goes on (``pgcdc resync``): each
+    dropped on the target and copied, definition and rows, as of a consistent point of its
+    own, its changes held back meanwhile and taken from there (:func:`add_tables`). The repair
+    for a table that drifted: DDL the apply cannot follow, a hand edit on the target, a
+    difference ``pgcdc verify`` found."""
+    return add_tables(
+        settings,
+        tables,
+        settings.spark_session if spark is None else spark,
+        lock_holder=lock_holder,
+        wait_s=wait_s,
+        resync=True,
+        holding_range=holding_range,
+    )
+
+
+def _apply_stored(
+    settings: ReplicationSettings,
+    rng: LsnRange,
+    spark: SparkProvider,
+    conn: psycopg.Connection[Any] | None,
+) -> ApplyResult:
     from .apply import apply_range, on_spark
 
     stored = stored_range(settings, rng)

@@ -11,6 +11,7 @@ import pytest
 
 from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.ddl import ResyncNeeded, SchemaDriftError
+from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 
 KEYED = "CREATE TABLE t (id int PRIMARY KEY, v int, s text)"
@@ -243,3 +244,39 @@ def test_a_narrowed_column_list_is_refused_not_dropped(replicated, source_dsn, t
         SchemaDriftError, match=r"column s of table public\.t is still on the source"
     ):
         catch_up(replicated)
+
+
+@pytest.mark.parametrize(
+    "ddl",
+    [
+        "ALTER TABLE t ALTER COLUMN v TYPE smallint",
+        "ALTER TABLE t ADD COLUMN r float8 DEFAULT random()",
+    ],
+    ids=["narrowing", "volatile-default"],
+)
+def test_what_cannot_be_followed_is_resynced_by_itself(replicated, source_dsn, target_dsn, ddl):
+    _run(
+        source_dsn,
+        "UPDATE t SET v = 42 WHERE id = 2",
+        ddl,
+        "UPDATE t SET v = 7 WHERE id = 1",
+        "INSERT INTO t (id, v, s) VALUES (6, 6, 'after')",
+    )
+    changes = _changes(catch_up(replicated))
+    assert_same(source_dsn, target_dsn)
+    assert len(changes) == 1 and changes[0].startswith("public.t: re-copied (")
+    _run(source_dsn, "UPDATE t SET v = 8 WHERE id = 1", "DELETE FROM t WHERE id = 6")
+    assert _changes(catch_up(replicated)) == []  # its changes past the copy, as any table's
+    assert_same(source_dsn, target_dsn)
+
+
+def test_resync_repairs_a_table_edited_by_hand_on_the_target(replicated, source_dsn, target_dsn):
+    _run(target_dsn, "UPDATE t SET s = 'edited by hand' WHERE id = 3", "DELETE FROM t WHERE id = 4")
+    _run(source_dsn, "UPDATE t SET v = 0 WHERE id = 1")
+    catch_up(replicated)
+    assert rows(target_dsn) != rows(source_dsn)
+    result = pipeline.resync_tables(replicated, [TableName("public", "t")])
+    assert [t.table for t in result.tables] == [TableName("public", "t")]
+    _run(source_dsn, "UPDATE t SET v = 1 WHERE id = 1")
+    catch_up(replicated)
+    assert_same(source_dsn, target_dsn)

@@ -139,8 +139,8 @@ def test_a_column_list_that_shrinks_midstream_stops_the_apply_naming_the_column(
         conn.execute('ALTER PUBLICATION mine SET TABLE users (id, "Odd Col")')  # name is out
         conn.execute("UPDATE users SET name = 'lost?' WHERE id = 1")
 
-    with pytest.raises(SchemaDriftError, match=r"column\(s\) name of table public\.users .*"
-                       r"the publication lists fewer columns"):  # fmt: skip
+    with pytest.raises(SchemaDriftError, match=r"column name of table public\.users is still on "
+                       r"the source but the publication no longer sends it"):  # fmt: skip
         catch_up(settings)
     # Nothing of the range was applied: the target still has the value it had.
     assert progress_of(target_dsn, settings.origin) == before

@@ -106,6 +106,7 @@ def add_tables(
     replicated: Sequence[TableName],
     begin: Callable[[Sequence[TableName]], None],
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
+    resync: bool = False,
 ) -> AddedTablesResult:
     """Copy ``tables`` (schema, rows, keys) onto the target as of a new consistent point, with
     ``publication`` extended to send them first.
@@ -116,7 +117,12 @@ def add_tables(
     (a foreign key between an added table and one of them is created ``NOT VALID``; to any
     other, skipped). ``begin`` is called with the resolved tables once the guards passed and
     before anything changes (the caller records them as being added there, after which no
-    apply writes them: it waits for an apply in flight that could)."""
+    apply writes them: it waits for an apply in flight that could).
+
+    ``resync``: the tables are replicated already and are copied again (``pgcdc resync``):
+    their rows on the target may be there, and each table is dropped and created again from
+    the source's definition as of the new consistent point (the source's DDL it may not have
+    followed included), its foreign keys from other tables too."""
     from ..preflight import check_source
     from ..publication import ensure_publication
     from ..slot import create_slot_with_snapshot
@@ -126,7 +132,7 @@ def add_tables(
         resolved = check_source(src, tables, free_slots_needed=1)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
         existing, populated = populated_tables(tgt, resolved)
-    held = [t for t in populated if t not in redo]
+    held = [t for t in populated if t not in redo and not resync]
     if held:
         names = ", ".join(str(t) for t in held)
         raise TargetNotEmptyError(
@@ -140,6 +146,13 @@ def add_tables(
         # Again, past ``begin``: an apply that read the chain before it (a table published by
         # hand streams already) may have written one since the guard; ``begin`` waited for it.
         existing, populated = populated_tables(tgt, resolved)
+    if resync and existing:
+        with connect(target_dsn, role="target") as tgt:
+            drop_incoming(tgt, existing)
+            for table in existing:
+                tgt.execute(sql.SQL("DROP TABLE {}").format(table.sql))
+            tgt.commit()
+        existing, populated = [], []
     if populated:  # what a killed add copied, or such an apply wrote
         with connect(target_dsn, role="target") as tgt:
             drop_incoming(tgt, populated)
