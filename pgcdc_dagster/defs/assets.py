@@ -227,13 +227,16 @@ def _target_tables(
                 already_applied=applied.status == ApplyStatus.ALREADY_APPLIED,
             )
             rows = TargetRowCounts(context.instance, settings, tables).after(applied)
+            reshaped = pipeline.reshaped_columns(settings, applied)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         context.log.info(f"range {rng.key}: {applied.status}, replay_lsn {applied.replay_lsn}")
         for table in tables:
             yield MaterializeResult(
                 asset_key=target_key(table),
-                metadata=apply_metadata(table, received, applied, rows.get(table)),
+                metadata=apply_metadata(
+                    table, received, applied, rows.get(table), reshaped.get(table)
+                ),
             )
         yield AssetCheckResult(
             asset_key=gap.asset_key,

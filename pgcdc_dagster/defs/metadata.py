@@ -112,6 +112,7 @@ def apply_metadata(
     received: RangeResult,
     applied: ApplyResult,
     row_count: int | None = None,
+    columns: list[ColumnInfo] | None = None,
 ) -> dict[str, Any]:
     """A target table's partition: the range's watermarks, what the apply did to this table,
     and (when known exactly) how many rows the table holds afterwards.
@@ -141,9 +142,13 @@ def apply_metadata(
     }
     if applied.spark_app is not None:
         meta["spark_tasks"] = number(applied.spark_tasks)
-    added = [c for c in applied.added_columns if c.startswith(f"{table}.")]
-    if added:
-        meta["added_columns"] = text(", ".join(added))
+    # The source's DDL the apply followed (or the copy it made for it), with the table's new
+    # columns: the UI shows when the table's shape changed.
+    steps = [line for line in applied.schema_changes if line.startswith(f"{table}: ")]
+    if steps:
+        meta["schema_changes"] = text("\n".join(steps))
+    if columns:
+        meta.update(table_metadata(table, columns))
     if str(table) in applied.in_commit_order:
         meta["applied_in_commit_order"] = MetadataValue.bool(True)
     if row_count is not None:

@@ -180,11 +180,14 @@ def range_events(
     events = [
         AssetMaterialization(DECODED_CHANGES_KEY, partition=received.range_key, metadata=decoded)
     ]
+    reshaped = pipeline.reshaped_columns(settings, applied)
     events += [
         AssetMaterialization(
             target_key(table),
             partition=received.range_key,
-            metadata=apply_metadata(table, received, applied, row_counts.get(table)),
+            metadata=apply_metadata(
+                table, received, applied, row_counts.get(table), reshaped.get(table)
+            ),
         )
         for table in tables
     ]

@@ -160,6 +160,8 @@ class ApplyResult:
     schema_changes: list[str] = field(default_factory=list)
     """The source's DDL the range showed, as carried out on the target (:mod:`.ddl`): one
     line per step, each beginning with its table."""
+    reshaped: list[str] = field(default_factory=list)
+    """The tables whose shape the range's DDL changed (or that were copied again for it)."""
     changes: int = 0
     net_rows: int = 0
     compaction_path: str | None = None
@@ -319,6 +321,7 @@ def apply_range(
                         )
                     conn.execute("SET LOCAL session_replication_role = replica")
                     result.schema_changes = _carry_out(conn, plans)
+                    result.reshaped = [str(p.table) for p in plans]
                     if plans:
                         targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()

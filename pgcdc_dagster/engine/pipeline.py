@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
     from .apply import ApplyResult
+    from .catalog import ColumnInfo
     from .snapshot import AddedTablesResult, BaseSnapshotResult
 
 
@@ -449,7 +450,21 @@ def apply_stored_range(
             f"{resynced.consistent_point}"
             for t in resynced.tables
         ]
+        applied.reshaped += [str(t.table) for t in resynced.tables]
         return applied
+
+
+def reshaped_columns(
+    settings: ReplicationSettings, applied: ApplyResult
+) -> dict[TableName, list[ColumnInfo]]:
+    """The target's columns of the tables ``applied`` reshaped (for the UI's column schema:
+    it shows when a table's shape changed); none read when none was."""
+    if not applied.reshaped:
+        return {}
+    from .catalog import table_columns
+
+    with connect(settings.target_dsn, role="target", autocommit=True) as conn:
+        return table_columns(conn, [TableName.parse(t) for t in applied.reshaped])
 
 
 def resync_tables(
