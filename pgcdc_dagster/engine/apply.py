@@ -603,7 +603,7 @@ def _on_target(
         t: rel
         for t, rel in relations.items()
         if not matches(
-            rel, targets[t].columns, in_play(targets[t].columns, unpublished.get(t, ()), ())
+            rel, targets[t].columns, in_play(targets[t].columns, rel, unpublished.get(t, ()), ())
         )
     }
     if drifted:  # perhaps only columns kept after a drop on the source
@@ -616,6 +616,7 @@ def _on_target(
                 targets[t].columns,
                 in_play(
                     targets[t].columns,
+                    rel,
                     unpublished.get(t, ()),
                     list(records[t].kept) if t in records else (),
                 ),

@@ -318,11 +318,16 @@ class TableChanges:
 
 
 def in_play(
-    target_columns: Mapping[str, Any], left_out: Sequence[str], kept: Sequence[str]
+    target_columns: Mapping[str, Any],
+    relation: TableRelation,
+    left_out: Sequence[str],
+    kept: Sequence[str],
 ) -> list[str]:
     """The target's columns the stream writes, in the target's order: not generated, not left
-    out by the publication's column list, not kept after a drop on the source."""
-    skip = set(left_out) | set(kept)
+    out by the publication's column list when the table was copied (unless the relation now
+    sends it: a list widened since, which :func:`~.pipeline.tables_agreement` reports), not
+    kept after a drop on the source."""
+    skip = (set(left_out) - set(relation.names)) | set(kept)
     return [n for n, c in target_columns.items() if not c.generated and n not in skip]
 
 
@@ -417,7 +422,7 @@ def plan_table(
     if numbers != sorted(numbers):
         raise ResyncNeeded({table: "its columns were re-created on the source after this range"})
     kept = dict(record.kept) if record else {}
-    columns = in_play(target.columns, left_out, list(kept))
+    columns = in_play(target.columns, relation, left_out, list(kept))
     # Each target column's attnum: recorded, or (no record) the live source column's by name.
     target_attnum: dict[str, int] = {}
     for name in columns:
