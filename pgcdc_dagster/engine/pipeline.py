@@ -176,7 +176,7 @@ def add_tables(
         return range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s)
 
     def begin(tables: Sequence[TableName]) -> None:
-        store.begin_adding(tables)
+        store.begin_adding(tables, resync=resync)
         redo = set(chain.adding) if chain else set()
         if (set(tables) - redo) & set(replicated_tables(settings)):
             # Published already (by hand), so their changes stream: an apply that read the
@@ -298,6 +298,11 @@ def adding_not_done(chain: Chain | None) -> str | None:
     if chain is None or not chain.adding:
         return None
     names = " ".join(str(t) for t in chain.adding)
+    if set(chain.adding) <= set(chain.resyncing):
+        return (
+            f"resyncing {names} is not done, so their changes are held back and the target is "
+            f"not a whole copy: let pgcdc resync {names} (or the next catch-up) finish first"
+        )
     return (
         f"adding {names} is not done, so their changes are held back and the target is not a "
         f"whole copy: let pgcdc add-table {names} finish (run it again if it was killed) first"
@@ -438,8 +443,11 @@ def apply_stored_range(
     re-copied first (``PGCDC_DDL=auto``: :func:`resync_tables`, under the range the caller
     holds), and the range applied after, the table's changes up to its copy skipped; with
     ``strict``, the apply stops there. Nothing of the range is applied before either."""
+    resumed = _resume_resync(settings, spark)
     try:
-        return _apply_stored(settings, rng, spark, conn)
+        applied = _apply_stored(settings, rng, spark, conn)
+        applied.schema_changes += resumed
+        return applied
     except ResyncNeeded as need:
         if settings.ddl != "auto":
             raise
@@ -465,6 +473,23 @@ def reshaped_columns(
 
     with connect(settings.target_dsn, role="target", autocommit=True) as conn:
         return table_columns(conn, [TableName.parse(t) for t in applied.reshaped])
+
+
+def _resume_resync(settings: ReplicationSettings, spark: SparkProvider) -> list[str]:
+    """Finish a resync that was killed (its tables still in :attr:`~.store.Chain.resyncing`,
+    their changes held back), unless one runs now or ``PGCDC_DDL=strict``: the next catch-up
+    converges by itself. The caller holds the range. One line per table copied."""
+    chain = store_of(settings).chain()
+    if settings.ddl != "auto" or chain is None or not chain.resyncing:
+        return []
+    if tables_changing(settings.target_dsn, settings.slot):
+        return []  # an add or resync runs: it finishes them
+    resynced = resync_tables(settings, chain.resyncing, spark, holding_range=True)
+    return [
+        f"{t.table}: re-copied (a resync that was stopped, finished), {t.rows} rows as of "
+        f"{resynced.consistent_point}"
+        for t in resynced.tables
+    ]
 
 
 def resync_tables(

@@ -245,6 +245,10 @@ class Chain:
     """Tables an add (``pgcdc add-table``) began to copy and has not finished: their rows on
     the target may be partial, so every apply holds their changes back (applying the other
     tables') until their add applies those and records them as added."""
+    resyncing: tuple[TableName, ...] = ()
+    """Of :attr:`adding`, the tables being copied again (``pgcdc resync``, or an apply that met
+    DDL it cannot follow): replicated already, so a catch-up finishes a resync that was killed
+    (:func:`~.pipeline.apply_stored_range`), where an add waits for ``pgcdc add-table``."""
     synced_from: dict[TableName, Lsn] = field(default_factory=dict)
     """Per table added after the base snapshot, its own copy's consistent point: the copy
     holds its changes committed at or before it, so the apply skips those in the stream."""
@@ -283,6 +287,7 @@ def _put_tables(
     row_filters: Mapping[TableName, str | None],
     adding: Sequence[TableName] = (),
     synced_from: Mapping[TableName, Lsn] | None = None,
+    resyncing: Sequence[TableName] = (),
 ) -> None:
     """Write a chain's per-table fields (:attr:`Chain.tables`, :attr:`Chain.unpublished`,
     :attr:`Chain.row_filters`, :attr:`Chain.adding`, :attr:`Chain.synced_from`) into its
@@ -297,6 +302,8 @@ def _put_tables(
         record["row_filters"] = [[t.schema, t.name, f] for t, f in sorted(row_filters.items())]
     if adding:
         record["adding"] = [[t.schema, t.name] for t in sorted(adding)]
+    if resyncing:
+        record["resyncing"] = [[t.schema, t.name] for t in sorted(resyncing)]
     if synced_from:
         record["synced_from"] = [[t.schema, t.name, str(x)] for t, x in sorted(synced_from.items())]
 
@@ -657,14 +664,15 @@ class OutputStore:
         )
         self._write_chain(self._record_of(pruned))
 
-    def begin_adding(self, tables: Sequence[TableName]) -> None:
+    def begin_adding(self, tables: Sequence[TableName], *, resync: bool = False) -> None:
         """Record, durably, that ``tables`` are being added to the current chain
-        (:attr:`Chain.adding`): from here until :meth:`record_added`, the applies hold their
-        changes back."""
+        (:attr:`Chain.adding`; ``resync``: copied again, :attr:`Chain.resyncing`): from here
+        until :meth:`record_added`, the applies hold their changes back."""
         with self.chain_lock() as chain:
             complete = self._complete(chain)
             adding = sorted({*complete.adding, *tables})
-            self._write_chain(self._record_of(complete, adding=adding))
+            resyncing = sorted({*complete.resyncing, *(tables if resync else ())})
+            self._write_chain(self._record_of(complete, adding=adding, resyncing=resyncing))
 
     def record_added(
         self,
@@ -688,6 +696,7 @@ class OutputStore:
                     row_filters={**complete.row_filters, **row_filters(tables, shapes)},
                     tables=sorted({*complete.tables, *done}),
                     adding=[t for t in complete.adding if t not in done],
+                    resyncing=[t for t in complete.resyncing if t not in done],
                     synced_from={**complete.synced_from, **dict.fromkeys(done, consistent_point)},
                 )
             )
@@ -732,6 +741,7 @@ class OutputStore:
             "row_filters": chain.row_filters,
             "adding": chain.adding,
             "synced_from": chain.synced_from,
+            "resyncing": chain.resyncing,
         }
         _put_tables(record, **{**fields, **tables})
         return record
@@ -815,6 +825,7 @@ class OutputStore:
                 for schema, name, row_filter in raw.get("row_filters", [])
             },
             adding=tuple(TableName(schema, name) for schema, name in raw.get("adding", [])),
+            resyncing=tuple(TableName(s, n) for s, n in raw.get("resyncing", [])),
             synced_from={
                 TableName(schema, name): Lsn.parse(lsn)
                 for schema, name, lsn in raw.get("synced_from", [])

@@ -6,12 +6,18 @@ catch-up; the target's rows and column definitions are then compared with the so
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import psycopg
 import pytest
 
 from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.ddl import ResyncNeeded, SchemaDriftError
 from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 
 KEYED = "CREATE TABLE t (id int PRIMARY KEY, v int, s text)"
@@ -280,3 +286,52 @@ def test_resync_repairs_a_table_edited_by_hand_on_the_target(replicated, source_
     _run(source_dsn, "UPDATE t SET v = 1 WHERE id = 1")
     catch_up(replicated)
     assert_same(source_dsn, target_dsn)
+
+
+CATCH_UP_IN_CHILD = (
+    "import sys; from pgcdc_dagster.engine.settings import ReplicationSettings; "
+    "from pgcdc_dagster_tests.replication import catch_up; "
+    "catch_up(ReplicationSettings.model_validate_json(sys.argv[1]))"
+)
+
+
+@pytest.mark.parametrize(
+    ("ddl", "point"),
+    [
+        ("ALTER TABLE t ADD COLUMN c text DEFAULT 'dflt'", "apply.in_transaction"),
+        ("ALTER TABLE t RENAME COLUMN s TO label", "apply.in_transaction"),
+        ("ALTER TABLE t DROP COLUMN s", "apply.in_transaction"),
+        ("ALTER TABLE t ALTER COLUMN v TYPE bigint", "apply.in_transaction"),
+        ("ALTER TABLE t ALTER COLUMN v TYPE smallint", "add.after_begin"),
+        ("ALTER TABLE t ALTER COLUMN v TYPE smallint", "add.after_copy"),
+    ],
+    ids=["add", "rename", "drop", "widen", "resync-begun", "resync-copied"],
+)
+def test_a_catch_up_killed_in_an_automatic_step_converges_on_the_next(
+    source_dsn, target_dsn, tmp_path, spark, ddl, point
+):
+    """SIGKILL of a real catch-up process inside the range's transaction, DDL carried out and
+    rows written, or inside the resync it started: the target is as before (or, for the
+    resync, the table's changes held back), and the next plain catch-up converges."""
+    _run(source_dsn, KEYED, ROWS)
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "ddlkill")
+    pipeline.take_snapshot(settings, spark)
+    before_shape, before_rows = shape(target_dsn), rows(target_dsn)
+    _run(source_dsn, "INSERT INTO t (id, v) VALUES (6, 6)", ddl, "UPDATE t SET v = 9 WHERE id = 1")
+    child = subprocess.run(
+        [sys.executable, "-c", CATCH_UP_IN_CHILD, settings.model_dump_json()],
+        env={**os.environ, "PGCDC_FAILPOINT": f"{point}=kill@1"},
+        capture_output=True,
+        timeout=300,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    chain = OutputStore(settings.store).chain()
+    assert chain is not None
+    if point == "apply.in_transaction":
+        assert (shape(target_dsn), rows(target_dsn)) == (before_shape, before_rows)
+    else:
+        assert chain.resyncing == chain.adding == (TableName("public", "t"),)
+    changes = _changes(catch_up(settings))
+    assert_same(source_dsn, target_dsn)
+    assert changes
+    assert OutputStore(settings.store).chain().adding == ()
