@@ -90,6 +90,7 @@ from .compaction import (
 )
 from .connect import connect
 from .ddl import (
+    ResyncNeeded,
     SchemaDriftError,
     SourceDdl,
     TableChanges,
@@ -98,6 +99,7 @@ from .ddl import (
     matches,
     plan_changes,
     read_records,
+    records_by_relid,
 )
 from .errors import ApplyError, server_reason
 from .failpoints import failpoint
@@ -162,6 +164,8 @@ class ApplyResult:
     line per step, each beginning with its table."""
     reshaped: list[str] = field(default_factory=list)
     """The tables whose shape the range's DDL changed (or that were copied again for it)."""
+    renamed_tables: list[tuple[TableName, TableName]] = field(default_factory=list)
+    """``(before, now)`` of every table the range's DDL renamed."""
     changes: int = 0
     net_rows: int = 0
     compaction_path: str | None = None
@@ -322,6 +326,9 @@ def apply_range(
                     conn.execute("SET LOCAL session_replication_role = replica")
                     result.schema_changes = _carry_out(conn, plans)
                     result.reshaped = [str(p.table) for p in plans]
+                    result.renamed_tables = [
+                        (p.renamed_from, p.table) for p in plans if p.renamed_from is not None
+                    ]
                     if plans:
                         targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()
@@ -596,32 +603,49 @@ def _on_target(
 ) -> tuple[dict[TableName, TableRelation], dict[TableName, TargetTable], list[TableChanges]]:
     """``relations`` as the target holds their tables: each collapsed by the target's key where
     the source sends whole rows (as the target will be once the range's DDL is carried out),
-    the target's tables as they are, and the DDL (:mod:`.ddl`) for those whose columns no
-    longer match the range's (their relations then read older versions as now named)."""
-    targets = read_target_tables(conn, list(relations))
+    the target's tables as they are (a table renamed on the source under its new name), and
+    the DDL (:mod:`.ddl`) for those whose name or columns no longer match the range's (their
+    relations then read older versions as now named).
+
+    The records of the range's tables (one query) tell a table renamed on the source (its oid
+    recorded under another name) and one dropped and created again (another oid under its
+    name: its rows on the target are the old table's, so it is copied again)."""
+    records = read_records(conn, list(relations))
+    unknown = [rel.relid for t, rel in relations.items() if t not in records and rel.relid]
+    moved: dict[TableName, TableName] = {}
+    for relid, record in records_by_relid(conn, unknown).items():
+        new = next(t for t, rel in relations.items() if rel.relid == relid)
+        moved[new] = record.table
+        records[new] = record
+    read = read_target_tables(
+        conn, [moved.get(t, t) for t in relations], auto_add=ddl is not None and ddl.auto_add
+    )
+    targets = {
+        t: dataclasses.replace(read[moved[t]], table=t) if t in moved else read[t]
+        for t in relations
+    }
+    recreated = {
+        t: "it was dropped and created again on the source (another table of the same name), "
+        "so its rows on the target are the old table's"
+        for t, rel in relations.items()
+        if t in records and rel.relid and records[t].relid and rel.relid != records[t].relid
+    }
+    if recreated:
+        raise ResyncNeeded(recreated)
+
+    def kept(t: TableName) -> list[str]:
+        return list(records[t].kept) if t in records else []
+
     drifted = {
         t: rel
         for t, rel in relations.items()
-        if not matches(
-            rel, targets[t].columns, in_play(targets[t].columns, rel, unpublished.get(t, ()), ())
+        if t in moved
+        or not matches(
+            rel,
+            targets[t].columns,
+            in_play(targets[t].columns, rel, unpublished.get(t, ()), kept(t)),
         )
     }
-    if drifted:  # perhaps only columns kept after a drop on the source
-        records = read_records(conn, list(drifted))
-        drifted = {
-            t: rel
-            for t, rel in drifted.items()
-            if not matches(
-                rel,
-                targets[t].columns,
-                in_play(
-                    targets[t].columns,
-                    rel,
-                    unpublished.get(t, ()),
-                    list(records[t].kept) if t in records else (),
-                ),
-            )
-        }
     plans: dict[TableName, TableChanges] = {}
     if drifted:
         if ddl is None:
@@ -636,6 +660,8 @@ def _on_target(
                 conn,
                 {t: (rel, targets[t]) for t, rel in drifted.items()},
                 unpublished,
+                records,
+                moved,
                 keep_dropped=ddl.keep_dropped,
             )
         relations = {**relations, **rewritten}
@@ -799,11 +825,12 @@ JOIN pg_index i ON i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL
 
 
 def read_target_tables(
-    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+    conn: psycopg.Connection[Any], tables: Sequence[TableName], *, auto_add: bool = False
 ) -> dict[TableName, TargetTable]:
     """The target's columns, primary key and plain unique keys of ``tables`` (one query each).
 
-    A table missing on the target is an error: creating tables is the base snapshot's job.
+    A table missing on the target is an error: creating tables is the base snapshot's job, or
+    an add's (``auto_add``: :class:`~.ddl.ResyncNeeded`, whose copy adds it).
     """
     params = ([t.schema for t in tables], [t.name for t in tables])
     columns: dict[TableName, dict[str, TargetColumn]] = {t: {} for t in tables}
@@ -823,6 +850,15 @@ def read_target_tables(
         if pk_pos:
             pk[table].append((int(pk_pos), name))
     missing = [str(t) for t in tables if t not in found]
+    if missing and auto_add:
+        raise ResyncNeeded(
+            {
+                t: "it is not on the target: created on the source (or published) after the "
+                "base snapshot, it is added (PGCDC_AUTO_ADD=on)"
+                for t in tables
+                if t not in found
+            }
+        )
     if missing:
         raise ApplyError(
             f"table(s) {', '.join(missing)} of the range do not exist on the target: the "

@@ -230,6 +230,24 @@ def read_records(
     return out
 
 
+def records_by_relid(conn: psycopg.Connection[Any], relids: Sequence[int]) -> dict[int, Record]:
+    """The records of the source tables ``relids``, whatever the target's tables are named."""
+    exists = conn.execute("SELECT to_regclass('pgcdc.source_columns') IS NOT NULL").fetchone()
+    if not relids or not (exists and exists[0]):
+        return {}
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT schema_name, table_name, relid::int8, relfilenode::int8, attnums, kept "
+            "FROM {} WHERE relid = ANY(%s::oid[])"
+        ).format(RECORD),
+        (list(relids),),
+    ).fetchall()
+    return {
+        int(relid): Record(TableName(schema, name), int(relid), int(node), dict(a), dict(k))
+        for schema, name, relid, node, a, k in rows
+    }
+
+
 def write_record(
     conn: psycopg.Connection[Any], record: Record, *, was: TableName | None = None
 ) -> None:
@@ -293,6 +311,9 @@ class TableChanges:
 
     table: TableName
     record: Record
+    renamed_from: TableName | None = None
+    """The table's name on the target before the range (``ALTER TABLE ... RENAME TO`` or
+    ``SET SCHEMA`` on the source, told by its oid)."""
     renames: list[tuple[str, str]] = field(default_factory=list)
     drops: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
@@ -303,7 +324,8 @@ class TableChanges:
     def steps(self) -> list[str]:
         """One line per step, for the run's log and the range's metadata."""
         t = self.table
-        out = [f"{t}: column {a} renamed to {b}" for a, b in self.renames]
+        out = [f"{t}: table renamed from {self.renamed_from}"] if self.renamed_from else []
+        out += [f"{t}: column {a} renamed to {b}" for a, b in self.renames]
         out += [f"{t}: column {c} dropped (as on the source)" for c in self.drops]
         out += [f"{t}: column {c} kept (dropped on the source; PGCDC_DROPPED_COLUMNS=keep)"
                 for c in self.kept]  # fmt: skip
@@ -314,7 +336,14 @@ class TableChanges:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.renames or self.drops or self.kept or self.retypes or self.adds)
+        return bool(
+            self.renamed_from
+            or self.renames
+            or self.drops
+            or self.kept
+            or self.retypes
+            or self.adds
+        )
 
 
 def in_play(
@@ -554,12 +583,14 @@ def plan_changes(
     tgt: psycopg.Connection[Any],
     drifted: Mapping[TableName, tuple[TableRelation, Any]],
     unpublished: Mapping[TableName, Sequence[str]],
+    records: Mapping[TableName, Record],
+    moved: Mapping[TableName, TableName],
     *,
     keep_dropped: bool,
 ) -> tuple[dict[TableName, TableChanges], dict[TableName, TableRelation]]:
-    """:func:`plan_table` for every drifted table (its relation and target table), one
-    catalog read on each side; every table that needs a resync in one :class:`ResyncNeeded`."""
-    records = read_records(tgt, list(drifted))
+    """:func:`plan_table` for every drifted table (its relation and target table; ``moved``:
+    the target's former name of a table renamed), one catalog read; every table that needs a
+    resync in one :class:`ResyncNeeded`."""
     relids = [rel.relid for rel, _ in drifted.values() if rel.relid]
     named = [t for t, (rel, _) in drifted.items() if not rel.relid]
     sources = read_source_tables(conn_source, relids, named)
@@ -581,6 +612,8 @@ def plan_changes(
             )
         except ResyncNeeded as need:
             reasons.update(need.reasons)
+            continue
+        plans[table].renamed_from = moved.get(table)
     if reasons:
         raise ResyncNeeded(reasons)
     return plans, relations
@@ -593,6 +626,21 @@ def carry_out(conn: psycopg.Connection[Any], changes: TableChanges) -> list[str]
     """``changes``' DDL on the target and its record, in the caller's transaction; its
     steps, one line each."""
     t = changes.table.sql
+    was = changes.renamed_from
+    if was is not None:
+        if was.schema != changes.table.schema:
+            conn.execute(
+                sql.SQL("ALTER TABLE {} SET SCHEMA {}").format(
+                    was.sql, sql.Identifier(changes.table.schema)
+                )
+            )
+        if was.name != changes.table.name:
+            conn.execute(
+                sql.SQL("ALTER TABLE {} RENAME TO {}").format(
+                    TableName(changes.table.schema, was.name).sql,
+                    sql.Identifier(changes.table.name),
+                )
+            )
 
     def alter(action: sql.Composable) -> None:
         conn.execute(sql.SQL("ALTER TABLE {} ").format(t) + action)
@@ -652,7 +700,7 @@ def carry_out(conn: psycopg.Connection[Any], changes: TableChanges) -> list[str]
             )
             if add.fill is not None:
                 alter(sql.SQL("ALTER COLUMN {} DROP DEFAULT").format(column))
-    write_record(conn, changes.record)
+    write_record(conn, changes.record, was=was)
     return changes.steps + notes
 
 
@@ -663,3 +711,5 @@ class SourceDdl:
 
     source_dsn: str = field(repr=False)
     keep_dropped: bool = False
+    auto_add: bool = False
+    """A table the stream sends that the target lacks is copied in (``PGCDC_AUTO_ADD``)."""

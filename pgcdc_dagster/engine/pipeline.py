@@ -189,11 +189,11 @@ def add_tables(
         chain = store.chain()
         if chain is not None and chain.finished:
             raise StoreError(chain.finished)
-        if resync and (unknown := [t for t in tables if chain is None or t not in chain.tables]):
-            names = " ".join(str(t) for t in unknown)
+        if resync and (unknown := set(tables) - set(replicated_tables(settings))):
+            names = " ".join(str(t) for t in sorted(unknown))
             raise StoreError(
-                f"{names} not replicated yet, so there is nothing to resync: pgcdc add-table "
-                f"{names} copies them into the replication"
+                f"the publication {settings.publication} does not send {names}, so there is "
+                f"nothing to resync: pgcdc add-table {names} publishes and copies them"
             )
         result = copy_added(
             settings.source_dsn,
@@ -426,7 +426,11 @@ def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
 
 def source_ddl(settings: ReplicationSettings) -> SourceDdl:
     """How the applies follow the source's DDL (:mod:`.ddl`), from ``settings``."""
-    return SourceDdl(settings.source_dsn, keep_dropped=settings.dropped_columns == "keep")
+    return SourceDdl(
+        settings.source_dsn,
+        keep_dropped=settings.dropped_columns == "keep",
+        auto_add=settings.ddl == "auto" and settings.auto_add,
+    )
 
 
 def apply_stored_range(
@@ -541,6 +545,8 @@ def _apply_stored(
             conn=conn,
             ddl=source_ddl(settings),
         )
+    if applied.renamed_tables:
+        store.record_renamed(applied.renamed_tables)
     replay = Lsn.parse(applied.replay_lsn) if applied.replay_lsn else None
     prune_if_due(store, replay, settings.store_retention)
     return applied

@@ -115,6 +115,15 @@ class ReplicationSettings(BaseModel):
     type change, a volatile default, a rewritten table; :mod:`.ddl`): ``auto`` re-copies the
     table by itself (a resync, while the other tables go on); ``strict`` stops with one line
     naming ``pgcdc resync``. Either way nothing of the range is applied before."""
+    auto_add: bool = False
+    """A table the publication sends that the target lacks (one created on the source after
+    the base snapshot, in a ``FOR ALL TABLES`` or ``FOR TABLES IN SCHEMA`` publication) is
+    copied in by the apply that first meets its changes, as ``pgcdc add-table`` would
+    (``PGCDC_AUTO_ADD=on``). Off by default: that copy runs inside the catch-up, whose other
+    tables wait for it (hours, for a big table; ``pgcdc add-table`` copies beside the
+    applies), and ``FOR ALL TABLES`` also sends a migration's scratch tables; off, the apply
+    stops with one line naming ``pgcdc add-table``, losing nothing, as native replication
+    waits for ``REFRESH PUBLICATION``."""
     dropped_columns: Literal["drop", "keep"] = "drop"
     """A column dropped on the source: ``drop`` drops it on the target too, in the
     transaction of the range that shows it gone (the target keeps the source's shape);

@@ -701,6 +701,34 @@ class OutputStore:
                 )
             )
 
+    def record_renamed(self, renamed: Sequence[tuple[TableName, TableName]]) -> None:
+        """Record that tables were renamed on the target as on the source (the apply did it,
+        :mod:`.ddl`): their per-table fields move to the new names. After a crash between the
+        apply's commit and this, the chain keeps a name the target no longer has: never
+        reported as a stale copy (it is not on the target), and the new name's filter and
+        column list are not compared (as for a table copied before they were recorded)."""
+        with self.chain_lock() as chain:
+            complete = self._complete(chain)
+            new = dict(renamed)
+
+            def moved(tables: Sequence[TableName]) -> list[TableName]:
+                return sorted({new.get(t, t) for t in tables})
+
+            def moved_keys(fields: Mapping[TableName, Any]) -> dict[TableName, Any]:
+                return {new.get(t, t): v for t, v in fields.items()}
+
+            self._write_chain(
+                self._record_of(
+                    complete,
+                    tables=moved(complete.tables),
+                    unpublished=moved_keys(complete.unpublished),
+                    row_filters=moved_keys(complete.row_filters),
+                    adding=moved(complete.adding),
+                    resyncing=moved(complete.resyncing),
+                    synced_from=moved_keys(complete.synced_from),
+                )
+            )
+
     def record_finished(self, at: Lsn) -> None:
         """Record that the current chain's replication is ended, the target at ``at``
         (:attr:`Chain.finished_at`; a later call keeps the first position)."""

@@ -16,6 +16,7 @@ import pytest
 
 from pgcdc_dagster.engine import pipeline
 from pgcdc_dagster.engine.ddl import ResyncNeeded, SchemaDriftError
+from pgcdc_dagster.engine.errors import ApplyError
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.store import OutputStore
 from pgcdc_dagster_tests.replication import catch_up, settings_for
@@ -335,3 +336,59 @@ def test_a_catch_up_killed_in_an_automatic_step_converges_on_the_next(
     assert_same(source_dsn, target_dsn)
     assert changes
     assert OutputStore(settings.store).chain().adding == ()
+
+
+def test_rename_table_is_renamed_on_the_target(replicated, source_dsn, target_dsn):
+    _run(
+        source_dsn,
+        "ALTER TABLE t RENAME TO renamed",
+        "ALTER TABLE renamed RENAME COLUMN s TO label",
+        "UPDATE renamed SET v = 0 WHERE id = 1",
+    )
+    changes = _changes(catch_up(replicated))
+    assert_same(source_dsn, target_dsn, "renamed")
+    assert changes == [
+        "public.renamed: table renamed from public.t",
+        "public.renamed: column s renamed to label",
+    ]
+    assert TableName("public", "renamed") in OutputStore(replicated.store).chain().tables
+
+
+@pytest.fixture
+def for_all_tables(source_dsn, target_dsn, tmp_path, spark):
+    """``t`` copied by a base snapshot of a ``FOR ALL TABLES`` publication."""
+    _run(source_dsn, KEYED, ROWS, "CREATE PUBLICATION every FOR ALL TABLES")
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "ddlall", publication="every")
+    pipeline.take_snapshot(settings, spark)
+    return settings
+
+
+def test_drop_table_and_create_it_again_resyncs_it(for_all_tables, source_dsn, target_dsn):
+    _run(
+        source_dsn,
+        "DROP TABLE t",
+        "CREATE TABLE t (id int PRIMARY KEY, v int, s text)",  # the same shape, other rows
+        "INSERT INTO t VALUES (10, 10, 'new table')",
+    )
+    changes = _changes(catch_up(for_all_tables))
+    assert_same(source_dsn, target_dsn)
+    assert len(changes) == 1 and "dropped and created again" in changes[0]
+
+
+def test_a_new_table_of_a_for_all_tables_publication_is_added_when_asked(
+    for_all_tables, source_dsn, target_dsn
+):
+    _run(
+        source_dsn,
+        "CREATE TABLE fresh (id int PRIMARY KEY, v text)",
+        "INSERT INTO fresh VALUES (1, 'before its first range')",
+        "INSERT INTO t VALUES (6, 6, 'six')",
+    )
+    with pytest.raises(ApplyError, match=r"public\.fresh of the range do not exist on the target"):
+        catch_up(for_all_tables)  # PGCDC_AUTO_ADD is off by default
+    changes = _changes(catch_up(for_all_tables.model_copy(update={"auto_add": True})))
+    assert len(changes) == 1 and changes[0].startswith("public.fresh: re-copied (")
+    _run(source_dsn, "INSERT INTO fresh VALUES (2, 'after')")
+    catch_up(for_all_tables)
+    assert_same(source_dsn, target_dsn, "fresh")
+    assert_same(source_dsn, target_dsn)
