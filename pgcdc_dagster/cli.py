@@ -414,7 +414,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         # Why those tables differ, and what to do.
         for note in ([adding] if adding is not None else []) + agreement.reshaped_lines():
             print(f"NOTE {note}")
-    _refuse_differing(differing, stale)
+    _refuse_differing(tables, stale)
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
     return 0
@@ -436,10 +436,13 @@ def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> N
         print(f"STALE {no_longer_published(table)}")
 
 
-def _refuse_differing(differing: Sequence[str], stale: Sequence[TableName]) -> None:
+def _refuse_differing(tables: Sequence[dict[str, Any]], stale: Sequence[TableName]) -> None:
+    differing = [t["table"] for t in tables if not t["equal"]]
     if differing or stale:
         names = ", ".join([*differing, *map(str, stale)])
-        fix = f": pgcdc resync {' '.join(differing)} copies them again" if differing else ""
+        # A table on both sides that differs is repaired by copying it again.
+        both = [t["table"] for t in tables if not t["equal"] and t.get("missing_on") is None]
+        fix = f": pgcdc resync {' '.join(both)} copies them again" if both else ""
         raise CliError(f"tables differ between source and target: {names}{fix}")
 
 
@@ -488,7 +491,7 @@ def cmd_cutover(args: argparse.Namespace) -> int:
             f"range(s) applied, {report['sequences_synced']} sequence(s) set to the source's; "
             f"foreign keys completed: {report['foreign_keys_completed']}"
         )
-    _refuse_differing(differing, stale)
+    _refuse_differing(tables, stale)
     return 0
 
 

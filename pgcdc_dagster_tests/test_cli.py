@@ -511,6 +511,24 @@ def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, cap
     assert code == 0 and json.loads(out)["equal"] is True
 
 
+def test_verify_names_resync_for_a_table_that_drifted_and_resync_repairs_it(cli_env, capsys):
+    """A hand edit on the target (or a DDL the apply could not follow): verify says which
+    table differs and that ``pgcdc resync`` repairs it; it does, while replication goes on."""
+    _snapshot_then(cli_env, capsys)
+    table = "public.items"
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
+        conn.execute("DELETE FROM items WHERE id = 7")
+    code, out, err = run_cli(capsys, "verify")
+    assert code != 0
+    assert f"(pgcdc resync {table} copies it again)" in out
+    assert f"pgcdc resync {table} copies them again" in err
+    code, out, err = run_cli(capsys, "resync", table)
+    assert code == 0, err
+    assert out.startswith(f"resynced {table}: ")
+    code, out, err = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True, out
+
+
 def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, capsys, monkeypatch):
     """``pgcdc add-table`` while ``pgcdc follow`` runs (its Dagster run holding the range
     lock): the add does not wait for the follow to end (it never would) but has it make way,
