@@ -653,8 +653,8 @@ class Reshaped:
                 "copied, so they are empty in the rows copied then"
             )
         return (
-            f"{self.table}: {'; and '.join(what)} (as with native replication): TRUNCATE "
-            f"{self.table} on the target, then pgcdc add-table {self.table} to copy it again"
+            f"{self.table}: {'; and '.join(what)} (as with native replication): pgcdc resync "
+            f"{self.table} copies it again as now published"
         )
 
 

@@ -209,7 +209,7 @@ def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
         assert conn.execute("SELECT count(*), count(ssn) FROM users").fetchone() == (10, 0)
 
 
-def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_an_add_again_converges(
+def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_a_resync_converges(
     source_dsn, target_dsn, tmp_path, spark
 ):
     """The publication's row filter of ``orders`` changed after its copy, and its column list
@@ -217,9 +217,8 @@ def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_an_add_
     rows only the new filter passes were never copied, those only the old one passed stay,
     and the users copied before have no ``ssn``, as with native replication, and nothing
     fails. The chain recorded each table's filter and left-out columns at its copy, so status,
-    verify and the ``replicated_tables`` check name the change and the fix; the fix (the
-    target's rows emptied, the tables added again) copies them as now published and records
-    that."""
+    verify and the ``replicated_tables`` check name the change and the fix; the fix (``pgcdc
+    resync``) copies them as now published and records that."""
     from pgcdc_dagster.defs.checks import replicated_tables_result
     from pgcdc_dagster.engine.pipeline import Reshaped
 
@@ -251,12 +250,11 @@ def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_an_add_
     assert lines == [
         "public.orders: the publication's row filter is WHERE (tenant = 2), it was WHERE "
         "(tenant = 1) when the table was copied, so the target lacks the rows only the new one "
-        "passes and keeps those only the old one did (as with native replication): TRUNCATE "
-        "public.orders on the target, then pgcdc add-table public.orders to copy it again",
+        "passes and keeps those only the old one did (as with native replication): pgcdc "
+        "resync public.orders copies it again as now published",
         "public.users: the publication now sends column(s) ssn, left out when the table was "
         "copied, so they are empty in the rows copied then (as with native replication): "
-        "TRUNCATE public.users on the target, then pgcdc add-table public.users to copy it "
-        "again",
+        "pgcdc resync public.users copies it again as now published",
     ]
     evaluation = replicated_tables_result(settings)
     assert not evaluation.passed and evaluation.severity.value == "WARN"
@@ -264,9 +262,7 @@ def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_an_add_
     equal = dict(equal_tables(settings))
     assert equal["public.orders"] is False and equal["public.users"] is False
 
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute("TRUNCATE orders, users")
-    added = pipeline.add_tables(settings, [ORDERS, USERS], spark)
+    added = pipeline.resync_tables(settings, [ORDERS, USERS], spark)  # the fix named
     assert added.shapes[ORDERS].row_filter == "(tenant = 2)"
     assert added.shapes[USERS].unpublished == ("joined",)
     with psycopg.connect(source_dsn, autocommit=True) as conn:
