@@ -10,7 +10,7 @@ that when a range's relation of a table no longer matches the target's columns, 
 How a column is told apart from another
     By its ``attnum`` on the source, which a rename keeps and a drop retires for good (a column
     added later gets a new one). The attnums of a table's columns are recorded on the target
-    when the table is copied (:func:`record_copied`, in ``pgcdc.source_columns``, with the
+    when the table is copied (:func:`record_copied`, in ``pgcdc_ddl.source_columns``, with the
     table's oid and ``relfilenode``), and updated in every transaction that changes the
     table's shape, so they are as durable and as current as the rows. The source's catalog is
     read by the table's oid (which survives renames) when a relation no longer matches.
@@ -48,6 +48,7 @@ commit together, so a kill leaves the target as it was and the next apply plans 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Mapping, Sequence
@@ -61,7 +62,7 @@ from .compaction import TableRelation
 from .errors import ApplyError
 from .identifiers import TableName
 
-RECORD_SCHEMA = "pgcdc"
+RECORD_SCHEMA = "pgcdc_ddl"
 RECORD_TABLE = "source_columns"
 RECORD = sql.Identifier(RECORD_SCHEMA, RECORD_TABLE)
 
@@ -193,8 +194,8 @@ class Record:
 
 
 def ensure_record_table(conn: psycopg.Connection[Any]) -> None:
-    """Create ``pgcdc.source_columns`` if it is not there (in the caller's transaction)."""
-    exists = conn.execute("SELECT to_regclass('pgcdc.source_columns') IS NOT NULL").fetchone()
+    """Create ``pgcdc_ddl.source_columns`` if it is not there (in the caller's transaction)."""
+    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
     if exists and exists[0]:
         return
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(RECORD_SCHEMA)))
@@ -212,7 +213,7 @@ def read_records(
 ) -> dict[TableName, Record]:
     """The recorded tables among ``tables`` (a table copied before records were kept is
     absent)."""
-    exists = conn.execute("SELECT to_regclass('pgcdc.source_columns') IS NOT NULL").fetchone()
+    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
     if not tables or not (exists and exists[0]):
         return {}
     rows = conn.execute(
@@ -230,9 +231,17 @@ def read_records(
     return out
 
 
+def drop_records(conn: psycopg.Connection[Any]) -> None:
+    """Remove the records from the target (the replication is finished: nothing follows the
+    source's DDL any more), and their schema if nothing else is in it."""
+    conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(RECORD))
+    with contextlib.suppress(psycopg.errors.DependentObjectsStillExist), conn.transaction():
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {}").format(sql.Identifier(RECORD_SCHEMA)))
+
+
 def records_by_relid(conn: psycopg.Connection[Any], relids: Sequence[int]) -> dict[int, Record]:
     """The records of the source tables ``relids``, whatever the target's tables are named."""
-    exists = conn.execute("SELECT to_regclass('pgcdc.source_columns') IS NOT NULL").fetchone()
+    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
     if not relids or not (exists and exists[0]):
         return {}
     rows = conn.execute(

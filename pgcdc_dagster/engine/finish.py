@@ -25,6 +25,7 @@ from typing import Any
 import psycopg
 
 from .connect import connect, server_errors
+from .ddl import drop_records
 from .errors import PgcdcError
 from .failpoints import failpoint
 from .lsn import Lsn
@@ -94,6 +95,7 @@ def finish(
         ):
             had_origin = applied is not None
             drop_origin(tgt, settings.origin)
+            drop_records(tgt)
             tgt.commit()
         finished = store.chain()
     return FinishResult(

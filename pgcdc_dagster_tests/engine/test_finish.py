@@ -73,6 +73,8 @@ def test_an_end_refuses_while_the_target_lacks_a_change_then_drops_slot_and_orig
     result = finish(settings, "test", 5)  # WAL moved, nothing published in it: caught up
     assert (result.finished_at, result.slot_dropped, result.origin_dropped) == (applied, True, True)
     assert not _slot_exists(settings) and not _origin_exists(settings)
+    with psycopg.connect(target_dsn) as conn:  # the DDL records went too
+        assert conn.execute("SELECT to_regnamespace('pgcdc_ddl')").fetchone() == (None,)
     assert OutputStore(settings.store).chain().finished_at == applied
     check = slot_health_result(settings, 1 << 30)
     assert check.passed and "finished" in (check.description or "")
