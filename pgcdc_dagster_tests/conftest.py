@@ -63,10 +63,17 @@ def _fresh_database(
         )
     with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
         conn.execute(create)
+        origins = {r for (r,) in conn.execute("SELECT roname FROM pg_replication_origin")}
     try:
         yield cluster.dsn(name)
     finally:
         with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            # Origins belong to the cluster, not the database: each test's go with it, or the
+            # cluster runs out of them (max_replication_slots) over a session.
+            for (origin,) in conn.execute("SELECT roname FROM pg_replication_origin").fetchall():
+                if origin not in origins:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute("SELECT pg_replication_origin_drop(%s)", (origin,))
             # Slots pin a database: drop this database's slots before the database.
             conn.execute(
                 "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
