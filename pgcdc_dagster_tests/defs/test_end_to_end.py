@@ -422,3 +422,37 @@ def test_wrong_password_is_one_clear_error_without_the_secret(secure_cluster):
     assert "password authentication failed" in message
     assert "check the user and password" in message
     assert PASSWORD not in message
+
+
+def test_a_source_ddl_shows_on_the_table_asset_with_its_new_columns(replication):
+    """The range that meets an ``ADD COLUMN ... DEFAULT`` carries it out on the target and
+    says so on the table's materialisation: the step, and the table's new column schema (the
+    UI shows when the table's shape changed)."""
+    r = replication
+    assert r.run("snapshot").success
+    r.sql(
+        "ALTER TABLE accounts ADD COLUMN memo text DEFAULT 'n'",
+        "UPDATE accounts SET balance = balance + 1 WHERE id = 2",
+    )
+    results = list(
+        pipeline.catch_up(
+            r.settings,
+            r.flush(),
+            run_step=lambda step: r.run("catchup", r.register(step.range)),
+        )
+    )
+    assert all(result.success for result in results)
+    reshaped = [
+        meta
+        for meta in (
+            metadata(result, AssetKey(["target", "public", "accounts"])) for result in results
+        )
+        if "schema_changes" in meta
+    ]
+    assert [meta["schema_changes"] for meta in reshaped] == [
+        "public.accounts: column memo text added, existing rows 'n'"
+    ]
+    assert [c.name for c in reshaped[0]["dagster/column_schema"].columns][-1] == "memo"
+    assert "dagster/column_schema" not in metadata(
+        results[0], AssetKey(["target", "public", "docs"])
+    )
