@@ -372,13 +372,15 @@ def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(s
     the shared staging tables when the whole command is SIGKILLed (driver and JVM). The next
     catch-up starts the staging clean and converges; no staging table is left.
 
-    The range also carries a column added on the source: on this path the target's new column
-    is committed before the staging, so the kill lands after that commit, and the next
-    catch-up must find the column there and not add it again."""
+    A column added on the source comes first: a range with DDL to carry out is applied in
+    process (its DDL commits with its rows), so the ranges staged on Spark after it find the
+    column there."""
     on_spark = {"PGCDC_SPARK_MIN_CHANGES": "1", "PGCDC_RANGE_MAX_BYTES": str(64 << 20)}
     with psycopg.connect(site.settings.source_dsn, autocommit=True) as conn:
         conn.execute("ALTER TABLE accounts ADD COLUMN drift_note text")
         conn.execute("UPDATE accounts SET drift_note = 'drifted ' || id WHERE id <= 50")
+    first = site.pgcdc("catchup", "--endpos", "current", env=on_spark)
+    assert first.returncode == 0, first.stderr
     with site.writer(seed=41) as writer:
         time.sleep(1.0)
         running = site.start(
@@ -391,13 +393,6 @@ def test_kill_in_the_middle_of_executor_staging_then_a_plain_catchup_converges(s
             running.communicate(timeout=30)
     assert writer.committed > 0
     assert running.returncode == -signal.SIGKILL
-    with psycopg.connect(site.settings.target_dsn) as conn:  # the kill came after that commit
-        added = conn.execute(
-            "SELECT count(*) FROM information_schema.columns "
-            "WHERE table_name = 'accounts' AND column_name = 'drift_note'"
-        ).fetchone()
-        assert added == (1,)
-
     done = site.pgcdc("catchup", "--endpos", "current", env=on_spark)
     assert done.returncode == 0, done.stderr
     assert "left unfinished" in done.stderr

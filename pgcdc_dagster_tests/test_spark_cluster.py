@@ -130,11 +130,12 @@ def table_digest(dsn: str, table: str) -> tuple[int, str]:
 
 
 def rows_on_target(dsn: str) -> dict[str, int]:
-    """Rows of every user table on the target (those the command created, if any)."""
+    """Rows of every user table on the target (those the command created, if any; not the
+    record of their source columns, :mod:`pgcdc_dagster.engine.ddl`'s)."""
     with psycopg.connect(dsn) as conn:
         tables = conn.execute(
             "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "
-            "WHERE schemaname NOT IN ('pg_catalog', 'information_schema')"
+            "WHERE schemaname NOT IN ('pg_catalog', 'information_schema', 'pgcdc_ddl')"
         ).fetchall()
         counts: dict[str, int] = {}
         for (name,) in tables:

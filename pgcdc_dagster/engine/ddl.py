@@ -722,3 +722,124 @@ class SourceDdl:
     keep_dropped: bool = False
     auto_add: bool = False
     """A table the stream sends that the target lacks is copied in (``PGCDC_AUTO_ADD``)."""
+
+
+# -- what the change stream cannot show ---------------------------------------------------------
+
+_TARGET_COLUMN_DEFAULTS = """
+SELECT n.nspname, c.relname, a.attname, pg_get_expr(d.adbin, d.adrelid), a.attgenerated <> ''
+FROM unnest(%s::text[], %s::text[]) AS want(nspname, relname)
+JOIN pg_namespace n ON n.nspname = want.nspname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = want.relname
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+"""
+
+
+def reconcile(
+    src: psycopg.Connection[Any], tgt: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> tuple[list[str], dict[TableName, str]]:
+    """What the source's DDL did that the change stream never shows, for ``tables``, carried
+    out on the target (``tgt`` in autocommit; each step its own transaction), and the tables
+    that must be copied again.
+
+    The stream shows a table's columns only: names, types and order. It does not show a
+    column's default (``ALTER COLUMN ... SET DEFAULT``), a generated column (pgoutput leaves
+    them out), or a column dropped and added again under its name and type (the same
+    Relation message). So the catalogs are compared, by attnum (the record's):
+
+    * a default that differs is set on the target (values still come from the stream; this
+      is for a cutover, whose application then inserts without them);
+    * a ``GENERATED ... STORED`` column the target lacks is added with the source's
+      expression (the target computes the same values from the replicated columns);
+    * a recorded column whose attnum the source retired while a column of its name lives on
+      under another one was dropped and added again: its values on the target are the old
+      column's, so the table is copied again (returned, with the reason).
+
+    A column whose attnum differs from the record otherwise belongs to DDL the stream has not
+    brought yet: left to the apply that meets it."""
+    records = read_records(tgt, tables)
+    if not records:
+        return [], {}
+    sources = {s.relid: s for s in read_source_tables(src, [r.relid for r in records.values()])}
+    names = list(records)
+    on_target: dict[TableName, dict[str, tuple[str | None, bool]]] = {t: {} for t in names}
+    for schema, rel, name, default, generated in tgt.execute(
+        _TARGET_COLUMN_DEFAULTS, ([t.schema for t in names], [t.name for t in names])
+    ).fetchall():
+        on_target[TableName(schema, rel)][name] = (default, bool(generated))
+    steps: list[str] = []
+    resync: dict[TableName, str] = {}
+    for table, record in records.items():
+        source = sources.get(record.relid)
+        have = on_target[table]
+        if source is None or not have:
+            continue  # dropped on the source (or on the target): not a shape to follow
+        live, by_attnum = source.live, source.by_attnum
+        again = [
+            name
+            for name, number in record.attnums.items()
+            if name in have
+            and (old := by_attnum.get(number)) is not None
+            and old.dropped
+            and name in live
+            and live[name].attnum != number
+        ]
+        if again:
+            resync[table] = (
+                f"column(s) {', '.join(again)} were dropped and added again on the source, so "
+                "their values on the target are the old columns'"
+            )
+            continue
+        for name, col in live.items():
+            try:
+                step = _reconciled(tgt, table, record, col, have.get(name))
+            except psycopg.Error as exc:
+                if col.generated:  # data the target would lack: copied again with it
+                    resync[table] = (
+                        f"its generated column {name} cannot be added on the target "
+                        f"({(exc.diag.message_primary or type(exc).__name__).strip()})"
+                    )
+                continue  # a default naming what the target lacks: tried again later
+            if step is not None:
+                steps.append(step)
+    return steps, resync
+
+
+def _reconciled(
+    tgt: psycopg.Connection[Any],
+    table: TableName,
+    record: Record,
+    col: SourceColumn,
+    have: tuple[str | None, bool] | None,
+) -> str | None:
+    """One column's default or generation brought to the source's; the step, or ``None``.
+    A :class:`psycopg.Error` when the target refuses it (it lacks a sequence or a function
+    the expression names)."""
+    column = sql.Identifier(col.name)
+    if have is None:
+        if not col.generated or col.default_sql is None:
+            return None  # a plain column the stream has not brought yet
+        statement = sql.SQL("ALTER TABLE {} ADD COLUMN {} {} GENERATED ALWAYS AS ({}) STORED")
+        statement = statement.format(
+            table.sql, column, sql.SQL(col.type_sql), sql.SQL(col.default_sql)
+        )
+        step = f"{table}: generated column {col.name} added ({col.default_sql})"
+    else:
+        default, generated = have
+        if generated or col.generated or record.attnums.get(col.name) != col.attnum:
+            return None
+        if default == col.default_sql:
+            return None
+        if col.default_sql is None:
+            statement = sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(
+                table.sql, column
+            )
+        else:
+            statement = sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT {}").format(
+                table.sql, column, sql.SQL(col.default_sql)
+            )
+        step = f"{table}: column {col.name} default set to {col.default_sql or 'none'}"
+    with tgt.transaction():
+        tgt.execute(statement)
+    return step
