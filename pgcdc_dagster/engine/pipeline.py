@@ -447,7 +447,7 @@ def apply_stored_range(
     re-copied first (``PGCDC_DDL=auto``: :func:`resync_tables`, under the range the caller
     holds), and the range applied after, the table's changes up to its copy skipped; with
     ``strict``, the apply stops there. Nothing of the range is applied before either."""
-    resumed = _resume_resync(settings, spark)
+    resumed = _resume_resync(settings, spark) + _reconcile_due(settings, spark)
     try:
         applied = _apply_stored(settings, rng, spark, conn)
         applied.schema_changes += resumed
@@ -477,6 +477,48 @@ def reshaped_columns(
 
     with connect(settings.target_dsn, role="target", autocommit=True) as conn:
         return table_columns(conn, [TableName.parse(t) for t in applied.reshaped])
+
+
+RECONCILE_EVERY_S = 60.0
+"""How often an applying process compares the source's and the target's catalogs for what the
+change stream never shows (:func:`~.ddl.reconcile`): a default changed, a generated column
+added, a column dropped and added again under its name."""
+_reconciled_at: dict[tuple[str, str], float] = {}
+
+
+def _reconcile_due(settings: ReplicationSettings, spark: SparkProvider) -> list[str]:
+    """At an apply's start, at most every :data:`RECONCILE_EVERY_S` in this process (the first
+    apply of a process always): :func:`~.ddl.reconcile` on the replicated tables; a table it
+    finds must be copied again is resynced (``PGCDC_DDL=auto``, under the range the caller
+    holds) or refused (``strict``). One line per step."""
+    from .ddl import reconcile
+
+    key = (settings.store, settings.slot)
+    now = time.monotonic()
+    if now - _reconciled_at.get(key, -RECONCILE_EVERY_S) < RECONCILE_EVERY_S:
+        return []
+    _reconciled_at[key] = now
+    chain = store_of(settings).chain()
+    if chain is None or not chain.complete:
+        return []
+    tables = [t for t in chain.tables if t not in chain.adding]
+    if not tables:
+        return []
+    with (
+        connect(settings.source_dsn, role="source", autocommit=True) as src,
+        connect(settings.target_dsn, role="target", autocommit=True) as tgt,
+    ):
+        steps, resync = reconcile(src, tgt, tables)
+    if resync:
+        if settings.ddl != "auto":
+            raise ResyncNeeded(resync)
+        resynced = resync_tables(settings, sorted(resync), spark, holding_range=True)
+        steps += [
+            f"{t.table}: re-copied ({resync[t.table]}), {t.rows} rows as of "
+            f"{resynced.consistent_point}"
+            for t in resynced.tables
+        ]
+    return steps
 
 
 def _resume_resync(settings: ReplicationSettings, spark: SparkProvider) -> list[str]:

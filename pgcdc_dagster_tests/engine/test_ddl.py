@@ -392,3 +392,46 @@ def test_a_new_table_of_a_for_all_tables_publication_is_added_when_asked(
     catch_up(for_all_tables)
     assert_same(source_dsn, target_dsn, "fresh")
     assert_same(source_dsn, target_dsn)
+
+
+@pytest.fixture
+def reconcile_every_apply(monkeypatch):
+    """What the stream never shows is looked for at every apply (in production, once a minute
+    per process)."""
+    monkeypatch.setattr(pipeline, "RECONCILE_EVERY_S", 0.0)
+
+
+def test_a_default_set_later_follows_on_the_target(
+    replicated, reconcile_every_apply, source_dsn, target_dsn
+):
+    _run(source_dsn, "ALTER TABLE t ALTER COLUMN v SET DEFAULT 42", "UPDATE t SET v = 0")
+    changes = _changes(catch_up(replicated))
+    assert changes == ["public.t: column v default set to 42"]
+    assert_same(source_dsn, target_dsn)  # no row took it: defaults change no existing row
+
+
+def test_a_generated_column_added_on_the_source_is_added_on_the_target(
+    replicated, reconcile_every_apply, source_dsn, target_dsn
+):
+    _run(
+        source_dsn,
+        "ALTER TABLE t ADD COLUMN twice int GENERATED ALWAYS AS (v * 2) STORED",
+        "UPDATE t SET v = 100 WHERE id = 1",
+    )
+    changes = _changes(catch_up(replicated))
+    assert changes == ["public.t: generated column twice added ((v * 2))"]
+    assert_same(source_dsn, target_dsn)
+
+
+def test_a_column_dropped_and_added_again_under_its_name_is_resynced(
+    replicated, reconcile_every_apply, source_dsn, target_dsn
+):
+    _run(
+        source_dsn,
+        "ALTER TABLE t DROP COLUMN s",
+        "ALTER TABLE t ADD COLUMN s text",  # the same name and type: the stream cannot tell
+        "UPDATE t SET v = 0 WHERE id = 1",
+    )
+    changes = _changes(catch_up(replicated))
+    assert_same(source_dsn, target_dsn)
+    assert any("dropped and added again" in line for line in changes), changes
