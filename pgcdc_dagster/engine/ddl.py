@@ -817,13 +817,13 @@ def _reconciled(
     A :class:`psycopg.Error` when the target refuses it (it lacks a sequence or a function
     the expression names)."""
     column = sql.Identifier(col.name)
+    statement: sql.Composable
     if have is None:
         if not col.generated or col.default_sql is None:
             return None  # a plain column the stream has not brought yet
-        statement = sql.SQL("ALTER TABLE {} ADD COLUMN {} {} GENERATED ALWAYS AS ({}) STORED")
-        statement = statement.format(
-            table.sql, column, sql.SQL(col.type_sql), sql.SQL(col.default_sql)
-        )
+        statement = sql.SQL(
+            "ALTER TABLE {} ADD COLUMN {} {} GENERATED ALWAYS AS ({}) STORED"
+        ).format(table.sql, column, sql.SQL(col.type_sql), sql.SQL(col.default_sql))
         step = f"{table}: generated column {col.name} added ({col.default_sql})"
     else:
         default, generated = have
