@@ -231,6 +231,8 @@ def _target_tables(
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         context.log.info(f"range {rng.key}: {applied.status}, replay_lsn {applied.replay_lsn}")
+        for line in applied.schema_changes:  # the source's DDL, followed on the target
+            context.log.info(f"range {rng.key}: {line}")
         for table in tables:
             yield MaterializeResult(
                 asset_key=target_key(table),

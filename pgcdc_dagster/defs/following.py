@@ -198,6 +198,8 @@ def _record_ranges(
                 )
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
+        for line in done.applied.schema_changes:  # the source's DDL, followed on the target
+            log(f"range {rng.key}: {line}")
         storage.write(lambda rng=rng: register_range(context.instance, settings, rng))
         recorded, described = table_events.choose(followed)
         counts = storage.write(lambda done=done: row_counts.after(done.applied))
