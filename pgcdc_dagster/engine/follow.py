@@ -172,6 +172,25 @@ CUT_LOOKAHEAD_BYTES = 1 * MiB
 The endpos range keeps :mod:`.receive`'s default: its outcome is what the user asked about."""
 
 
+DECODED_AGAIN_BYTES = 256 * MiB
+"""Past this much WAL decoded again before each peek, a peek spans at least as much (see
+:meth:`Follower._receive_rest`). Below it, the restart point's usual lag (it moves at
+running-xacts records, about every 15 s of WAL) leaves the spans as they are. Measured by
+``benchmarks/resync.py``'s widening step: a table rewrite's transaction of 1.8 GB of WAL,
+which fixed spans read again in each of their 17 ranges."""
+
+
+def decoded_again(conn: psycopg.Connection[Any], slot: str, start: Lsn) -> int:
+    """WAL bytes a peek from ``start`` decodes again before it: from the slot's restart point
+    (which PostgreSQL keeps before the oldest transaction still open there) to ``start``."""
+    row = conn.execute(
+        "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
+    ).fetchone()
+    if row is None or row[0] is None:
+        return 0
+    return max(0, int(start) - int(Lsn.parse(row[0])))
+
+
 def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     """WAL for the next range of a backlog: ``remaining`` bytes are flushed and not received,
     ``previous`` is the size of the range just cut if it was cut by size (``None`` for the
@@ -937,6 +956,14 @@ class Follower:
         0.38 s.)"""
         cap = self.settings.follow_range_bytes
         span = self._peek_ranges or PEEK_MAX_RANGES
+        again = decoded_again(conn, self.settings.slot, start)
+        conn.commit()
+        if again > max(span * cap, DECODED_AGAIN_BYTES):
+            # A transaction open for a long stretch of WAL (a table rewrite, a backfill) holds
+            # the slot's restart point before it: every peek decodes it again from there. A
+            # peek at least as long as that stretch keeps the total to about twice the WAL,
+            # where fixed spans made it grow with the square of the transaction.
+            span = -(-again // cap)
         peek_end = Lsn(min(goal, start + span * cap))
         sized = previous // 2  # planned up to previous by its first cut
         began = time.monotonic()
