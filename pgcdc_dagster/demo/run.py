@@ -4,8 +4,9 @@ Starts a source, a target and a Dagster-storage PostgreSQL under ``.pgcdc/``, lo
 (pgbench plus tables with TOASTed values, a table without primary key under REPLICA IDENTITY
 FULL, and odd identifiers), takes the base snapshot, replays a backfill (one transaction that
 updates every account), then runs a write workload while the Dagster daemon's slot sensor
-catches up range by range; stops the workload, cuts over and verifies. The report is measured,
-nothing in it is fixed in advance.
+catches up range by range (mid-way, a column is added on the source, as a migration does, and
+followed on the target by itself); stops the workload, cuts over and verifies. The report is
+measured, nothing in it is fixed in advance.
 
 Spark at work: the demo's thresholds are scaled to its data (:data:`SPARK_DEMO_ENV`), so the
 biggest table of the base snapshot is copied by Spark tasks, and the backfill's range is
@@ -149,16 +150,33 @@ def pgbench(cluster: LocalCluster, *args: str) -> subprocess.Popen[bytes] | None
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
+SCHEMA_CHANGE_AT = 100
+"""The side workload's step at which it adds a column on the source (a migration's DDL,
+mid-stream): the follow carries it out on the target by itself (:mod:`..engine.ddl`)."""
+
+
 def side_workload(dsn: str, stop: threading.Event) -> None:
-    """Writes pgbench does not make: TOAST-preserving updates, FULL-identity deletes, odd names."""
+    """Writes pgbench does not make: TOAST-preserving updates, FULL-identity deletes, odd names;
+    and, mid-way, an ``ADD COLUMN ... NOT NULL DEFAULT`` that later updates set."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         i = 0
         while not stop.is_set():
             i += 1
-            with conn.transaction():
+            if i == SCHEMA_CHANGE_AT:
                 conn.execute(
-                    "UPDATE documents SET title = title || '.' WHERE id = %s", (i % 200 + 1,)
+                    "ALTER TABLE documents ADD COLUMN reviewed boolean NOT NULL DEFAULT false"
                 )
+            with conn.transaction():
+                if i > SCHEMA_CHANGE_AT and i % 4 == 0:  # a quarter of the documents
+                    conn.execute(
+                        "UPDATE documents SET title = title || '.', reviewed = true WHERE id = %s",
+                        (i % 200 + 1,),
+                    )
+                else:
+                    conn.execute(
+                        "UPDATE documents SET title = title || '.' WHERE id = %s",
+                        (i % 200 + 1,),
+                    )
                 conn.execute(
                     "INSERT INTO events_log (kind, payload) "
                     "VALUES ('tick', jsonb_build_object('i', %s::int))",
@@ -483,6 +501,18 @@ def print_report(settings, measurements, cutover, comparisons, runs, spark, elap
         f"cutover                     : endpos {cutover.get('endpos')}, outcome "
         f"{cutover.get('endpos_outcome')}, {cutover.get('ranges')} range(s)"
     )
+    with psycopg.connect(settings.target_dsn) as conn:
+        reviewed = conn.execute(
+            "SELECT count(*) FILTER (WHERE reviewed), count(*) FILTER (WHERE NOT reviewed) "
+            "FROM documents WHERE EXISTS (SELECT FROM information_schema.columns "
+            "WHERE table_name = 'documents' AND column_name = 'reviewed')"
+        ).fetchone()
+    if reviewed is not None and sum(reviewed):
+        print(
+            "schema change               : documents.reviewed added on the source mid-workload "
+            f"(NOT NULL DEFAULT false), followed on the target: {reviewed[1]} rows false "
+            f"(the existing ones), {reviewed[0]} true (updated since)"
+        )
     bad = [c["table"] for c in comparisons if not c["equal"]]
     rows = sum(c["target_rows"] for c in comparisons)
     print(
