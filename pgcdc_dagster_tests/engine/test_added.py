@@ -240,13 +240,26 @@ def test_an_add_killed_anywhere_holds_its_tables_back_until_an_add_again_converg
 
 
 def _wait_for_its_copy(source_dsn: str, settings: ReplicationSettings) -> None:
-    """Until an add's copy is done: its temporary slot (whose snapshot it copies in) came and
-    went."""
+    """Until an add's copy of ``b`` is done: its rows committed on the target and its temporary
+    slot (whose snapshot it copies in) gone. (Waiting to see the slot come first could miss a
+    slot that lived less than a poll.)"""
     temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
+    copied = (  # CASE: the count is not evaluated before the table exists
+        "SELECT CASE WHEN to_regclass('public.b') IS NULL THEN false "
+        "ELSE (xpath('/row/n/text()', query_to_xml('SELECT count(*) AS n FROM public.b', "
+        "false, true, '')))[1]::text::int > 0 END"
+    )
+    with (
+        psycopg.connect(source_dsn, autocommit=True) as src,
+        psycopg.connect(settings.target_dsn, autocommit=True) as tgt,
+    ):
         pattern = (f"{settings.slot}_add_%",)
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (1,))
-        _wait_for(lambda: conn.execute(temporary, pattern).fetchone() == (0,))
+        _wait_for(
+            lambda: (
+                tgt.execute(copied).fetchone() == (True,)
+                and src.execute(temporary, pattern).fetchone() == (0,)
+            )
+        )
 
 
 @pytest.mark.parametrize("applied_on", ["process", "spark"])
