@@ -6,7 +6,7 @@ Data flow::
          │                                                        │ COPY ... (FORMAT csv)
          ▼                                                        ▼
     origin progress ──checks──▶ BEGIN; session_replication_role = replica
-                                ALTER TABLE ... ADD COLUMN      (schema drift, if any)
+                                ALTER TABLE ...                 (the source's DDL, :mod:`.ddl`)
                                 temp staging tables (typed like the target's columns),
                                                                 (few rows: inline in the merge)
                                 COPY into the target            (insert-only tables without
@@ -23,7 +23,7 @@ Data flow::
     A range of ``spark_min_changes`` or more (with a SparkSession): before BEGIN, Spark's
     workers compact it and COPY the net rows into shared staging tables (:mod:`.spark_staging`);
     the transaction then merges from those instead of temp tables. Nothing durable but the
-    staging tables happens before BEGIN (and columns the range added, which come first there).
+    staging tables happens before BEGIN; a range with DDL to carry out is never staged there.
 
 Why this is exactly once
     The target's replication origin (``pgcdc_<slot>``, created at the slot's consistent point
@@ -59,8 +59,9 @@ Counts
 
 Not replicated by design: the TRUNCATE option CASCADE (like PostgreSQL's apply worker, only
 the truncated tables the source sent are truncated; cascading could empty tables outside the
-replicated set), column defaults of added columns, and values of columns that an older relation
-version of the range did not have (they stay as they are, or NULL on insert).
+replicated set). A column an older relation version of the range did not have takes, in that
+version's rows, the value the source gave the rows that existed when it was added
+(:attr:`~.compaction.TableRelation.fills`).
 """
 
 from __future__ import annotations

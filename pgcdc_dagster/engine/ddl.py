@@ -415,21 +415,6 @@ def _numeric(typmod: int) -> tuple[int, int]:
     return ((typmod - 4) >> 16) & 0xFFFF, (typmod - 4) & 0xFFFF
 
 
-@dataclass
-class _Plan:
-    table: TableName
-    relation: TableRelation
-    target: Any
-    record: Record | None
-    source: SourceTable
-    left_out: Sequence[str]
-    keep_dropped: bool
-    reasons: dict[TableName, str]
-
-    def resync(self, why: str) -> None:
-        self.reasons[self.table] = why
-
-
 def plan_table(
     relation: TableRelation,
     target: Any,
