@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import add_table
 import psycopg
 from add_table import caught_up, wal_position
 from apply import bench_clusters, warm_command_server
@@ -70,19 +71,17 @@ def load1() -> float:
 
 
 def make_source(source: LocalCluster, rows: int) -> str:
-    with psycopg.connect(source.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE app")
-    dsn = source.dsn("app")
+    """``add_table.make_source``'s database (``a``, published to ``native``), with ``b`` of
+    ``rows`` rows published too: replicated from the start here."""
+    dsn = add_table.make_source(source)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE a (id int PRIMARY KEY, v text)")
-        conn.execute("INSERT INTO a SELECT g, md5(g::text) FROM generate_series(1, 1000) g")
         conn.execute("CREATE TABLE b (aid int PRIMARY KEY, bid int, abalance int, filler char(84))")
         conn.execute(
-            "INSERT INTO b SELECT g, (g - 1) / 100000 + 1, 0, '' FROM generate_series(1, %s) g",
+            "INSERT INTO b SELECT g, (g - 1) / 100000 + 1, 0, '' FROM generate_series(1, %s::int) g",
             (rows,),
         )
         conn.execute("VACUUM ANALYZE b")
-        conn.execute("CREATE PUBLICATION native FOR TABLE a, b")
+        conn.execute("ALTER PUBLICATION native ADD TABLE b")
     return dsn
 
 
@@ -280,7 +279,7 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
             conn.execute("UPDATE b SET abalance = abalance + 1 WHERE aid % 1000 = 0")
             conn.execute("DELETE FROM b WHERE aid % 1000 = 1")
             conn.execute(
-                "INSERT INTO b SELECT g, 0, g, 'new' FROM generate_series(%s, %s) g",
+                "INSERT INTO b SELECT g, 0, g, 'new' FROM generate_series(%s::int, %s::int) g",
                 (args.rows + 1, args.rows + 100),
             )
         timed_command(env, work, "catchup")

@@ -709,20 +709,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_prune)
-    p = sub.add_parser(
-        "add-table",
-        help="add tables to the running replication: copied as of now, their changes from then",
-    )
-    p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
-    _asks_for_the_range(p)
-    p.set_defaults(func=cmd_add_table)
-    p = sub.add_parser(
-        "resync",
-        help="copy replicated tables again while replication goes on (a drifted table's repair)",
-    )
-    p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
-    _asks_for_the_range(p)
-    p.set_defaults(func=cmd_add_table)
+    for name, what in (
+        ("add-table", "add tables to the running replication: copied as of now, their changes "
+         "from then"),
+        ("resync", "copy replicated tables again while replication goes on (a drifted table's "
+         "repair)"),
+    ):  # fmt: skip
+        p = sub.add_parser(name, help=what)
+        p.add_argument("tables", nargs="+", help="schema.table (or table, in public)")
+        _asks_for_the_range(p)
+        p.set_defaults(func=cmd_add_table)
     p = sub.add_parser("spark", help="a warm local Spark Connect server every run then uses")
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--master", default="local[*]", help="the server's master (local[*])")

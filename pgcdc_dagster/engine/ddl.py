@@ -213,22 +213,35 @@ def read_records(
 ) -> dict[TableName, Record]:
     """The recorded tables among ``tables`` (a table copied before records were kept is
     absent)."""
+    where = sql.SQL("(schema_name, table_name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))")
+    found = _records(conn, where, ([t.schema for t in tables], [t.name for t in tables]))
+    return {r.table: r for r in found} if tables else {}
+
+
+def records_by_relid(conn: psycopg.Connection[Any], relids: Sequence[int]) -> dict[int, Record]:
+    """The records of the source tables ``relids``, whatever the target's tables are named."""
+    found = _records(conn, sql.SQL("relid = ANY(%s::oid[])"), (list(relids),))
+    return {r.relid: r for r in found} if relids else {}
+
+
+def _records(
+    conn: psycopg.Connection[Any], where: sql.Composable, params: tuple[Any, ...]
+) -> list[Record]:
+    """The records ``where`` selects (none before the first copy made the table)."""
     exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
-    if not tables or not (exists and exists[0]):
-        return {}
+    if not (exists and exists[0]):
+        return []
     rows = conn.execute(
         sql.SQL(
             "SELECT schema_name, table_name, relid::int8, relfilenode::int8, attnums, kept "
-            "FROM {} WHERE (schema_name, table_name) IN "
-            "(SELECT * FROM unnest(%s::text[], %s::text[]))"
-        ).format(RECORD),
-        ([t.schema for t in tables], [t.name for t in tables]),
+            "FROM {} WHERE {}"
+        ).format(RECORD, where),
+        params,
     ).fetchall()
-    out = {}
-    for schema, name, relid, filenode, attnums, kept in rows:
-        table = TableName(schema, name)
-        out[table] = Record(table, int(relid), int(filenode), dict(attnums), dict(kept))
-    return out
+    return [
+        Record(TableName(schema, name), int(relid), int(node), dict(a), dict(k))
+        for schema, name, relid, node, a, k in rows
+    ]
 
 
 def drop_records(conn: psycopg.Connection[Any]) -> None:
@@ -237,24 +250,6 @@ def drop_records(conn: psycopg.Connection[Any]) -> None:
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(RECORD))
     with contextlib.suppress(psycopg.errors.DependentObjectsStillExist), conn.transaction():
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {}").format(sql.Identifier(RECORD_SCHEMA)))
-
-
-def records_by_relid(conn: psycopg.Connection[Any], relids: Sequence[int]) -> dict[int, Record]:
-    """The records of the source tables ``relids``, whatever the target's tables are named."""
-    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
-    if not relids or not (exists and exists[0]):
-        return {}
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT schema_name, table_name, relid::int8, relfilenode::int8, attnums, kept "
-            "FROM {} WHERE relid = ANY(%s::oid[])"
-        ).format(RECORD),
-        (list(relids),),
-    ).fetchall()
-    return {
-        int(relid): Record(TableName(schema, name), int(relid), int(node), dict(a), dict(k))
-        for schema, name, relid, node, a, k in rows
-    }
 
 
 def write_record(
