@@ -12,8 +12,8 @@ from pydantic import PrivateAttr
 
 from ..engine.settings import (
     DEFAULT_FOLLOW_RETRY_S,
+    DEFAULT_MEMORY_LIMIT,
     DEFAULT_PARTITIONS_KEPT,
-    DEFAULT_SPARK_MIN_CHANGES,
     DEFAULT_STORE_RETENTION_S,
     ReplicationSettings,
 )
@@ -42,7 +42,10 @@ class ReplicationResource(ConfigurableResource):
     follow_read: str = "stream"
     """``stream`` or ``peek``: how a follow that keeps up reads the slot."""
     follow_idle_s: float = 10.0
-    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES
+    spark_min_changes: int | None = None
+    """Unset: Spark takes big ranges on a cluster only (see ``ReplicationSettings``)."""
+    memory_limit: int = DEFAULT_MEMORY_LIMIT
+    """Bytes the applying process may use about: bigger ranges are applied by partitions."""
     store_retention: float | None = DEFAULT_STORE_RETENTION_S
     """Seconds an applied range stays in the store; ``None``: forever."""
     follow_table_events: str = "all"
@@ -108,6 +111,7 @@ class PgcdcResource(ConfigurableResource):
             follow_read=self.replication.follow_read,  # type: ignore[arg-type]
             follow_idle_s=self.replication.follow_idle_s,
             spark_min_changes=self.replication.spark_min_changes,
+            memory_limit=self.replication.memory_limit,
             store_retention=self.replication.store_retention,
             follow_table_events=self.replication.follow_table_events,  # type: ignore[arg-type]
             follow_retry=self.replication.follow_retry,
@@ -183,6 +187,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             follow_read=settings.follow_read,
             follow_idle_s=settings.follow_idle_s,
             spark_min_changes=settings.spark_min_changes,
+            memory_limit=settings.memory_limit,
             store_retention=settings.store_retention,
             follow_table_events=settings.follow_table_events,
             follow_retry=settings.follow_retry,

@@ -22,8 +22,10 @@ Data flow::
 
     A range of ``spark_min_changes`` or more (with a SparkSession): before BEGIN, Spark's
     workers compact it and COPY the net rows into shared staging tables (:mod:`.spark_staging`);
-    the transaction then merges from those instead of temp tables. Nothing durable but the
-    staging tables happens before BEGIN; a range with DDL to carry out is never staged there.
+    the transaction then merges from those instead of temp tables. A range of more than
+    ``partition_changes`` otherwise: the same, by this process, one key-hash partition at a
+    time (:mod:`.partitioned_staging`: bounded memory). Nothing durable but the staging tables
+    happens before BEGIN; a range with DDL to carry out is never staged there.
 
 Why this is exactly once
     The target's replication origin (``pgcdc_<slot>``, created at the slot's consistent point
@@ -107,8 +109,10 @@ from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn
 from .origin import mark_transaction, require_progress, reset_session, setup_session
+from .partitioned_staging import partitions_for, stage_partitioned
+from .shared_staging import SharedStage
 from .spark_executors import SparkApp, spark_app
-from .spark_staging import SharedStage, stage_on_spark
+from .spark_staging import stage_on_spark
 from .staging import (
     copy_into,
     copy_rows,
@@ -172,7 +176,9 @@ class ApplyResult:
     compaction_path: str | None = None
     staged_by: str = "driver"
     """Who COPYed the net rows into staging tables: ``driver`` (this process, inside the apply
-    transaction) or ``spark executors`` (before it; :mod:`.spark_staging`)."""
+    transaction), ``driver, N partition(s)`` (this process, before it, one key-hash partition
+    at a time; :mod:`.partitioned_staging`) or ``spark executors`` (before it;
+    :mod:`.spark_staging`)."""
     spark_app: SparkApp | None = None
     """The Spark application whose executors staged the range (``staged_by`` ``spark
     executors``)."""
@@ -224,10 +230,11 @@ def apply_range(
     *,
     spark: SparkSession | None = None,
     store: OutputStore | None = None,
-    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+    spark_min_changes: int | None = DEFAULT_SPARK_MIN_CHANGES,
     origin_wait_seconds: float = 30.0,
     conn: psycopg.Connection[Any] | None = None,
     ddl: SourceDdl | None = None,
+    partition_changes: int | None = None,
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
 
@@ -239,7 +246,10 @@ def apply_range(
     that applies range after range (a follower); by default a connection of its own. It is
     left as it was found: no transaction open, the session's origin reset. ``ddl``: where to
     read the source's catalog when a table's columns no longer match the target's
-    (:mod:`.ddl`); without it such a range is refused.
+    (:mod:`.ddl`); without it such a range is refused. ``partition_changes``: a range of more
+    changes than that (and not on Spark) is compacted and staged in key-hash partitions of
+    about that many, one at a time (:mod:`.partitioned_staging`), so its memory stays bounded
+    whatever its size; ``None``: always whole, in memory.
     """
     started = time.perf_counter()
     transform = stored.transform_lsn
@@ -277,7 +287,8 @@ def apply_range(
             if t in relations and lsn > progress
         }
         shared: dict[TableName, SharedStage] | None = None
-        # A range with DDL to carry out is compacted here: Spark's workers stage into tables
+        parts = partitions_for(stored.changes, partition_changes) if partition_changes else 1
+        # A range with DDL to carry out is compacted whole, here: shared staging tables are
         # typed like the target's columns before the apply's transaction, and the DDL must
         # commit with the rows (see :mod:`.ddl`).
         if spark is not None and on_spark(stored, spark_min_changes) and not plans:
@@ -297,6 +308,23 @@ def apply_range(
             result.spark_app = spark_app(spark)
             result.spark_tasks = sum(s.tasks for s in shared.values())
             result.staging_seconds = round(time.perf_counter() - spark_started, 4)
+            result.changes = sum(s.changes for s in shared.values())
+            result.net_rows = sum(s.net_rows for s in shared.values())
+        elif parts > 1 and not plans:
+            staging_started = time.perf_counter()
+            partitioned = stage_partitioned(
+                conn,
+                origin_name,
+                stored,
+                relations,
+                parts=parts,
+                after_lsn=int(progress),
+                floors=floors,
+            )
+            shared = partitioned.stages
+            result.compaction_path = "partitioned"
+            result.staged_by = f"driver, {partitioned.groups} partition(s)"
+            result.staging_seconds = round(time.perf_counter() - staging_started, 4)
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())
         else:
@@ -346,8 +374,8 @@ def apply_range(
                     _apply_staged(conn, staged, result)
                     if shared is not None:
                         # Gone with the COMMIT; tables a killed apply left are dropped by the
-                        # next Spark apply before it stages (no catalog query on the
-                        # in-process path).
+                        # next apply that stages in them before it does (no catalog query on
+                        # the in-memory path).
                         drop_shared(conn, origin_name)
                     mark_transaction(
                         conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
@@ -376,10 +404,11 @@ def apply_range(
     return result
 
 
-def on_spark(stored: StoredRange, spark_min_changes: int) -> bool:
+def on_spark(stored: StoredRange, spark_min_changes: int | None) -> bool:
     """Whether ``stored`` is big enough to be worth a Spark job (when a session is at hand):
-    its compaction and staging then run on Spark's workers (:mod:`.spark_staging`)."""
-    return stored.changes >= spark_min_changes
+    its compaction and staging then run on Spark's workers (:mod:`.spark_staging`). ``None``:
+    never (:attr:`~.settings.ReplicationSettings.spark_range_changes`)."""
+    return spark_min_changes is not None and stored.changes >= spark_min_changes
 
 
 HELD_BACK_BATCH_CHANGES = 100_000
@@ -418,7 +447,7 @@ def apply_added_changes(
     unpublished: Mapping[TableName, Sequence[str]],
     staging_key: str,
     spark: Callable[[], SparkSession] | None = None,
-    spark_min_changes: int = DEFAULT_SPARK_MIN_CHANGES,
+    spark_min_changes: int | None = DEFAULT_SPARK_MIN_CHANGES,
     batch_changes: int | None = None,
     progressed: Callable[[HeldBackApplied, Lsn], None] | None = None,
     ddl: SourceDdl | None = None,
@@ -918,7 +947,8 @@ def _stage_all(
 def _from_shared(
     shared: Mapping[TableName, SharedStage], targets: Mapping[TableName, TargetTable]
 ) -> list[_Staged]:
-    """Tables Spark's workers staged (:mod:`.spark_staging`), as the merge reads them."""
+    """Tables staged in shared tables (by Spark's workers or partition by partition here,
+    :mod:`.shared_staging`), as the merge reads them."""
     return [
         _Staged(
             stage.net_changes(),

@@ -245,7 +245,7 @@ def add_tables(
                 unpublished=unpublished,
                 staging_key=staging_key,
                 spark=session,
-                spark_min_changes=settings.spark_min_changes,
+                spark_min_changes=settings.spark_range_changes,
                 progressed=progressed if active() else None,
                 ddl=source_ddl(settings),
             )
@@ -573,7 +573,7 @@ def _apply_stored(
 
     stored = stored_range(settings, rng)
     session = None
-    if spark is not None and on_spark(stored, settings.spark_min_changes):
+    if spark is not None and on_spark(stored, settings.spark_range_changes):
         session = spark() if callable(spark) else spark
     store = store_of(settings)
     with server_errors("target", settings.target_dsn):
@@ -583,9 +583,10 @@ def _apply_stored(
             settings.origin,
             spark=session,
             store=store,
-            spark_min_changes=settings.spark_min_changes,
+            spark_min_changes=settings.spark_range_changes,
             conn=conn,
             ddl=source_ddl(settings),
+            partition_changes=settings.partition_changes,
         )
     if applied.renamed_tables:
         store.record_renamed(applied.renamed_tables)

@@ -15,6 +15,7 @@ kept out of ``repr`` and every message names servers with
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,6 +54,15 @@ With executor-side staging (``benchmarks/spark_staging.py``, one range of 3.04M 
 1.01M net rows, 2 cores): Spark 25.1 s (plus 7.8 s to start it) against 15.9 s in process, but
 the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory, not speed."""
 MiB = 1024 * 1024
+DEFAULT_MEMORY_LIMIT = 1024 * MiB
+PROCESS_BASE_BYTES = 400 * MiB
+"""What a follow's process holds before any range (Python, Dagster, psycopg, Arrow, the
+receiver's buffers): measured at 300 MB, with a margin."""
+COMPACTING_BYTES_PER_CHANGE = 1_000
+"""Peak memory of compacting one change (the routed rows read, sorted, gathered into net rows
+and formatted for COPY): measured in ``benchmarks/big_transaction.py``."""
+MIN_PARTITION_CHANGES = 50_000
+"""Below this, a partition's fixed costs (a transaction and a COPY per staging table) show."""
 DAY = 86400.0
 DEFAULT_STORE_RETENTION_S = 7 * DAY
 DEFAULT_FOLLOW_RETRY_S = 600.0
@@ -99,9 +109,15 @@ class ReplicationSettings(BaseModel):
     """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
     starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
     table on Spark. Unset: see :meth:`driver_max_rows`."""
-    spark_min_changes: PositiveInt = DEFAULT_SPARK_MIN_CHANGES
+    spark_min_changes: PositiveInt | None = None
     """Ranges with at least this many changes are compacted by Spark's workers, which stage the
-    net rows on the target themselves; smaller ones in this process."""
+    net rows on the target themselves; smaller ones in this process. Unset: see
+    :attr:`spark_range_changes`."""
+    memory_limit: PositiveInt = DEFAULT_MEMORY_LIMIT
+    """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
+    or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is
+    compacted and staged one key-hash partition at a time (:attr:`partition_changes`,
+    :mod:`.partitioned_staging`), so a transaction of any size is applied in bounded memory."""
     sensor_interval: PositiveInt = 5
     """Seconds between slot sensor ticks (Dagster's daemon evaluates sensors every 5 s at
     most)."""
@@ -211,6 +227,11 @@ class ReplicationSettings(BaseModel):
     def _all_is_none(cls, value: Any) -> Any:
         return None if isinstance(value, str) and value.strip().lower() == "all" else value
 
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _parse_memory(cls, value: Any) -> Any:
+        return parse_bytes(value) if isinstance(value, str) else value
+
     @field_validator("spark_master", "spark_remote", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
@@ -231,6 +252,29 @@ class ReplicationSettings(BaseModel):
 
         target = self.spark_target()
         return get_spark(master=target["master"], remote=target["remote"], conf=self.spark_conf)
+
+    @property
+    def spark_range_changes(self) -> int | None:
+        """From how many changes a range goes to Spark's workers (``None``: never).
+        ``PGCDC_SPARK_MIN_CHANGES`` when set; else :data:`DEFAULT_SPARK_MIN_CHANGES` on a Spark
+        cluster (a master other than ``local``, or Spark Connect), and never on a local Spark:
+        there a JVM shares this machine's cores with the servers, and the partitioned path of
+        this process is faster in the same bounded memory (``benchmarks/big_transaction.py``)."""
+        if self.spark_min_changes is not None:
+            return self.spark_min_changes
+        master = self.spark_master or ""
+        if self.spark_remote or (master and not master.startswith("local")):
+            return DEFAULT_SPARK_MIN_CHANGES
+        return None
+
+    @property
+    def partition_changes(self) -> int:
+        """Changes per key-hash partition of a big range's apply, from :attr:`memory_limit`:
+        what is left past the process's own (:data:`PROCESS_BASE_BYTES`), shared by the two
+        partitions in flight (one compacted, one COPYed) at :data:`COMPACTING_BYTES_PER_CHANGE`
+        each, and never below :data:`MIN_PARTITION_CHANGES`."""
+        spare = max(0, self.memory_limit - PROCESS_BASE_BYTES)
+        return max(MIN_PARTITION_CHANGES, spare // (2 * COMPACTING_BYTES_PER_CHANGE))
 
     @property
     def origin(self) -> str:
@@ -275,6 +319,18 @@ class ReplicationSettings(BaseModel):
         except ValidationError as exc:
             raise SettingsError(_one_line(exc)) from None
         return settings.require_servers() if require_servers else settings
+
+
+_BYTE_UNITS = {"": 1, "k": 1024, "m": MiB, "g": 1024 * MiB, "t": 1024 * 1024 * MiB}
+
+
+def parse_bytes(text: str) -> int:
+    """``1GB``, ``512MB``, ``1073741824``: a size in bytes (units as PostgreSQL's, powers of
+    1024, case-insensitive, the ``B`` optional)."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)b?\s*", text.lower())
+    if not match:
+        raise ValueError(f"{text!r} is not a size: write bytes, or a number with kB, MB or GB")
+    return int(match.group(1)) * _BYTE_UNITS[match.group(2)]
 
 
 def parse_tables(text: str | None) -> tuple[TableName, ...] | None:

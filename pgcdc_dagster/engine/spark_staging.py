@@ -4,104 +4,36 @@ net rows straight into shared staging tables on the target; only counts come bac
 Why: a range past the Spark threshold may hold more net rows than one process should hold;
 collecting them to the driver for the staging COPY would funnel the heavy part through it. Here
 the driver only creates the tables, starts one Spark job and, afterwards, runs the set-based
-merge and the origin advance in one transaction (:mod:`.apply`).
-
-What must hold
-* A re-run starts clean: before staging, every shared staging table of the origin is dropped
-  and made anew (the range lock makes this the only apply of the origin), so rows a killed
-  run left never meet the new ones.
-* A retried Spark task replaces its own rows: each task deletes the rows of its (table,
-  partition) and COPYs its own in one transaction of its own.
-* The staged rows are exactly what :func:`~.compaction.compact_arrow` would give: the routing
-  is :func:`~.compaction.spark.route_changes` and each group runs the same kernel.
+merge and the origin advance in one transaction (:mod:`.apply`). What must hold of the shared
+tables and their partitions: :mod:`.shared_staging`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
-from psycopg import sql
 
-from .compaction import NetChanges, TableRelation, compact_table
+from .compaction import TableRelation, compact_table
 from .compaction.spark import route_changes, unjoin_toast
 from .connect import connect
 from .failpoints import failpoint
 from .identifiers import TableName
-from .spark_executors import check_executors, task_log
-from .staging import (
-    PARTITION_COLUMN,
-    SCHEMA,
-    copy_rows,
-    create_stage,
-    drop_shared,
-    flag,
-    shared_name,
-    typed_as,
+from .shared_staging import (
+    SUMMARY_SCHEMA,
+    Names,
+    SharedStage,
+    create_shared_tables,
+    stage_partition,
+    summarise,
+    summary_rows,
 )
+from .spark_executors import check_executors, task_log
 
 if TYPE_CHECKING:
     import psycopg
     from pyspark.sql import SparkSession
-
-SUMMARY_SCHEMA = pa.schema(
-    [
-        ("tbl", pa.int32()),
-        ("pid", pa.int32()),
-        ("changes", pa.int64()),
-        ("truncates", pa.int64()),
-        ("truncate_flags", pa.int32()),
-        ("net_rows", pa.int64()),
-        ("deletes", pa.int64()),
-        ("upserts", pa.int64()),
-        ("all_inserts", pa.bool_()),
-        ("has_origin", pa.bool_()),
-        ("keep", pa.list_(pa.bool_())),
-        ("old_missing", pa.list_(pa.bool_())),
-    ]
-)
-"""What one task sends back: counts and flags, never rows (Spark's schema is derived from it)."""
-
-
-@dataclass
-class SharedStage:
-    """One table's shared staging tables, filled, and what the merge needs to know of them."""
-
-    relation: TableRelation
-    changes: int = 0
-    truncates: int = 0
-    truncate_flags: int = 0
-    net_rows: int = 0
-    deletes: sql.Identifier | None = None
-    upserts: sql.Identifier | None = None
-    ordered: sql.Identifier | None = None
-    upsert_rows: int = 0
-    delete_rows: int = 0
-    all_inserts: bool = True
-    has_origin: bool = False
-    keep: list[int] = field(default_factory=list)
-    old_missing: list[int] = field(default_factory=list)
-    tasks: int = 0
-    """The Spark tasks (one per partition of the table's changes) that staged it."""
-
-    @property
-    def ordered_table(self) -> bool:
-        return not self.relation.collapsible
-
-    def net_changes(self) -> NetChanges:
-        """The counts as a :class:`NetChanges` without rows (they are on the target)."""
-        return NetChanges(
-            self.relation,
-            self.changes,
-            self.truncates,
-            self.truncates > 0,
-            self.truncate_flags,
-            pa.table({}),
-            self.ordered_table,
-        )
 
 
 def stage_on_spark(
@@ -123,9 +55,7 @@ def stage_on_spark(
     """
     check_executors(spark, {"target": target_dsn}, files[:1])  # before any DDL
     tables = list(relations)
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
-    drop_shared(conn, origin_name)
-    names = {t: _create_tables(conn, origin_name, i, relations[t]) for i, t in enumerate(tables)}
+    names = create_shared_tables(conn, origin_name, relations)
     routed = route_changes(
         spark, files, relations, after_lsn=after_lsn, floors=floors, partitions=partitions
     )
@@ -137,191 +67,34 @@ def stage_on_spark(
         .applyInArrow(kernel, from_arrow_schema(SUMMARY_SCHEMA))
         .toArrow()
     )
-    return _summarise(summary, tables, relations, names)
-
-
-_Names = dict[str, sql.Identifier]
-"""Staging table by kind: ``del``, ``up`` (a table with identity) or ``ord`` (without)."""
-
-
-def _create_tables(
-    conn: psycopg.Connection[Any], origin_name: str, index: int, rel: TableRelation
-) -> _Names:
-    width = len(rel.names)
-    every = range(width)
-    if not rel.collapsible:
-        name = shared_name(origin_name, index, "ord")
-        create_stage(
-            conn,
-            name,
-            rel.table,
-            [sql.SQL("0::int8 AS ord"), sql.SQL("''::text AS op")]
-            + [typed_as(rel, j, f"o{j}") for j in every]
-            + [flag(f"m{j}") for j in every]
-            + [typed_as(rel, j, f"c{j}") for j in every]
-            + [flag(f"u{j}") for j in every],
-            shared=True,
-        )
-        return {"ord": name}
-    ident = rel.identity_positions
-    deletes = shared_name(origin_name, index, "del")
-    create_stage(
-        conn,
-        deletes,
-        rel.table,
-        [typed_as(rel, p, f"k{j}") for j, p in enumerate(ident)],
-        shared=True,
-    )
-    upserts = shared_name(origin_name, index, "up")
-    create_stage(
-        conn,
-        upserts,
-        rel.table,
-        [typed_as(rel, j, f"c{j}") for j in every]
-        + [flag(f"u{j}") for j in every]
-        + [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)],
-        shared=True,
-    )
-    return {"del": deletes, "up": upserts}
+    return summarise(summary, tables, relations, names)
 
 
 def _staging_kernel(
     tables: Sequence[TableName],
     relations: Mapping[TableName, TableRelation],
-    names: Mapping[TableName, _Names],
+    names: Mapping[TableName, Names],
     target_dsn: str,
 ) -> Callable[[pa.Table], pa.Table]:
     """applyInArrow body, run by a Spark worker: the kernel on one (table, partition) group,
-    its net rows COPYed to the target in one transaction that first removes the rows an
-    earlier attempt of the same task staged."""
+    its net rows COPYed to the target by :func:`~.shared_staging.stage_partition`."""
 
     def kernel(group: pa.Table) -> pa.Table:
         if group.num_rows == 0:
-            return _summary_rows([])
+            return summary_rows([])
         t = int(group.column("_tbl")[0].as_py())
         pid = int(group.column("_pid")[0].as_py())
-        rel = relations[tables[t]]
-        net = compact_table(unjoin_toast(group), rel)
-        staged = names[tables[t]]
-        width = len(rel.names)
-        rows = net.net
-        part = pa.array([pid] * rows.num_rows, pa.int32())
-        with connect(target_dsn, role="target") as conn, conn.transaction():
-            for name in staged.values():
-                conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE {} = %s").format(
-                        name, sql.Identifier(PARTITION_COLUMN)
-                    ),
-                    (pid,),
-                )
-            if not rel.collapsible:
-                columns = ["ord", "op", *_names("o", width), *_names("m", width)]
-                columns += [*_names("c", width), *_names("u", width)]
-                copy_rows(conn, staged["ord"], _with_part(rows, columns, part), rel.table)
-                upserts = rows
-                deletes = rows.slice(0, 0)
-            else:
-                is_delete = pc.equal(rows.column("op"), "D")
-                deletes = rows.filter(is_delete)
-                upserts = rows.filter(pc.invert(is_delete))
-                k = len(rel.identity)
-                copy_rows(
-                    conn,
-                    staged["del"],
-                    _with_part(deletes, _names("k", k), part[: deletes.num_rows]),
-                    rel.table,
-                )
-                columns = [*_names("c", width), *_names("u", width), *_names("f", k)]
-                copy_rows(
-                    conn,
-                    staged["up"],
-                    _with_part(upserts, columns, part[: upserts.num_rows]),
-                    rel.table,
-                )
+        net = compact_table(unjoin_toast(group), relations[tables[t]])
+        with connect(target_dsn, role="target") as conn:
+            summary = stage_partition(conn, net, names[tables[t]], t, pid)
         failpoint("apply.staging")
         task_log(
-            f"staged {rows.num_rows:,} net rows of {net.changes:,} changes of {rel.table} "
-            f"(partition {pid})"
+            f"staged {net.net.num_rows:,} net rows of {net.changes:,} changes of "
+            f"{net.relation.table} (partition {pid})"
         )
-        ops = rows.column("op")
-        return _summary_rows(
-            [
-                {
-                    "tbl": t,
-                    "pid": pid,
-                    "changes": net.changes,
-                    "truncates": net.truncates,
-                    "truncate_flags": net.truncate_flags,
-                    "net_rows": rows.num_rows,
-                    "deletes": deletes.num_rows,
-                    "upserts": upserts.num_rows,
-                    "all_inserts": bool(pc.all(pc.equal(ops, "I")).as_py()),
-                    "has_origin": rel.collapsible
-                    and bool(rel.identity)
-                    and upserts.column("f0").null_count < upserts.num_rows,
-                    "keep": [_any(upserts, f"u{j}") for j in range(width)],
-                    "old_missing": [
-                        (not rel.collapsible) and _any(rows, f"m{j}") for j in range(width)
-                    ],
-                }
-            ]
-        )
+        return summary_rows([summary])
 
     return kernel
 
 
-def _names(prefix: str, count: int) -> list[str]:
-    return [f"{prefix}{j}" for j in range(count)]
-
-
-def _with_part(rows: pa.Table, columns: list[str], part: pa.Array) -> pa.Table:
-    return rows.select(columns).append_column(PARTITION_COLUMN, part)
-
-
-def _any(rows: pa.Table, column: str) -> bool:
-    return rows.num_rows > 0 and bool(pc.any(rows.column(column)).as_py())
-
-
-def _summary_rows(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=SUMMARY_SCHEMA)
-
-
-def _summarise(
-    summary: pa.Table,
-    tables: Sequence[TableName],
-    relations: Mapping[TableName, TableRelation],
-    names: Mapping[TableName, _Names],
-) -> dict[TableName, SharedStage]:
-    """The tasks' rows per table. Every partition of a table saw all of its TRUNCATEs (they
-    are copied into each), so those count once; every other change once in total."""
-    out: dict[TableName, SharedStage] = {}
-    for row in summary.to_pylist():
-        table = tables[row["tbl"]]
-        stage = out.get(table)
-        if stage is None:
-            stage = out[table] = SharedStage(relations[table])
-        stage.tasks += 1
-        stage.changes += row["changes"] - row["truncates"]
-        if row["truncates"] >= stage.truncates and row["truncates"]:
-            stage.truncates = row["truncates"]
-            stage.truncate_flags = row["truncate_flags"]
-        stage.net_rows += row["net_rows"]
-        stage.delete_rows += row["deletes"]
-        stage.upsert_rows += row["upserts"]
-        stage.all_inserts = stage.all_inserts and row["all_inserts"]
-        stage.has_origin = stage.has_origin or row["has_origin"]
-        stage.keep = _union(stage.keep, row["keep"])
-        stage.old_missing = _union(stage.old_missing, row["old_missing"])
-    for table, stage in out.items():
-        stage.changes += stage.truncates
-        staged = names[table]
-        if stage.ordered_table:
-            stage.ordered = staged["ord"] if stage.net_rows else None
-        else:
-            stage.deletes = staged["del"] if stage.delete_rows else None
-            stage.upserts = staged["up"] if stage.upsert_rows else None
-    return out
-
-
-def _union(positions: list[int], flags: list[bool]) -> list[int]:
-    return sorted(set(positions) | {j for j, on in enumerate(flags) if on})
+__all__ = ["SharedStage", "stage_on_spark"]

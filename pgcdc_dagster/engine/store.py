@@ -377,6 +377,16 @@ class StoredRange:
             tables.append(table if table.schema.equals(schema) else table.cast(schema))
         return pa.concat_tables(tables)
 
+    def iter_batches(self, columns: Sequence[str], batch_rows: int = 65_536) -> Iterator[pa.Table]:
+        """The range's changes (only ``columns``) in batches of at most ``batch_rows``, file by
+        file: a range of any size read in bounded memory (:mod:`.partitioned_staging`)."""
+        schema = pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
+        for path in self.files:
+            with pq.ParquetFile(path) as parquet:
+                for batch in parquet.iter_batches(batch_size=batch_rows, columns=schema.names):
+                    table = pa.Table.from_batches([batch])
+                    yield table if table.schema.equals(schema) else table.cast(schema)
+
     def relation_versions(self) -> set[int]:
         """The relation versions (indexes into the manifest's ``relations``) the range's rows
         use. The manifest may list more: a range cut from a peek starts with every relation

@@ -33,9 +33,12 @@ from pgcdc_dagster.engine.compaction import (
     compact_with_spark,
     relations_of,
 )
+from pgcdc_dagster.engine.compaction.kernel import KERNEL_COLUMNS
+from pgcdc_dagster.engine.compaction.partitions import Router
 from pgcdc_dagster.engine.ddl import SourceDdl, record_copied
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.partitioned_staging import SCRATCH
 from pgcdc_dagster.engine.receive import receive
 from pgcdc_dagster.engine.store import CHANGE_SCHEMA, OutputStore, StoredRange
 
@@ -766,6 +769,33 @@ def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, s
         ), table
         assert net.sorted_rows() == other.sorted_rows(), table
     assert any(r["f0"] is not None for r in in_process[TableName("public", "items")].sorted_rows())
+    # Routed in this process, batch by batch (small batches: groups span several), each
+    # (table, partition) compacted alone: the union is the whole range's net rows.
+    router = Router(relations, 3)
+    for batch in stored.iter_batches(KERNEL_COLUMNS, batch_rows=50):
+        router.learn(batch)
+    assert router.moved  # the moves above, and their chains
+    groups: dict[tuple[int, int], list[pa.Table]] = {}
+    for batch in stored.iter_batches(KERNEL_COLUMNS, batch_rows=50):
+        for t, pid, rows in router.route(batch):
+            groups.setdefault((t, pid), []).append(rows)
+    assert {pid for _, pid in groups} == {0, 1, 2, 3}  # 3 is the moved keys'
+    for t, table in enumerate(router.tables):
+        nets = [
+            compact_table(pa.concat_tables(parts), relations[table])
+            for (g, _), parts in groups.items()
+            if g == t
+        ]
+        net = in_process[table]
+        assert sum(n.changes - n.truncates for n in nets) + net.truncates == net.changes, table
+        assert {n.truncate for n in nets} == {net.truncate}, table
+        if net.ordered:
+            assert len(nets) == 1 and nets[0].sorted_rows() == net.sorted_rows(), table
+        else:
+            routed = sorted(
+                (r for n in nets for r in n.sorted_rows()), key=lambda r: (r["op"], str(r))
+            )
+            assert routed == sorted(net.sorted_rows(), key=lambda r: (r["op"], str(r))), table
 
     # The same range applied twice from the same start: by Spark's workers staging on the
     # target, then (the target put back) by this process. Same rows, same counts.
@@ -787,6 +817,19 @@ def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, s
     assert {t: replica.target_rows(t) for t in replica.tables} == by_executors
     assert in_process.tables == on_executors.tables
     assert on_executors.tables["public.pairs"].truncated
+
+    # And by this process, one key-hash partition at a time (bounded memory).
+    replica.target(
+        *[f"TRUNCATE {t}; INSERT INTO {t} SELECT * FROM keep_{t}" for t in replica.tables],
+        f"SELECT pg_replication_origin_advance('{ORIGIN}', '{before}')",
+    )
+    partitioned = replica.apply(stored, partition_changes=stored.changes // 3 + 1)
+    assert partitioned.compaction_path == "partitioned"
+    assert partitioned.staged_by.startswith("driver, ")
+    assert {t: replica.target_rows(t) for t in replica.tables} == by_executors
+    assert partitioned.tables == on_executors.tables
+    assert _shared_staging_tables(replica.target_dsn) == []
+    assert not (stored.store_root / SCRATCH).exists()
 
 
 def _shared_staging_tables(dsn: str) -> list[str]:

@@ -1,0 +1,172 @@
+"""A big range compacted and staged by this process in bounded memory, partition by partition.
+
+Data flow::
+
+    stored range ──batches──▶ Router (pass 1: moved keys; pass 2: route) ──▶ one Arrow file per
+    (Parquet)                 (:mod:`.compaction.partitions`)                (table, partition)
+                                                                                   │ one at a time
+    shared staging tables ◀── COPY (its own transaction) ◀── compact_table ◀───────┘
+    (:mod:`.shared_staging`)      overlapped: the next partition is read and compacted
+                                  while this one is COPYed
+
+Why: compacting a range whole holds all of its changes, and several times that while the
+kernel sorts and gathers them: a 3M-row transaction took more than a gigabyte, a 60M-row
+backfill would not fit the machine, and a follower the OOM killer ends meets the same
+transaction again on restart. Here at most two partitions are in memory (the one compacted and
+the one COPYed), each about ``partition_changes`` changes, whatever the range's size; the rest
+waits on disk, next to the store. The merge into the target tables and the origin's advance
+stay one transaction (:func:`~.apply.apply_range`), as on Spark.
+
+What must hold: what :mod:`.shared_staging` says (a re-run starts from fresh tables; the staged
+rows are the kernel's over the whole range); and the scratch folder is this apply's alone (the
+range lock makes it the only apply of the origin): a killed apply's is removed by the next.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .compaction import NetChanges, TableRelation, compact_table
+from .compaction.kernel import KERNEL_COLUMNS
+from .compaction.partitions import Router
+from .failpoints import failpoint
+from .identifiers import TableName
+from .shared_staging import (
+    SharedStage,
+    create_shared_tables,
+    stage_partition,
+    summarise,
+    summary_rows,
+)
+from .store import CHANGE_SCHEMA, StoredRange
+
+SCRATCH = ".apply-scratch"
+"""The folder, in the store's root, where a partitioned apply's partitions wait on disk."""
+_LEARN_COLUMNS = (
+    "commit_end_lsn",
+    "action",
+    "relation_version",
+    "key",
+    "new_row",
+    "unchanged_toast",
+)
+
+
+@dataclass
+class PartitionedStaging:
+    """What :func:`stage_partitioned` did, for the apply's result."""
+
+    stages: dict[TableName, SharedStage]
+    partitions: int
+    """Partitions per table (plus one for moved keys, when any)."""
+    groups: int
+    """(table, partition) groups compacted and staged."""
+
+
+def partitions_for(changes: int, partition_changes: int) -> int:
+    """How many key-hash partitions a range of ``changes`` is cut into, so that each holds
+    about ``partition_changes`` (one: the range is compacted whole, in memory)."""
+    return max(1, -(-changes // max(1, partition_changes)))
+
+
+def stage_partitioned(
+    conn: psycopg.Connection[Any],
+    origin_name: str,
+    stored: StoredRange,
+    relations: Mapping[TableName, TableRelation],
+    *,
+    parts: int,
+    after_lsn: int | None = None,
+    floors: Mapping[TableName, int] | None = None,
+) -> PartitionedStaging:
+    """Route ``stored``'s changes of ``relations`` into ``parts`` key-hash partitions on disk,
+    then compact each alone and COPY its net rows into the shared staging tables of
+    ``origin_name`` (``conn``: the apply's autocommit connection; each partition commits on its
+    own, the merge comes later in the apply's transaction)."""
+    scratch = stored.store_root / SCRATCH
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        router = Router(relations, parts, after_lsn=after_lsn, floors=floors)
+        if _has_updates(stored):
+            for batch in stored.iter_batches(_LEARN_COLUMNS):
+                router.learn(batch)
+        files = _route(stored, router, scratch)
+        tables = router.tables
+        names = create_shared_tables(conn, origin_name, relations)
+        summaries = []
+        with concurrent.futures.ThreadPoolExecutor(1, "pgcdc-compact") as pool:
+            groups = iter(sorted(files.items()))
+
+            def compact(group: tuple[tuple[int, int], Path]) -> tuple[int, int, NetChanges]:
+                (t, pid), path = group
+                net = compact_table(_read(path), relations[tables[t]])
+                path.unlink()
+                return t, pid, net
+
+            ahead = [pool.submit(compact, g) for g in _take(groups, 1)]
+            while ahead:
+                t, pid, net = ahead.pop(0).result()
+                ahead += [pool.submit(compact, g) for g in _take(groups, 1)]
+                summaries.append(stage_partition(conn, net, names[tables[t]], t, pid))
+                del net
+                failpoint("apply.staging")
+        return PartitionedStaging(
+            summarise(summary_rows(summaries), tables, relations, names),
+            parts,
+            len(files),
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _has_updates(stored: StoredRange) -> bool:
+    """Whether the range holds any UPDATE (only those can move a key): the action column alone
+    is read, a small fraction of the range."""
+    return any(
+        pc.any(pc.equal(batch.column("action"), "U")).as_py()
+        for batch in stored.iter_batches(("action",), batch_rows=1_048_576)
+    )
+
+
+def _route(stored: StoredRange, router: Router, scratch: Path) -> dict[tuple[int, int], Path]:
+    """Second pass: every batch's groups appended to their (table, partition) file."""
+    schema = pa.schema([CHANGE_SCHEMA.field(name) for name in KERNEL_COLUMNS])
+    writers: dict[tuple[int, int], pa.ipc.RecordBatchFileWriter] = {}
+    files: dict[tuple[int, int], Path] = {}
+    try:
+        for batch in stored.iter_batches(KERNEL_COLUMNS):
+            for t, pid, rows in router.route(batch):
+                writer = writers.get((t, pid))
+                if writer is None:
+                    path = files[(t, pid)] = scratch / f"{t}-{pid}.arrow"
+                    writer = writers[(t, pid)] = pa.ipc.new_file(str(path), schema)
+                writer.write_table(rows)
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return files
+
+
+def _read(path: Path) -> pa.Table:
+    with pa.OSFile(str(path), "rb") as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _take(items: Iterator[Any], count: int) -> list[Any]:
+    out = []
+    for _ in range(count):
+        try:
+            out.append(next(items))
+        except StopIteration:
+            break
+    return out
