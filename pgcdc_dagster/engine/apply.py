@@ -961,6 +961,7 @@ def _from_shared(
             old_missing=stage.old_missing,
             has_origin=stage.has_origin,
             upsert_rows=stage.upsert_rows,
+            new_rows=stage.new_rows,
             all_inserts=stage.all_inserts,
             net_rows=stage.net_rows,
         )
@@ -1087,6 +1088,9 @@ class _Staged:
     old_missing: list[int] = field(default_factory=list)
     has_origin: bool = False
     upsert_rows: int = 0
+    new_rows: int = 0
+    """Upserted rows of new keys (``n``, see :mod:`.compaction.kernel`) staged with their flag:
+    inserted without an ``ON CONFLICT`` arbiter (0: every row goes through the upsert)."""
     all_inserts: bool = False
     net_rows: int = 0
     direct: pa.Table | None = None
@@ -1150,6 +1154,10 @@ def _stage(conn: psycopg.Connection[Any], i: int, net: NetChanges, target: Targe
         spec += [(f"u{j}", None) for j in stage.keep]
         if stage.has_origin:
             spec += [(f"f{j}", p) for j, p in enumerate(ident)]
+        new_rows = int(pc.sum(upserts.column("n")).as_py() or 0)
+        if new_rows >= NEW_ROWS_APART:
+            stage.new_rows = new_rows
+            spec.append(("n", None))
         rows = upserts.select([alias for alias, _ in spec])
         inline = not _fills_from_origin(stage)
         stage.upserts = _stage_rows(conn, f"pgcdc_up_{i}", rows, spec, target, rel, inline)
@@ -1214,6 +1222,42 @@ def _applying(conn: psycopg.Connection[Any], what: str) -> Iterator[None]:
         raise ApplyError(f"applying {what} failed: {server_reason(exc)}") from exc
 
 
+NEW_ROWS_APART = 10_000
+"""From this many rows of new keys on, a table's upsert inserts them apart, without an
+``ON CONFLICT`` arbiter: measured on 3M new and 200k updated rows, 3.7 s against 8.5 s for
+the one upsert; below it, one statement less is worth more."""
+
+
+def _insert_new(conn: psycopg.Connection[Any], stage: _Staged, what: str) -> bool:
+    """INSERT the staged rows of new keys, in a savepoint; whether it went through. A target
+    that has such a key after all (written by hand: a source key it lacked at the range's
+    start) refuses it, and the upsert then takes every row, as it would have."""
+    rel = stage.net.relation
+    names = rel.names
+    insert = sql.SQL(
+        "INSERT INTO {t} ({cols}) OVERRIDING SYSTEM VALUE SELECT {vals} FROM {s} s "
+        "WHERE s.n ORDER BY {order}"
+    ).format(
+        t=rel.table.sql,
+        cols=sql.SQL(", ").join(sql.Identifier(n) for n in names),
+        vals=sql.SQL(", ").join(
+            sql.SQL("s.{}").format(sql.Identifier(f"c{j}")) for j in range(len(names))
+        ),
+        s=stage.upserts,
+        order=sql.SQL(", ").join(
+            sql.SQL("s.{}").format(sql.Identifier(f"c{p}")) for p in rel.identity_positions
+        ),
+    )
+    try:
+        with conn.transaction():
+            _run(conn, insert, what)
+    except ApplyError as exc:
+        if isinstance(exc.__cause__, psycopg.errors.UniqueViolation):
+            return False
+        raise
+    return True
+
+
 def _apply_collapsed(
     conn: psycopg.Connection[Any], stage: _Staged, counts: TableApplyCounts
 ) -> None:
@@ -1273,8 +1317,15 @@ def _apply_collapsed(
     if stage.upserts is None:
         return
     keep_any = sql.SQL(" OR ").join(staged("u", j) for j in stage.keep)
-    full_rows = sql.SQL(" WHERE NOT ({})").format(keep_any) if stage.keep else sql.SQL("")
+    whole = [sql.SQL("NOT ({})").format(keep_any)] if stage.keep else []
     others = [j for j in range(len(names)) if j not in ident]
+    partitioned = stage.target.partitioned
+    before = _partition_writes(conn, table) if partitioned else None
+    if stage.new_rows and _insert_new(conn, stage, what):
+        if before is None:
+            counts.inserted += stage.new_rows
+        whole.append(sql.SQL("NOT s.n"))
+    full_rows = sql.SQL(" WHERE {}").format(sql.SQL(" AND ").join(whole)) if whole else sql.SQL("")
     on_conflict: sql.Composable
     if others:
         on_conflict = sql.SQL("DO UPDATE SET {}").format(
@@ -1282,8 +1333,6 @@ def _apply_collapsed(
         )
     else:
         on_conflict = sql.SQL("DO NOTHING")
-    partitioned = stage.target.partitioned
-    before = _partition_writes(conn, table) if partitioned else None
     existing = 0
     if partitioned and before is None:
         # Without the transaction's write counts (track_counts off), the rows whose key is
@@ -1298,7 +1347,7 @@ def _apply_collapsed(
             conn,
             sql.SQL("SELECT count(*) FROM {s} s WHERE {full}{there}").format(
                 s=stage.upserts,
-                full=sql.SQL("NOT ({}) AND ").format(keep_any) if stage.keep else sql.SQL(""),
+                full=sql.SQL("").join(sql.SQL("{} AND ").format(w) for w in whole),
                 there=there,
             ),
             what,

@@ -53,6 +53,7 @@ SUMMARY_SCHEMA = pa.schema(
         ("net_rows", pa.int64()),
         ("deletes", pa.int64()),
         ("upserts", pa.int64()),
+        ("new_rows", pa.int64()),
         ("all_inserts", pa.bool_()),
         ("has_origin", pa.bool_()),
         ("keep", pa.list_(pa.bool_())),
@@ -75,6 +76,8 @@ class SharedStage:
     upserts: sql.Identifier | None = None
     ordered: sql.Identifier | None = None
     upsert_rows: int = 0
+    new_rows: int = 0
+    """Upserted rows of new keys (their ``n`` flag staged): see :func:`~.apply._insert_new`."""
     delete_rows: int = 0
     all_inserts: bool = True
     has_origin: bool = False
@@ -139,7 +142,8 @@ def _create_tables(
         rel.table,
         [typed_as(rel, j, f"c{j}") for j in every]
         + [flag(f"u{j}") for j in every]
-        + [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)],
+        + [typed_as(rel, p, f"f{j}") for j, p in enumerate(ident)]
+        + [flag("n")],
         shared=True,
     )
     return {"del": deletes, "up": upserts}
@@ -196,7 +200,7 @@ def stage_partition(
                 _with_part(deletes, _names("k", k), part[: deletes.num_rows]),
                 rel.table,
             )
-            columns = [*_names("c", width), *_names("u", width), *_names("f", k)]
+            columns = [*_names("c", width), *_names("u", width), *_names("f", k), "n"]
             copy_rows(
                 conn,
                 names["up"],
@@ -213,6 +217,7 @@ def stage_partition(
         "net_rows": rows.num_rows,
         "deletes": deletes.num_rows,
         "upserts": upserts.num_rows,
+        "new_rows": int(pc.sum(upserts.column("n")).as_py() or 0) if rel.collapsible else 0,
         "all_inserts": bool(pc.all(pc.equal(ops, "I")).as_py()),
         "has_origin": rel.collapsible
         and bool(rel.identity)
@@ -260,6 +265,7 @@ def summarise(
         stage.net_rows += row["net_rows"]
         stage.delete_rows += row["deletes"]
         stage.upsert_rows += row["upserts"]
+        stage.new_rows += row["new_rows"]
         stage.all_inserts = stage.all_inserts and row["all_inserts"]
         stage.has_origin = stage.has_origin or row["has_origin"]
         stage.keep = _union(stage.keep, row["keep"])

@@ -18,6 +18,7 @@ import psycopg
 import pyarrow as pa
 import pytest
 
+from pgcdc_dagster.engine import apply as apply_module
 from pgcdc_dagster.engine import staging
 from pgcdc_dagster.engine.apply import (
     ApplyError,
@@ -932,3 +933,46 @@ def test_a_range_applied_in_part_is_compacted_from_the_origin_on():
     rest = compact_arrow(changes, {table: relation}, after_lsn=102)[table]  # ends 100..105
     assert [r["c0"] for r in rest.sorted_rows()] == ["3", "4", "5"]
     assert compact_arrow(changes, {table: relation}, after_lsn=105) == {}
+
+
+@pytest.mark.parametrize("path", ["in_memory", "partitioned"])
+@pytest.mark.parametrize("diverged", [False, True])
+def test_new_keys_are_inserted_apart_and_a_target_that_has_one_falls_back_to_the_upsert(
+    make_replica, monkeypatch, path, diverged
+):
+    """Rows of keys the range inserted first go in by a plain INSERT; a target written by hand
+    that holds such a key already takes the whole upsert instead, as before (nothing lost)."""
+    monkeypatch.setattr(apply_module, "NEW_ROWS_APART", 100)
+    replica = make_replica(ITEMS, ["items"])
+    replica.source("INSERT INTO items (id, name) SELECT g, 'old' FROM generate_series(1, 50) g")
+    replica.sync()
+    if diverged:
+        replica.target("INSERT INTO items (id, name) VALUES (120, 'written by hand')")
+    replica.source(
+        "INSERT INTO items (id, name) SELECT g, 'new' FROM generate_series(51, 400) g",
+        "UPDATE items SET n = 1 WHERE id <= 60",  # old keys and new ones
+        "DELETE FROM items WHERE id = 2",
+        "INSERT INTO items (id, name) VALUES (2, 'again')",  # deleted, then new again: not new
+    )
+    stored = replica.receive()
+    net = compact_arrow(stored.read_table(), relations_of(stored.manifest.relations))
+    rows = net[TableName("public", "items")].upserts
+    new = {r["c0"] for r in rows.to_pylist() if r["n"]}
+    assert new == {str(k) for k in range(51, 401)}
+    kwargs = {"partition_changes": stored.changes // 2 + 1} if path == "partitioned" else {}
+    inserted_apart: list[bool] = []
+    insert_new = apply_module._insert_new
+
+    def spied(*args, **kw):
+        inserted_apart.append(insert_new(*args, **kw))
+        return inserted_apart[-1]
+
+    monkeypatch.setattr(apply_module, "_insert_new", spied)
+    result = replica.apply(stored, **kwargs)
+    assert result.compaction_path == ("partitioned" if path == "partitioned" else "arrow")
+    replica.assert_in_sync()
+    counts = result.tables["public.items"]
+    assert (counts.inserted, counts.updated, counts.deleted) == (
+        (349, 51, 0) if diverged else (350, 50, 0)
+    )
+    assert inserted_apart == [not diverged]

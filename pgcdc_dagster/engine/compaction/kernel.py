@@ -10,7 +10,7 @@ Input and output::
     CHANGE_SCHEMA rows of one table ──▶ compact_table ──▶ NetChanges
     (any order: sorted here by               │              truncate + flags     applied first
      commit_end_lsn, seq)                    │              op D  k*             delete
-                                             │              op U  k*, c*, u*, f* upsert
+                                             │              op U  k*, c*, u*, f*, n upsert
                                              └─ no identity: every change after the last
                                                 truncate, in commit order (o*, m*, c*, u*)
 
@@ -35,6 +35,12 @@ What must hold (and why each rule is right)
       key at all, where the source publishes only inserts) cannot be collapsed: two rows may
       be identical. Its changes stay in commit
       order, with their old values, for an ordered apply.
+
+    * An upserted key whose first change in the range (after the last truncate) is its INSERT
+      is *new* (``n``): the source did not have it when the range began, so neither has a
+      target that applied everything before; the apply inserts such rows without an
+      ``ON CONFLICT`` arbiter (about half the target's work for a big insert), and falls back
+      to the upsert if the target has the key after all (a target written by hand).
 
 Net tables are *wide*: one text column per table column, named by position (``k<j>`` identity,
 ``c<j>`` values, ``u<j>`` keep flags, ``f<j>`` origin key, ``o<j>`` old values) so no column
@@ -191,7 +197,8 @@ class NetChanges:
     """The net effect of a range on one table.
 
     ``net`` is wide (see the module docstring). When ``ordered`` is false it holds one row per
-    identity value: ``op`` ``D`` (delete ``k*``) or ``U`` (upsert ``k*`` with ``c*``; ``u<j>``
+    identity value: ``op`` ``D`` (delete ``k*``) or ``U`` (upsert ``k*`` with ``c*``, ``n`` true
+    for a new key; ``u<j>``
     true means "do not overwrite column j", or, when ``f*`` is set, "take column j from the
     target row at origin key ``f*``"). When ``ordered`` is true it holds every change after the
     last truncate in commit order: ``ord``, ``op`` ``I``/``U``/``D``, old values ``o*`` with
@@ -332,6 +339,11 @@ def _collapse(changes: pa.Table, relation: TableRelation) -> pa.Table:
     run_start = np.maximum.accumulate(np.where(run_start_flag, idx, 0)) if total else idx
     final = np.flatnonzero(last)
     f_up, f_del = final[up[final]], final[~up[final]]
+    # New keys: the key's first event is an INSERT itself (not the delete half of a move,
+    # whose event indexes start at n, nor a move in, which is an UPDATE).
+    first_of_key = np.maximum.accumulate(np.where(boundary, idx, 0)) if total else idx
+    first = first_of_key[f_up]
+    fresh = (s[first] < n) & _is(changes, "I")[ch[first]] if len(f_up) else np.zeros(0, bool)
 
     # Sorted position of the delete half of each move, reached from its upsert half.
     inverse = np.empty(total, np.int64)
@@ -394,6 +406,7 @@ def _collapse(changes: pa.Table, relation: TableRelation) -> pa.Table:
     for j, part in enumerate(ev_key_parts):
         origin = part.take(pa.array(origin_ev, pa.int64(), mask=~needs_origin))
         columns[f"f{j}"] = pa.concat_arrays([pa.nulls(nd, pa.string()), origin])
+    columns["n"] = pa.array(np.concatenate([np.zeros(nd, bool), fresh]))
     return pa.table(columns)
 
 

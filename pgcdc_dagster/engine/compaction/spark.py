@@ -237,7 +237,9 @@ def _to_spark(result: NetChanges, name: TableName) -> pa.Table:
             "table_name": pa.array([name.name] * n, pa.string()),
             "op": net.column("op"),
             "ord": ords,
-            "flags": pa.nulls(n, pa.int8()),
+            "flags": pc.cast(net.column("n"), pa.int8())
+            if "n" in net.column_names
+            else pa.nulls(n, pa.int8()),
             "key": key,
             "row": _as_lists([net.column(f"c{j}") for j in range(width)], pa.string(), n),
             "keep": _as_lists([net.column(f"u{j}") for j in range(width)], pa.bool_(), n),
@@ -350,6 +352,8 @@ def _from_spark(
             origin = _array(body.column("origin"))
             for j in range(len(relation.identity)):
                 columns[f"f{j}"] = pc.list_element(origin, j)
+            # A new key's flag (the kernel's ``n``) travels in ``flags``, unused by body rows.
+            columns["n"] = pc.fill_null(pc.equal(_array(body.column("flags")), 1), False)
         if not body.num_rows:
             columns = {k: v.cast(_wide_type(k)) for k, v in columns.items()}
         out[name] = NetChanges(
@@ -365,7 +369,7 @@ def _from_spark(
 
 
 def _wide_type(name: str) -> pa.DataType:
-    if name.startswith(("u", "m")):
+    if name.startswith(("u", "m")) or name == "n":
         return pa.bool_()
     if name == "ord":
         return pa.int64()
