@@ -11,7 +11,17 @@ sides alternate order between repeats.
 
 Reported per run: both wall times, the ratio (native seconds / ours, > 1: we are faster), and
 from the follow run's own totals how long receive and apply were busy and how long they ran at
-the same time.
+the same time. Each side's CPU seconds (:class:`apply.CpuMeter`: the source cluster's
+processes, the target's, this benchmark's process tree, the rest of the machine) and, for ours,
+the command's own tree apart (``command``: the ``pgcdc`` process and the children it reaped,
+its follower among them, from ``wait4``'s resource usage; ``driver`` is then the benchmark's
+own process and its untimed Spark, the command taken out). The 1-minute load average before
+and after each side. For ours also a timeline polled as native's is (every 20 ms: the slot's
+``confirmed_flush_lsn`` on the source, moved once a range is stored, and the origin's
+progress on the target, moved by each range's apply), and per range (from the run's events
+in Dagster's storage) its WAL, changes, receive, staging and apply seconds, when it was stored
+and when applied (the origin reached its last commit). ``--py-spy FILE``: one more run of ours
+alone, under ``py-spy record --subprocesses`` (raw collapsed stacks to FILE), untimed.
 
 ``--server off`` (default): the command is the first on the machine, cold, in a process of its
 own. ``--server warm``: an earlier command left the command server up
@@ -33,12 +43,14 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from apply import (
+    POLL_S,
     WORKLOADS,
     CpuMeter,
     Setup,
@@ -50,6 +62,7 @@ from apply import (
     warm_command_server,
 )
 
+from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.spark_session import get_spark
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,7 +70,12 @@ PGCDC = str(Path(sys.executable).parent / "pgcdc")
 
 
 def run_ours_cli(
-    setup: Setup, target: Any, work: Path, meter: CpuMeter, warm: bool = False
+    setup: Setup,
+    target: Any,
+    work: Path,
+    meter: CpuMeter,
+    warm: bool = False,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     storage_db = "dagster_storage"
     with psycopg.connect(target.dsn(), autocommit=True) as conn:
@@ -83,30 +101,154 @@ def run_ours_cli(
     # Dagster creates its storage schema on first use: do that outside the timing, as a user's
     # instance already has it.
     subprocess.run([PGCDC, "status"], env=env, capture_output=True, check=False, cwd=work)
+    pyspy: list[str] = []
+    if profile is not None:
+        pyspy = [str(Path(sys.executable).parent / "py-spy"), "record", "--subprocesses",
+                 "--rate", "200", "--format", "raw", "--nonblocking",
+                 "-o", str(profile), "--"]  # fmt: skip
+    out_path, err_path = work / "catchup.out", work / "catchup.err"
+    timeline = Timeline(setup, target)
     with contextlib.ExitStack() as stack:
         if warm:
             meter.roots["command_server"] = stack.enter_context(warm_command_server(env))
             stack.callback(meter.roots.pop, "command_server")
-        with meter:
+        load_before = os.getloadavg()[0]
+        with open(out_path, "w") as out, open(err_path, "w") as err, timeline, meter:
             started = time.perf_counter()
-            done = subprocess.run(
-                [PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
+            timeline.started = started
+            proc = subprocess.Popen(
+                [*pyspy, PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
                 env=env,
-                capture_output=True,
-                text=True,
+                stdout=out,
+                stderr=err,
                 cwd=work,
             )
+            _, status, usage = os.wait4(proc.pid, 0)
             seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"pgcdc catchup failed: {done.stderr[-3000:]}")
-    summary = json.loads(done.stdout)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        load_after = os.getloadavg()[0]
+    if proc.returncode != 0:
+        raise RuntimeError(f"pgcdc catchup failed: {err_path.read_text()[-3000:]}")
+    output = out_path.read_text()
+    summary, _ = json.JSONDecoder().raw_decode(output, output.index("{"))  # py-spy prints too
+    cpu = dict(meter.seconds)
+    command = round(usage.ru_utime + usage.ru_stime, 2)
+    cpu["command"] = command
+    cpu["driver"] = round(cpu["driver"] - command, 2)  # the benchmark itself, its Spark
+    ranges = range_events(target, storage_db, timeline)
     return {
         "seconds": seconds,
-        "cpu_s": meter.seconds,
+        "cpu_s": cpu,
+        "load_1m": [load_before, load_after],
         "follow": summary.get("follow", {}),
         "ranges": summary["ranges_run"],
+        "timeline": timeline.summary(seconds),
+        "per_range": ranges,
         "verify": verify_target(settings.model_copy(update={"target_dsn": settings.target_dsn})),
     }
+
+
+class Timeline:
+    """Poll, from a thread, the slot's confirmed position on the source (moved once a range is
+    stored) and our origin's progress on the target (moved by each range's apply), every
+    :data:`apply.POLL_S`, as native's side is polled; keep each change with its time."""
+
+    def __init__(self, setup: Setup, target: Any) -> None:
+        self.setup = setup
+        self.target = target
+        self.started = time.perf_counter()
+        self.stored: list[tuple[float, Lsn]] = []
+        self.applied: list[tuple[float, Lsn]] = []
+        self._stop = threading.Event()
+
+    def __enter__(self) -> Timeline:
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        settings = self.setup.settings
+        with (
+            psycopg.connect(settings.source_dsn, autocommit=True) as src,
+            psycopg.connect(self.target.dsn(), autocommit=True) as tgt,
+        ):
+            while not self._stop.is_set():
+                (confirmed,) = src.execute(
+                    "SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                    "WHERE slot_name = %s",
+                    (settings.slot,),
+                ).fetchone()  # type: ignore[misc]
+                (applied,) = tgt.execute(
+                    "SELECT pg_replication_origin_progress(%s, false)::text",
+                    (f"pgcdc_{settings.slot}",),
+                ).fetchone()  # type: ignore[misc]
+                now = time.perf_counter() - self.started
+                for points, text in ((self.stored, confirmed), (self.applied, applied)):
+                    if text is None:
+                        continue
+                    lsn = Lsn.parse(text)
+                    if not points or points[-1][1] != lsn:
+                        points.append((round(now, 3), lsn))
+                self._stop.wait(POLL_S)
+
+    def when(self, points: list[tuple[float, Lsn]], lsn: Lsn) -> float | None:
+        """First time the polled position reached ``lsn``."""
+        return next((t for t, at in points if at >= lsn), None)
+
+    def summary(self, seconds: float) -> dict[str, Any]:
+        first_stored = self.stored[1][0] if len(self.stored) > 1 else None
+        first_applied = self.applied[1][0] if len(self.applied) > 1 else None
+        end = self.setup.end
+        return {
+            "first_stored_s": first_stored,
+            "first_applied_s": first_applied,
+            "all_stored_s": self.when(self.stored, end),
+            "all_applied_s": self.applied[-1][0] if len(self.applied) > 1 else None,
+            "exit_s": round(seconds, 3),
+        }
+
+
+def range_events(target: Any, storage_db: str, timeline: Timeline) -> list[dict[str, Any]]:
+    """Per range, from the run's materialisations in Dagster's storage: ``decoded_changes``
+    (the receive) and one target table's (the apply's staging and statement seconds)."""
+    from dagster._serdes import deserialize_value
+
+    with psycopg.connect(target.dsn(storage_db)) as conn:
+        rows = conn.execute(
+            "SELECT event FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION' "
+            "ORDER BY id"
+        ).fetchall()
+    ranges: dict[str, dict[str, Any]] = {}
+    for (event,) in rows:
+        entry: Any = deserialize_value(event)
+        mat = entry.dagster_event.event_specific_data.materialization
+        meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+        row = ranges.setdefault(mat.partition, {"range": mat.partition})
+        if mat.asset_key.path == ["decoded_changes"]:
+            row.update(
+                wal_mb=round(meta["bytes"] / 1e6, 1),
+                transactions=meta["transactions"],
+                changes=meta["changes"],
+                receive_s=round(meta["seconds"], 3),
+                endpos=meta["endpos"],
+            )
+        elif "apply_seconds" in meta and "apply_s" not in row:
+            row.update(staging_s=round(meta["staging_seconds"], 3),
+                       apply_s=round(meta["apply_seconds"], 3),
+                       replay_lsn=meta["replay_lsn"])  # fmt: skip
+    out = []
+    for row in ranges.values():
+        if "endpos" in row:
+            end = Lsn.parse(row["endpos"])
+            row["stored_at_s"] = timeline.when(timeline.stored, end)
+        if row.get("replay_lsn", "none") != "none":
+            row["applied_at_s"] = timeline.when(timeline.applied, Lsn.parse(row["replay_lsn"]))
+        out.append(row)
+    return sorted(out, key=lambda r: Lsn.parse(r["endpos"]) if "endpos" in r else Lsn(0))
 
 
 def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
@@ -114,29 +256,70 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
         args.range_mb = 256
         setup = prepare(source, target, spark, work / "store", args)
         meter = CpuMeter(source, target)
+
+        def native() -> dict[str, Any]:
+            before = os.getloadavg()[0]
+            result = run_native(setup, source, target, meter, args.native_timeout)
+            result["load_1m"] = [before, os.getloadavg()[0]]
+            return result
+
+        if index < 0:  # the profiled run: ours alone
+            ours = run_ours_cli(setup, target, work, meter, args.server == "warm", args.py_spy)
+            return {"profiled": str(args.py_spy), "ours_s": round(ours["seconds"], 3),
+                    "ours": ours}  # fmt: skip
         order, results = alternating(
             {
                 "ours": lambda: run_ours_cli(setup, target, work, meter, args.server == "warm"),
-                "native": lambda: run_native(setup, source, target, meter, args.native_timeout),
+                "native": native,
             },
             index,
         )
-    ours, native = results["ours"], results["native"]
+    ours, native_result = results["ours"], results["native"]
     follow = ours["follow"]
     return {
         "order": order,
         "transactions": 4 * args.transactions,
         "wal_mb": round((setup.end - setup.start) / 1e6, 1),
         "ours_s": round(ours["seconds"], 3),
-        "native_s": round(native["seconds"], 3),
-        "ratio": round(native["seconds"] / ours["seconds"], 3),
+        "native_s": round(native_result["seconds"], 3),
+        "native_applied_s": round(native_result["applied_s"], 3),
+        "ratio": round(native_result["seconds"] / ours["seconds"], 3),
         "ours_cpu_s": ours["cpu_s"],
-        "native_cpu_s": native["cpu_s"],
+        "native_cpu_s": native_result["cpu_s"],
+        "ours_load_1m": ours["load_1m"],
+        "native_load_1m": native_result["load_1m"],
         "ours_ranges": ours["ranges"],
         "follow": follow,
+        "timeline": ours["timeline"],
+        "per_range": ours["per_range"],
         "ours_equal": ours["verify"]["equal"],
-        "native_equal": native["verify"]["equal"],
+        "native_equal": native_result["verify"]["equal"],
     }
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over the runs."""
+
+    def med(get: Any) -> float | None:
+        values = [v for v in (get(r) for r in runs) if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    out: dict[str, Any] = {
+        "ours_s": med(lambda r: r["ours_s"]),
+        "native_s": med(lambda r: r["native_s"]),
+        "ratio": med(lambda r: r["ratio"]),
+    }
+    for side in ("ours", "native"):
+        keys = sorted({k for r in runs for k in r[f"{side}_cpu_s"]})
+        out[f"{side}_cpu_s"] = {
+            k: med(lambda r, k=k, side=side: r[f"{side}_cpu_s"].get(k)) for k in keys
+        }
+    for key in ("seconds", "receive_busy_s", "apply_busy_s", "overlap_s", "receive_cpu_s",
+                "apply_cpu_s", "ranges"):  # fmt: skip
+        out[f"follow_{key}"] = med(lambda r, key=key: r["follow"].get(key))
+    for key in ("first_stored_s", "first_applied_s", "all_stored_s", "all_applied_s"):
+        out[key] = med(lambda r, key=key: r["timeline"].get(key))
+    return out
 
 
 def main() -> None:
@@ -154,6 +337,11 @@ def main() -> None:
     parser.add_argument("--native-timeout", type=float, default=600)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
+        "--py-spy",
+        type=Path,
+        help="after the timed runs, one more run of ours alone under py-spy (raw stacks here)",
+    )
+    parser.add_argument(
         "--server",
         choices=["off", "warm"],
         default="off",
@@ -164,13 +352,16 @@ def main() -> None:
     args = parser.parse_args()
     spark = get_spark()  # for the untimed snapshot; the timed command starts its own
     runs = [one_run(args, spark, i) for i in range(args.repeat)]
+    profiled = one_run(args, spark, -1) if args.py_spy else None
     report = {
         "command": "pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
         "command_server": args.server,
         "transactions": 4 * args.transactions,
         "workload": args.workload,
         "median_ratio": statistics.median(r["ratio"] for r in runs),
+        "medians": medians(runs),
         "runs": runs,
+        "profiled": profiled,
     }
     print(json.dumps(report, indent=2))
     if args.json:

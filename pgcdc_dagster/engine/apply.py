@@ -109,7 +109,7 @@ from .failpoints import failpoint
 from .identifiers import TableName
 from .lsn import Lsn
 from .origin import mark_transaction, require_progress, reset_session, setup_session
-from .partitioned_staging import partitions_for, stage_partitioned
+from .partitioned_staging import Routed, partitions_for, route_range, stage_routed
 from .shared_staging import SharedStage
 from .spark_executors import SparkApp, spark_app
 from .spark_staging import stage_on_spark
@@ -287,6 +287,7 @@ def apply_range(
             if t in relations and lsn > progress
         }
         shared: dict[TableName, SharedStage] | None = None
+        routed: Routed | None = None
         parts = partitions_for(stored.changes, partition_changes) if partition_changes else 1
         # A range with DDL to carry out is compacted whole, here: shared staging tables are
         # typed like the target's columns before the apply's transaction, and the DDL must
@@ -311,22 +312,13 @@ def apply_range(
             result.changes = sum(s.changes for s in shared.values())
             result.net_rows = sum(s.net_rows for s in shared.values())
         elif parts > 1 and not plans:
-            staging_started = time.perf_counter()
-            partitioned = stage_partitioned(
-                conn,
-                origin_name,
-                stored,
-                relations,
-                parts=parts,
-                after_lsn=int(progress),
-                floors=floors,
+            routing_started = time.perf_counter()
+            routed = route_range(
+                stored, relations, parts=parts, after_lsn=int(progress), floors=floors
             )
-            shared = partitioned.stages
             result.compaction_path = "partitioned"
-            result.staged_by = f"driver, {partitioned.groups} partition(s)"
-            result.staging_seconds = round(time.perf_counter() - staging_started, 4)
-            result.changes = sum(s.changes for s in shared.values())
-            result.net_rows = sum(s.net_rows for s in shared.values())
+            result.staged_by = f"driver, {len(routed.files)} partition(s)"
+            result.compaction_seconds = round(time.perf_counter() - routing_started, 4)
         else:
             compaction = compact_range(
                 stored,
@@ -361,6 +353,11 @@ def apply_range(
                     if plans:
                         targets = read_target_tables(conn, list(relations))
                     stage_started = time.perf_counter()
+                    if routed is not None:
+                        _truncate(conn, routed.truncated)
+                        shared = stage_routed(conn, routed, skip=in_order)
+                        result.changes = sum(s.changes for s in shared.values())
+                        result.net_rows = sum(s.net_rows for s in shared.values())
                     if shared is None:
                         staged = _stage_all(conn, {**compaction.tables, **in_order}, targets)
                     else:
@@ -369,10 +366,13 @@ def apply_range(
                             for s in _from_shared(shared, targets)
                             if s.net.relation.table not in in_order
                         ] + _stage_all(conn, in_order, targets)
-                    if shared is None or in_order:
+                    if shared is None or in_order or routed is not None:
                         result.staging_seconds = round(time.perf_counter() - stage_started, 4)
-                    _apply_staged(conn, staged, result)
-                    if shared is not None:
+                    _apply_staged(conn, staged, result, truncated_first=routed is not None)
+                    for table, stage in (shared or {}).items():
+                        if stage.direct and str(table) in result.tables:
+                            result.tables[str(table)].inserted += stage.direct
+                    if shared is not None and routed is None:
                         # Gone with the COMMIT; tables a killed apply left are dropped by the
                         # next apply that stages in them before it does (no catalog query on
                         # the in-memory path).
@@ -398,6 +398,8 @@ def apply_range(
                 result.in_commit_order.append(str(refused.table))
             finally:
                 reset_session(conn)
+        if routed is not None:
+            routed.remove()
         failpoint("apply.after_commit")
         result.replay_lsn = str(require_progress(conn, origin_name))
     result.seconds = round(time.perf_counter() - started, 4)
@@ -970,23 +972,25 @@ def _from_shared(
 
 
 def _apply_staged(
-    conn: psycopg.Connection[Any], staged: list[_Staged], result: ApplyResult
+    conn: psycopg.Connection[Any],
+    staged: list[_Staged],
+    result: ApplyResult,
+    *,
+    truncated_first: bool = False,
 ) -> None:
-    """TRUNCATE what the range truncated, then apply table by table from the staged rows."""
+    """TRUNCATE what the range truncated (unless done before staging, ``truncated_first``),
+    then apply table by table from the staged rows."""
     apply_started = time.perf_counter()
     for stage in staged:
         net = stage.net
         result.tables[str(net.relation.table)] = TableApplyCounts(
             changes=net.changes, net_rows=stage.net_rows, truncated=net.truncate
         )
-    truncated = [stage.net for stage in staged if stage.net.truncate]
-    if truncated:
-        restart = any(net.truncate_flags & 2 for net in truncated)
-        statement = sql.SQL("TRUNCATE {}{}").format(
-            sql.SQL(", ").join(net.relation.table.sql for net in truncated),
-            sql.SQL(" RESTART IDENTITY") if restart else sql.SQL(""),
+    if not truncated_first:
+        _truncate(
+            conn,
+            {s.net.relation.table: s.net.truncate_flags for s in staged if s.net.truncate},
         )
-        _run(conn, statement, "the range's TRUNCATE")
     for stage in staged:
         counts = result.tables[str(stage.net.relation.table)]
         with _writable(conn, stage):
@@ -1220,6 +1224,19 @@ def _applying(conn: psycopg.Connection[Any], what: str) -> Iterator[None]:
         if conn.broken:
             raise  # the server went away, not the statement: the caller's server_errors says so
         raise ApplyError(f"applying {what} failed: {server_reason(exc)}") from exc
+
+
+def _truncate(conn: psycopg.Connection[Any], tables: Mapping[TableName, int]) -> None:
+    """TRUNCATE the tables a range truncated (with each one's last TRUNCATE's flags: RESTART
+    IDENTITY if any asked for it; CASCADE never, see the module docstring)."""
+    if not tables:
+        return
+    restart = any(flags & 2 for flags in tables.values())
+    statement = sql.SQL("TRUNCATE {}{}").format(
+        sql.SQL(", ").join(table.sql for table in tables),
+        sql.SQL(" RESTART IDENTITY") if restart else sql.SQL(""),
+    )
+    _run(conn, statement, "the range's TRUNCATE")
 
 
 NEW_ROWS_APART = 10_000

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from .failpoints import failpoint
 from .identifiers import TableName
 from .shared_staging import (
     SharedStage,
-    create_shared_tables,
+    create_temporary_tables,
     stage_partition,
     summarise,
     summary_rows,
@@ -62,14 +62,21 @@ _LEARN_COLUMNS = (
 
 
 @dataclass
-class PartitionedStaging:
-    """What :func:`stage_partitioned` did, for the apply's result."""
+class Routed:
+    """A range's changes routed into partition files (:func:`route_range`), waiting for the
+    apply's transaction to compact and stage them (:func:`stage_routed`)."""
 
-    stages: dict[TableName, SharedStage]
-    partitions: int
-    """Partitions per table (plus one for moved keys, when any)."""
-    groups: int
-    """(table, partition) groups compacted and staged."""
+    tables: list[TableName]
+    relations: Mapping[TableName, TableRelation]
+    parts: int
+    files: dict[tuple[int, int], Path]
+    truncated: dict[TableName, int]
+    """Tables the range truncates (after what the apply skips), with the last TRUNCATE's
+    flags: truncated first, before any partition is staged."""
+    scratch: Path
+
+    def remove(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def partitions_for(changes: int, partition_changes: int) -> int:
@@ -78,20 +85,16 @@ def partitions_for(changes: int, partition_changes: int) -> int:
     return max(1, -(-changes // max(1, partition_changes)))
 
 
-def stage_partitioned(
-    conn: psycopg.Connection[Any],
-    origin_name: str,
+def route_range(
     stored: StoredRange,
     relations: Mapping[TableName, TableRelation],
     *,
     parts: int,
     after_lsn: int | None = None,
     floors: Mapping[TableName, int] | None = None,
-) -> PartitionedStaging:
+) -> Routed:
     """Route ``stored``'s changes of ``relations`` into ``parts`` key-hash partitions on disk,
-    then compact each alone and COPY its net rows into the shared staging tables of
-    ``origin_name`` (``conn``: the apply's autocommit connection; each partition commits on its
-    own, the merge comes later in the apply's transaction)."""
+    before the apply's transaction (nothing is written on the target)."""
     scratch = stored.store_root / SCRATCH
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -101,32 +104,41 @@ def stage_partitioned(
             for batch in stored.iter_batches(_LEARN_COLUMNS):
                 router.learn(batch)
         files = _route(stored, router, scratch)
-        tables = router.tables
-        names = create_shared_tables(conn, origin_name, relations)
-        summaries = []
-        with concurrent.futures.ThreadPoolExecutor(1, "pgcdc-compact") as pool:
-            groups = iter(sorted(files.items()))
-
-            def compact(group: tuple[tuple[int, int], Path]) -> tuple[int, int, NetChanges]:
-                (t, pid), path = group
-                net = compact_table(_read(path), relations[tables[t]])
-                path.unlink()
-                return t, pid, net
-
-            ahead = [pool.submit(compact, g) for g in _take(groups, 1)]
-            while ahead:
-                t, pid, net = ahead.pop(0).result()
-                ahead += [pool.submit(compact, g) for g in _take(groups, 1)]
-                summaries.append(stage_partition(conn, net, names[tables[t]], t, pid))
-                del net
-                failpoint("apply.staging")
-        return PartitionedStaging(
-            summarise(summary_rows(summaries), tables, relations, names),
-            parts,
-            len(files),
-        )
-    finally:
+    except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    truncated = {router.tables[t]: flags for t, flags in router.truncated.items()}
+    return Routed(router.tables, relations, parts, files, truncated, scratch)
+
+
+def stage_routed(
+    conn: psycopg.Connection[Any], routed: Routed, *, skip: Collection[TableName] = ()
+) -> dict[TableName, SharedStage]:
+    """Inside the apply's transaction (its TRUNCATEs done): compact every partition of
+    ``routed`` alone and stage its net rows in temporary tables, rows of new keys straight into
+    the target (:func:`~.shared_staging.stage_partition`), one partition at a time, the next
+    read and compacted while this one is COPYed. ``skip``: tables applied otherwise (in commit
+    order, after their net rows were refused). The files stay, for a retry of the
+    transaction."""
+    relations = {t: rel for t, rel in routed.relations.items() if t not in skip}
+    tables = routed.tables
+    names = create_temporary_tables(conn, relations)
+    groups = iter(sorted((g, p) for g, p in routed.files.items() if tables[g[0]] in relations))
+    summaries = []
+
+    def compact(group: tuple[tuple[int, int], Path]) -> tuple[int, int, NetChanges]:
+        (t, pid), path = group
+        return t, pid, compact_table(_read(path), relations[tables[t]])
+
+    with concurrent.futures.ThreadPoolExecutor(1, "pgcdc-compact") as pool:
+        ahead = [pool.submit(compact, g) for g in _take(groups, 1)]
+        while ahead:
+            t, pid, net = ahead.pop(0).result()
+            ahead += [pool.submit(compact, g) for g in _take(groups, 1)]
+            summaries.append(stage_partition(conn, net, names[tables[t]], t, pid, shared=False))
+            del net
+            failpoint("apply.staging")
+    return summarise(summary_rows(summaries), tables, routed.relations, names)
 
 
 def _has_updates(stored: StoredRange) -> bool:

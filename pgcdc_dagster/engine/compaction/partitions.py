@@ -129,6 +129,8 @@ class Router:
                 self._floor_of[version] = floor
         self.moved: set[str] = set()
         self._wanted: pa.Array | None = None
+        self.truncated: dict[int, int] = {}
+        """Table index -> flags of the last TRUNCATE routed (batches come in commit order)."""
 
     def _kept(self, batch: pa.Table) -> tuple[pa.Table, np.ndarray]:
         """The rows the apply takes, and their table indexes."""
@@ -223,6 +225,9 @@ class Router:
         truncate = pc.equal(batch.column("action"), "T").to_numpy(zero_copy_only=False)
         if truncate.any():
             every = np.flatnonzero(truncate)
+            flags = batch.column("flags").to_numpy()
+            for i in every.tolist():
+                self.truncated[int(tables[i])] = int(flags[i])
             extra_rows = np.repeat(every, self.parts + 1)
             extra_pids = np.tile(np.arange(self.parts + 1), len(every))
             rows = np.concatenate((rows[~truncate], extra_rows))
