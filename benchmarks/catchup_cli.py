@@ -17,11 +17,12 @@ the command's own tree apart (``command``: the ``pgcdc`` process and the childre
 its follower among them, from ``wait4``'s resource usage; ``driver`` is then the benchmark's
 own process and its untimed Spark, the command taken out). The 1-minute load average before
 and after each side. For ours also a timeline polled as native's is (every 20 ms: the slot's
-``confirmed_flush_lsn`` on the source, moved once a range is stored, and the origin's
-progress on the target, moved by each range's apply), and per range (from the run's events
-in Dagster's storage) its WAL, changes, receive, staging and apply seconds, when it was stored
-and when applied (the origin reached its last commit). ``--py-spy FILE``: one more run of ours
-alone, under ``py-spy record --subprocesses`` (raw collapsed stacks to FILE), untimed.
+``confirmed_flush_lsn`` on the source, moved once a range is stored and its peek has ended,
+and the origin's progress on the target, moved by each range's apply), and per range (from
+the run's events in Dagster's storage) its WAL, changes, receive, staging and apply seconds,
+when its slot position was confirmed and when it was applied (the origin reached its last
+commit). ``--py-spy FILE``: one more run of ours alone, under ``py-spy record
+--subprocesses`` (raw collapsed stacks to FILE), untimed.
 
 ``--server off`` (default): the command is the first on the machine, cold, in a process of its
 own. ``--server warm``: an earlier command left the command server up
@@ -212,6 +213,12 @@ class Timeline:
         }
 
 
+def _wal_bytes(key: str) -> int:
+    """WAL a range spans, from its key (``start-end``, hex)."""
+    start, end = key.split("-")
+    return int(end, 16) - int(start, 16)
+
+
 def range_events(target: Any, storage_db: str, timeline: Timeline) -> list[dict[str, Any]]:
     """Per range, from the run's materialisations in Dagster's storage: ``decoded_changes``
     (the receive) and one target table's (the apply's staging and statement seconds)."""
@@ -230,7 +237,8 @@ def range_events(target: Any, storage_db: str, timeline: Timeline) -> list[dict[
         row = ranges.setdefault(mat.partition, {"range": mat.partition})
         if mat.asset_key.path == ["decoded_changes"]:
             row.update(
-                wal_mb=round(meta["bytes"] / 1e6, 1),
+                wal_mb=round(_wal_bytes(mat.partition) / 1e6, 1),
+                stored_mb=round(meta["bytes"] / 1e6, 1),
                 transactions=meta["transactions"],
                 changes=meta["changes"],
                 receive_s=round(meta["seconds"], 3),

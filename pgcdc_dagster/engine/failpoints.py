@@ -38,7 +38,8 @@ POINTS: dict[str, str] = {
     "receive.after_store": "a range is durably stored; the slot is not advanced yet",
     "receive.fetching": "a range's changes are being read from the slot",
     "catchup.before_apply": "the slot is advanced past a stored range; nothing applied yet",
-    "apply.staging": "a Spark worker committed its part of a range's shared staging tables",
+    "apply.staging": "a partition of a big range is staged (a Spark worker committed its part "
+    "of the shared staging tables, or this process staged one inside the apply transaction)",
     "apply.in_transaction": "inside the apply transaction, rows written, not committed",
     "apply.after_commit": "the range and the origin are committed; Dagster has not recorded it",
     "follow.recording": "a follow run is recording a range it took (applied, not yet recorded)",

@@ -105,6 +105,7 @@ from .pipeline import (
     SparkProvider,
     apply_stored_range,
     confirm_stored,
+    decoding_session,
     next_step,
     store_of,
 )
@@ -813,7 +814,7 @@ class Follower:
         previous: int | None = None  # the last range's size, while cut by size
         with (
             server_errors("source", settings.source_dsn),
-            connect(settings.source_dsn, role="source") as conn,
+            decoding_session(settings) as conn,
         ):
             self._servers_reached()
             while not self._stop.is_set():

@@ -403,12 +403,32 @@ def range_lock(settings: ReplicationSettings, holder: str | None = None) -> Iter
         yield lock
 
 
+def decoding_session(settings: ReplicationSettings) -> psycopg.Connection[Any]:
+    """A source session to read the slot with: its ``logical_decoding_work_mem`` is
+    ``settings.decoding_work_mem`` (see there), set after connecting (a startup option an older
+    server does not know would refuse the connection)."""
+    conn = connect(settings.source_dsn, role="source")
+    if settings.decoding_work_mem:
+        conn.execute(
+            "SELECT set_config('logical_decoding_work_mem', %s, false)",
+            (f"{max(64, settings.decoding_work_mem // 1024)}kB",),
+        )
+        conn.commit()
+    return conn
+
+
 def receive_range(settings: ReplicationSettings, rng: LsnRange) -> RangeResult:
     store = store_of(settings)
     check_range_order(store, rng)
-    with server_errors("source", settings.source_dsn):
+    with server_errors("source", settings.source_dsn), decoding_session(settings) as conn:
         result = receive(
-            settings.source_dsn, settings.slot, settings.publication, store, rng.start, rng.end
+            settings.source_dsn,
+            settings.slot,
+            settings.publication,
+            store,
+            rng.start,
+            rng.end,
+            conn=conn,
         )
     assert result is not None  # ranges are kept even when empty unless asked otherwise
     return result
