@@ -393,8 +393,10 @@ class StoredRange:
         the peek had seen, and pgoutput sends a partition's own Relation message beside its
         root's when it publishes through the root (under a column list, narrowed like the
         root's), though every change names the root."""
-        column = self.read_table(["relation_version"]).column("relation_version")
-        return set(pc.unique(column).to_pylist())
+        used: set[int] = set()
+        for batch in self.iter_batches(["relation_version"], batch_rows=1_048_576):
+            used.update(pc.unique(batch.column("relation_version")).to_pylist())
+        return used
 
 
 MANIFESTS_KEPT = 256
