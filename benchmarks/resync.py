@@ -77,7 +77,8 @@ def make_source(source: LocalCluster, rows: int) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE b (aid int PRIMARY KEY, bid int, abalance int, filler char(84))")
         conn.execute(
-            "INSERT INTO b SELECT g, (g - 1) / 100000 + 1, 0, '' FROM generate_series(1, %s::int) g",
+            "INSERT INTO b SELECT g, (g - 1) / 100000 + 1, 0, '' "
+            "FROM generate_series(1, %s::int) g",
             (rows,),
         )
         conn.execute("VACUUM ANALYZE b")

@@ -148,9 +148,10 @@ class Router:
             return batch, tables
         return batch.filter(pa.array(keep)), tables[keep]
 
-    def _keys(self, batch: pa.Table, tables: np.ndarray) -> tuple[pa.Array, pa.Array]:
-        """Each row's identity before (from ``key``) and after (from ``new_row``) the change,
-        as one string (empty for a table without identity; NULL where not sent)."""
+    def _keys(self, batch: pa.Table, *, with_new: bool) -> tuple[pa.Array, pa.Array]:
+        """Each row's identity before (from ``key``) and after (from ``new_row``, only
+        ``with_new``: else NULL) the change, as one string (empty for a table without
+        identity; NULL where not sent)."""
         n = batch.num_rows
         versions = batch.column("relation_version").to_numpy()
         width = max((len(v.old) for v in self.versions.values()), default=0)
@@ -165,15 +166,17 @@ class Router:
                 if j < len(v.old):
                     old_at[version], new_at[version] = v.old[j], v.new[j]
             old_parts.append(_elements(batch.column("key"), old_at[versions]))
-            new_parts.append(_elements(batch.column("new_row"), new_at[versions]))
+            if with_new:
+                new_parts.append(_elements(batch.column("new_row"), new_at[versions]))
         identity = np.zeros(len(self._table_of), bool)
         for version, v in self.versions.items():
             identity[version] = bool(v.old)
         has = pa.array(identity[versions])
-        old = _joined(old_parts)
-        new = _joined(new_parts)
-        blank = pa.array([""] * n, pa.string())
-        return pc.if_else(has, old, blank), pc.if_else(has, new, pa.scalar(None, pa.string()))
+        none = pa.scalar(None, pa.string())
+        old = pc.if_else(has, _joined(old_parts), pa.array([""] * n, pa.string()))
+        if not with_new:
+            return old, pa.nulls(n, pa.string())
+        return old, pc.if_else(has, _joined(new_parts), none)
 
     def _moves(self, batch: pa.Table, old: pa.Array, new: pa.Array) -> np.ndarray:
         """Which rows move a row: an update whose identity changed (and was sent whole)."""
@@ -194,9 +197,13 @@ class Router:
     def learn(self, batch: pa.Table) -> None:
         """First pass: remember the keys (table and identity) that a move touches."""
         batch, tables = self._kept(batch)
-        if not batch.num_rows:
+        updates = pc.equal(batch.column("action"), "U")
+        if not batch.num_rows or not pc.any(updates).as_py():
             return
-        old, new = self._keys(batch, tables)
+        if not pc.all(updates).as_py():  # only an UPDATE moves: the keys of the rest unread
+            tables = tables[updates.to_numpy(zero_copy_only=False)]
+            batch = batch.filter(updates)
+        old, new = self._keys(batch, with_new=True)
         moved = self._moves(batch, old, new)
         if not moved.any():
             return
@@ -211,7 +218,7 @@ class Router:
         n = batch.num_rows
         if not n:
             return
-        old, new = self._keys(batch, tables)
+        old, new = self._keys(batch, with_new=bool(self.moved))
         pid = (hash_strings(old) % np.uint64(self.parts)).astype(np.int64)
         if self.moved:
             if self._wanted is None:
