@@ -1254,9 +1254,16 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
             writing_until = time.monotonic() + 35
             while time.monotonic() < writing_until:
                 time.sleep(chance.uniform(1.0, 4.0))
-                tree = descendants(daemon.pid)
-                # The code server spawns each run worker through multiprocessing.
-                workers = [pid for pid, cmd in tree.items() if "multiprocessing.spawn" in cmd]
+                # The code server spawns each run worker through multiprocessing. A per-range
+                # run lives a second or two: look for one for up to 3 s (one look, at a random
+                # moment, found a worker once in 35 s now and then).
+                looking_until = min(writing_until, time.monotonic() + 3.0)
+                while True:
+                    tree = descendants(daemon.pid)
+                    workers = [pid for pid, cmd in tree.items() if "multiprocessing.spawn" in cmd]
+                    if workers or time.monotonic() >= looking_until:
+                        break
+                    time.sleep(0.1)
                 if workers:
                     os.kill(chance.choice(workers), signal.SIGKILL)
                     workers_killed += 1

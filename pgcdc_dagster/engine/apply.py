@@ -1334,7 +1334,7 @@ def _apply_collapsed(
     if stage.upserts is None:
         return
     keep_any = sql.SQL(" OR ").join(staged("u", j) for j in stage.keep)
-    whole = [sql.SQL("NOT ({})").format(keep_any)] if stage.keep else []
+    whole: list[sql.Composable] = [sql.SQL("NOT ({})").format(keep_any)] if stage.keep else []
     others = [j for j in range(len(names)) if j not in ident]
     partitioned = stage.target.partitioned
     before = _partition_writes(conn, table) if partitioned else None
