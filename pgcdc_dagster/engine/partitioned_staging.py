@@ -2,24 +2,31 @@
 
 Data flow::
 
+    before the apply's transaction (nothing on the target):
     stored range ──batches──▶ Router (pass 1: moved keys; pass 2: route) ──▶ one Arrow file per
     (Parquet)                 (:mod:`.compaction.partitions`)                (table, partition)
-                                                                                   │ one at a time
-    shared staging tables ◀── COPY (its own transaction) ◀── compact_table ◀───────┘
-    (:mod:`.shared_staging`)      overlapped: the next partition is read and compacted
-                                  while this one is COPYed
+                                                                                   │
+    inside it (BEGIN; TRUNCATEs first):                                            │ one at a time
+    target table ◀── COPY of new keys' rows ◀┬── compact_table ◀──────────────────┘
+    temp staging ◀── COPY of the rest ◀──────┘   (the next partition is read and compacted in
+    tables ──▶ the set-based merge, the origin,   a thread while this one is COPYed)
+               COMMIT (:mod:`.apply`)
 
 Why: compacting a range whole holds all of its changes, and several times that while the
 kernel sorts and gathers them: a 3M-row transaction took more than a gigabyte, a 60M-row
 backfill would not fit the machine, and a follower the OOM killer ends meets the same
 transaction again on restart. Here at most two partitions are in memory (the one compacted and
 the one COPYed), each about ``partition_changes`` changes, whatever the range's size; the rest
-waits on disk, next to the store. The merge into the target tables and the origin's advance
-stay one transaction (:func:`~.apply.apply_range`), as on Spark.
+waits on disk, next to the store. Rows, merge and the origin's advance stay one target
+transaction (:func:`~.apply.apply_range`).
 
-What must hold: what :mod:`.shared_staging` says (a re-run starts from fresh tables; the staged
-rows are the kernel's over the whole range); and the scratch folder is this apply's alone (the
-range lock makes it the only apply of the origin): a killed apply's is removed by the next.
+What must hold: every change of a key lands in one partition, so each partition's net rows are
+the kernel's over the whole range (the routing rules, :mod:`.compaction.partitions`); the range's
+TRUNCATEs run before any partition is staged (rows of new keys go straight into the table);
+nothing is durable before the COMMIT (temporary tables, the transaction's own rows), so a kill
+anywhere leaves the target at the previous range; and the scratch folder is this apply's alone
+(the range lock makes it the only apply of the origin): a killed apply's is removed by the next
+one's routing, and the files stay until the COMMIT for a retry of the transaction.
 """
 
 from __future__ import annotations
