@@ -55,7 +55,7 @@ With executor-side staging (``benchmarks/spark_staging.py``, one range of 3.04M 
 the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory, not speed."""
 MiB = 1024 * 1024
 DEFAULT_MEMORY_LIMIT = 1024 * MiB
-DEFAULT_DECODING_WORK_MEM = 256 * MiB
+DEFAULT_DECODING_WORK_MEM = 0
 PROCESS_BASE_BYTES = 400 * MiB
 """What a follow's process holds before any range (Python, Dagster, psycopg, Arrow, the
 receiver's buffers): measured at 300 MB, with a margin."""
@@ -116,12 +116,12 @@ class ReplicationSettings(BaseModel):
     :attr:`spark_range_changes`."""
     decoding_work_mem: NonNegativeInt = DEFAULT_DECODING_WORK_MEM
     """``logical_decoding_work_mem`` of the session that reads the slot, on the source
-    (``PGCDC_DECODING_WORK_MEM``: a size; 0 keeps the server's): how much of the transactions
-    being decoded the source holds in memory before it spills them to disk. A peek decodes a
-    big transaction only once it has committed, so its spilling is on the path to the target:
-    with PostgreSQL's 64 MB, a 3M-row transaction's decode took about twice as long as with
-    1 GB (``benchmarks/big_transaction.py``). The source's memory, one session's, only while it
-    decodes."""
+    (``PGCDC_DECODING_WORK_MEM``: a size; 0, the default, keeps the server's): how much of the
+    transactions being decoded the source holds in memory before it spills them to disk. The
+    source's memory, one session's, only while it decodes. Not raised by default: through
+    ``pgcdc follow`` a 3M-row transaction was received no faster with 256 MB than with the
+    server's 64 MB (``benchmarks/big_transaction.py``), although a lone peek on a loaded
+    machine decoded it faster."""
     memory_limit: PositiveInt = DEFAULT_MEMORY_LIMIT
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
     or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is
