@@ -1241,8 +1241,8 @@ def _truncate(conn: psycopg.Connection[Any], tables: Mapping[TableName, int]) ->
 
 NEW_ROWS_APART = 10_000
 """From this many rows of new keys on, a table's upsert inserts them apart, without an
-``ON CONFLICT`` arbiter: measured on 3M new and 200k updated rows, 3.7 s against 8.5 s for
-the one upsert; below it, one statement less is worth more."""
+``ON CONFLICT`` arbiter (less than half the target's work for a big insert:
+``benchmarks/HISTORY.md``, big_transaction); below it, one statement less is worth more."""
 
 
 def _insert_new(conn: psycopg.Connection[Any], stage: _Staged, what: str) -> bool:

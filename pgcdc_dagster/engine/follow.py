@@ -224,9 +224,9 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     (A backlog of more than two caps was once cut at ``cap`` from its first range: when every
     range was a peek of its own, 10 ranges of 250k pgbench transactions took 7.9-9.3 s against
     7.7-9.1 s for 5 of 32 MiB; since the rest of a backlog is read by a few peeks cut as they
-    stream, the two small ones cost one short re-decode, and at scale 100 the applier waited
-    1.3 s for a first capped range while its applies were the critical path:
-    ``benchmarks/catchup_cli.py``.) Never above ``cap``, so a small cap keeps its meaning.
+    stream, the two small ones cost one short re-decode, while at scale 100 the applier waited
+    for a whole first range with its applies on the critical path: ``benchmarks/HISTORY.md``,
+    catchup_cli.) Never above ``cap``, so a small cap keeps its meaning.
     After a backlog's first two ranges, the rest is read by peeks of at most
     :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`).
 
@@ -911,8 +911,8 @@ class Follower:
 
         Why: a transaction is decoded only once it commits, and each peek meanwhile decoded it
         again up to where it stood, for nothing; one that began just before the COMMIT held the
-        transaction back for its own length (about 3 s of a 3M-row insert, with the source's
-        cores taken from the writer meanwhile). Nothing is decided on what this reads: a
+        transaction back for its own length, with the source's cores taken from the writer
+        meanwhile (``benchmarks/big_transaction.py``). Nothing is decided on what this reads: a
         transaction that ends is only a reason to peek now, and ``follow_idle_s`` bounds the
         wait as an idle source's empty ranges are bounded (a transaction left open and idle
         for hours makes a peek every ``follow_idle_s``, as then)."""

@@ -13,8 +13,8 @@ Data flow::
                COMMIT (:mod:`.apply`)
 
 Why: compacting a range whole holds all of its changes, and several times that while the
-kernel sorts and gathers them: a 3M-row transaction took more than a gigabyte, a 60M-row
-backfill would not fit the machine, and a follower the OOM killer ends meets the same
+kernel sorts and gathers them (``benchmarks/HISTORY.md``, big_transaction): a backfill of tens
+of millions of rows would not fit a machine, and a follower the OOM killer ends meets the same
 transaction again on restart. Here at most two partitions are in memory (the one compacted and
 the one COPYed), each about ``partition_changes`` changes, whatever the range's size; the rest
 waits on disk, next to the store. Rows, merge and the origin's advance stay one target

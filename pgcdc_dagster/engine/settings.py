@@ -58,10 +58,10 @@ DEFAULT_MEMORY_LIMIT = 1024 * MiB
 DEFAULT_DECODING_WORK_MEM = 0
 PROCESS_BASE_BYTES = 400 * MiB
 """What a follow's process holds before any range (Python, Dagster, psycopg, Arrow, the
-receiver's buffers): measured at 300 MB, with a margin."""
+receiver's buffers), with a margin (``benchmarks/big_transaction.py``: RSS before)."""
 COMPACTING_BYTES_PER_CHANGE = 1_000
 """Peak memory of compacting one change (the routed rows read, sorted, gathered into net rows
-and formatted for COPY): measured in ``benchmarks/big_transaction.py``."""
+and formatted for COPY), with a margin (``benchmarks/big_transaction.py``: peak RSS)."""
 MIN_PARTITION_CHANGES = 50_000
 """Below this, a partition's fixed costs (a transaction and a COPY per staging table) show."""
 DAY = 86400.0
@@ -119,8 +119,8 @@ class ReplicationSettings(BaseModel):
     (``PGCDC_DECODING_WORK_MEM``: a size; 0, the default, keeps the server's): how much of the
     transactions being decoded the source holds in memory before it spills them to disk. The
     source's memory, one session's, only while it decodes. Not raised by default: through
-    ``pgcdc follow`` a 3M-row transaction was received no faster with 256 MB than with the
-    server's 64 MB (``benchmarks/big_transaction.py``), although a lone peek on a loaded
+    ``pgcdc follow`` a big transaction was received no faster with more than the server's
+    default (``benchmarks/HISTORY.md``, big_transaction), although a lone peek on a loaded
     machine decoded it faster."""
     memory_limit: PositiveInt = DEFAULT_MEMORY_LIMIT
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
