@@ -56,23 +56,18 @@ from typing import Any
 
 import psycopg
 from apply import CpuMeter
-from psycopg import sql
+from freshness import setup_native
 
 import pgcdc_dagster
-from pgcdc_dagster.demo.local_cluster import find_bindir
 from pgcdc_dagster.demo.run import (
     SPARK_DEMO_ENV,
-    DemoClusters,
     demo_environment,
     start_clusters,
 )
-from pgcdc_dagster.engine.connect import libpq_tool_environment
 from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
-NATIVE_DB = "native"
-NATIVE_SUBSCRIPTION = "big_native"
 BASE_ROWS = 200_000
 PAD = 40
 WARMUP_PROBE, PROBE = 0, 1
@@ -102,52 +97,6 @@ def content(dsn: str) -> dict[str, Any]:
         row = conn.execute(CONTENT).fetchone()
     assert row is not None
     return {"big_rows": row[0], "big_hash": row[1], "probe_rows": row[2]}
-
-
-def setup_native(settings: ReplicationSettings, clusters: DemoClusters) -> str:
-    """A native subscription to pgcdc's publication in database ``native`` of the target
-    cluster (as ``freshness.py``'s ``run_native`` makes it), its initial sync waited out.
-    Returns the database's DSN."""
-    target_dsn = clusters.target.dsn(NATIVE_DB)
-    with psycopg.connect(clusters.target.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(NATIVE_DB)))
-    tool_env, extra = libpq_tool_environment(settings.source_dsn)
-    schema = subprocess.run(
-        [str(find_bindir() / "pg_dump"), "--schema-only", "--no-publications", *extra],
-        env={**os.environ, **tool_env},
-        capture_output=True,
-        check=True,
-    ).stdout
-    target_env, target_extra = libpq_tool_environment(target_dsn)
-    subprocess.run(
-        [str(find_bindir() / "psql"), "-q", "-v", "ON_ERROR_STOP=1", *target_extra],
-        input=schema,
-        env={**os.environ, **target_env},
-        capture_output=True,
-        check=True,
-    )
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}").format(
-                sql.Identifier(NATIVE_SUBSCRIPTION),
-                sql.Literal(settings.source_dsn),
-                sql.Identifier(settings.publication),
-            )
-        )
-        deadline = time.monotonic() + 300
-        while True:
-            row = conn.execute(
-                "SELECT count(*), count(*) FILTER (WHERE r.srsubstate <> 'r') "
-                "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
-                "WHERE s.subname = %s",
-                (NATIVE_SUBSCRIPTION,),
-            ).fetchone()
-            if row is not None and row[0] > 0 and row[1] == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the native subscription's initial sync did not finish")
-            time.sleep(0.2)
-    return target_dsn
 
 
 def wait_probe(

@@ -62,6 +62,7 @@ from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import find_bindir
 from pgcdc_dagster.demo.run import (
+    DemoClusters,
     Measurements,
     demo_environment,
     load_sample_data,
@@ -211,15 +212,12 @@ def load_window(
     return report
 
 
-def run_native(
-    args: argparse.Namespace, clusters: Any, settings: ReplicationSettings
-) -> dict[str, Any]:
-    """The same load and probes with native logical replication (see the module docstring)."""
+def setup_native(settings: ReplicationSettings, clusters: DemoClusters) -> str:
+    """A native subscription to pgcdc's publication in database ``native`` of the target
+    cluster, its initial sync waited out. Returns the database's DSN."""
     target_dsn = clusters.target.dsn(NATIVE_DB)
     with psycopg.connect(clusters.target.dsn(), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(NATIVE_DB)))
-    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
-        conn.execute("DELETE FROM demo_probe")  # the probes count from 1 again
     tool_env, extra = libpq_tool_environment(settings.source_dsn)
     schema = subprocess.run(
         [str(find_bindir() / "pg_dump"), "--schema-only", "--no-publications", *extra],
@@ -244,14 +242,28 @@ def run_native(
             )
         )
         deadline = time.monotonic() + 300
-        while conn.execute(
-            "SELECT count(*) FROM pg_subscription_rel r JOIN pg_subscription s "
-            "ON s.oid = r.srsubid WHERE s.subname = %s AND r.srsubstate <> 'r'",
-            (NATIVE_SUBSCRIPTION,),
-        ).fetchone() != (0,):
+        while True:
+            row = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE r.srsubstate <> 'r') "
+                "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
+                "WHERE s.subname = %s",
+                (NATIVE_SUBSCRIPTION,),
+            ).fetchone()
+            if row is not None and row[0] > 0 and row[1] == 0:
+                break
             if time.monotonic() > deadline:
                 raise RuntimeError("the native subscription's initial sync did not finish")
             time.sleep(0.2)
+    return target_dsn
+
+
+def run_native(
+    args: argparse.Namespace, clusters: Any, settings: ReplicationSettings
+) -> dict[str, Any]:
+    """The same load and probes with native logical replication (see the module docstring)."""
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM demo_probe")  # the probes count from 1 again
+    target_dsn = setup_native(settings, clusters)
     meter = CpuMeter(clusters.source, clusters.target)
     report = load_window(args, settings.source_dsn, target_dsn, meter)
     with psycopg.connect(settings.source_dsn, autocommit=True) as conn:

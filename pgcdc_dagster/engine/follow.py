@@ -221,14 +221,13 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     bigger backlog's first range is small (:data:`FIRST_RANGE_BYTES`), each next one doubles
     (per-range costs, a target transaction and the run's events, shrink as ranges grow) up to
     ``cap``, and none takes more than half of what remains (the last one is small again).
-    (A backlog of more than two caps was once cut at ``cap`` from its first range: when every
-    range was a peek of its own, 10 ranges of 250k pgbench transactions took 7.9-9.3 s against
-    7.7-9.1 s for 5 of 32 MiB; since the rest of a backlog is read by a few peeks cut as they
-    stream, the two small ones cost one short re-decode, while at scale 100 the applier waited
-    for a whole first range with its applies on the critical path: ``benchmarks/HISTORY.md``,
-    catchup_cli.) Never above ``cap``, so a small cap keeps its meaning.
-    After a backlog's first two ranges, the rest is read by peeks of at most
-    :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`).
+    (A backlog of more than two caps was once cut at ``cap`` from its first range, when every
+    range was a peek of its own and a small one cost a whole re-decode; since the rest of a
+    backlog is read by a few peeks cut as they stream, the two small ones cost one short
+    re-decode, while at scale 100 the applier waited for a whole first range with its applies
+    on the critical path: ``benchmarks/HISTORY.md``, catchup_cli.) Never above ``cap``, so a
+    small cap keeps its meaning. After a backlog's first two ranges, the rest is read by peeks
+    of at most :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`).
 
     Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command, pairs alternating
     with the code before (a 32 MiB range and the rest, on threads): a busy hour, these 6 ranges
