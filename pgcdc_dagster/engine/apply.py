@@ -176,8 +176,8 @@ class ApplyResult:
     compaction_path: str | None = None
     staged_by: str = "driver"
     """Who COPYed the net rows into staging tables: ``driver`` (this process, inside the apply
-    transaction), ``driver, N partition(s)`` (this process, before it, one key-hash partition
-    at a time; :mod:`.partitioned_staging`) or ``spark executors`` (before it;
+    transaction), ``driver, N partition(s)`` (this process, inside it too, one key-hash
+    partition at a time; :mod:`.partitioned_staging`) or ``spark executors`` (before it;
     :mod:`.spark_staging`)."""
     spark_app: SparkApp | None = None
     """The Spark application whose executors staged the range (``staged_by`` ``spark
