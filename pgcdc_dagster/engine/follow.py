@@ -138,8 +138,8 @@ POLL_S = 0.05
 QUEUE_RANGES = 2
 """Stored ranges waiting for the applier: the receiver is at most this far ahead."""
 FIRST_RANGE_BYTES = 4 * MiB
-"""The first range's WAL on a backlog of more than one range (then doubling): about a quarter
-of a second to receive, so the applier starts then instead of after a whole capped range."""
+"""The first range's WAL on a backlog of one to two ranges (then doubling): about a quarter of a
+second to receive, so the applier starts then instead of after a whole capped range."""
 PEEK_MAX_RANGES = 4
 """The rest of a backlog, after its first range (its first two when they are cut small), is
 read by peeks of at most this many capped ranges' WAL, cut into ranges as they stream. A peek
@@ -216,18 +216,19 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     first, or after the receiver caught up), ``cap`` is ``follow_range_bytes``.
 
     A backlog that fits in one range (and every live range) is one range: its endpos outcome
-    then describes the endpos itself. Receive and apply overlap only between ranges: the first
-    range is received with the applier idle and the last applied with the receiver idle. So a
-    bigger backlog's first range is small (:data:`FIRST_RANGE_BYTES`), each next one doubles
-    (per-range costs, a target transaction and the run's events, shrink as ranges grow) up to
-    ``cap``, and none takes more than half of what remains (the last one is small again).
-    (A backlog of more than two caps was once cut at ``cap`` from its first range, when every
-    range was a peek of its own and a small one cost a whole re-decode; since the rest of a
-    backlog is read by a few peeks cut as they stream, the two small ones cost one short
-    re-decode, while at scale 100 the applier waited for a whole first range with its applies
-    on the critical path: ``benchmarks/HISTORY.md``, catchup_cli.) Never above ``cap``, so a
-    small cap keeps its meaning. After a backlog's first two ranges, the rest is read by peeks
-    of at most :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`).
+    then describes the endpos itself. A backlog of up to two ranges is where receive and apply
+    overlap worst: they overlap only between ranges, the first range is received with the
+    applier idle and the last applied with the receiver idle. So there the first range is small
+    (:data:`FIRST_RANGE_BYTES`), each next one doubles (per-range costs, a target transaction
+    and the run's events, shrink as ranges grow), and none takes more than half of what remains
+    (the last one is small again). A bigger backlog is cut at ``cap``, as it always was: those
+    two idle ends are a small part of it, and every range more costs its target transaction
+    and the run's events (measured when every range was a peek of its own, 250k pgbench
+    transactions, 134.7 MB of WAL, warm: 10 such ranges 7.9-9.3 s against 7.7-9.1 s for 5 of
+    32 MiB, the source's CPU 4.4-5.5 s against 3.9-4.8 s). Never above ``cap``, so a small cap
+    keeps its meaning. After a backlog's first range (its first two when they are cut small),
+    the rest is read by peeks of at most :data:`PEEK_MAX_RANGES` ranges
+    (:meth:`Follower._receive_rest`).
 
     Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command, pairs alternating
     with the code before (a 32 MiB range and the rest, on threads): a busy hour, these 6 ranges
@@ -237,7 +238,7 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     Reading all but the first two by one peek (:meth:`Follower._receive_rest`): the source's
     CPU 1.21-1.71 s against 1.86-2.26 s with a peek per range (busy hours, see the README)."""
     if previous is None:
-        if remaining <= cap:
+        if remaining <= cap or remaining > 2 * cap:
             return cap
     elif previous == cap:
         return cap
@@ -850,6 +851,12 @@ class Follower:
                     if streamed is not None:
                         start, last_kept = streamed, time.monotonic()
                         continue
+                if (
+                    previous is None
+                    and goal - start > cap
+                    and self._behind_an_open_one(conn, start)
+                ):
+                    previous = cap  # no small first ranges: each would decode it all again
                 if previous is not None and (previous == cap or previous >= 2 * FIRST_RANGE_BYTES):
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
@@ -900,6 +907,15 @@ class Follower:
                     if previous is not None:
                         continue  # a backlog: the next range right away
                 self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
+
+    def _behind_an_open_one(self, conn: psycopg.Connection[Any], start: Lsn) -> bool:
+        """Whether a backlog from ``start`` lies behind a transaction open across more than
+        :data:`DECODED_AGAIN_BYTES` (a backfill): every peek decodes that again from the slot's
+        restart point, so the backlog is read at once by peeks that span it
+        (:meth:`_receive_rest`), not begun with small ranges."""
+        again = decoded_again(conn, self.settings.slot, start)
+        conn.commit()
+        return again > DECODED_AGAIN_BYTES
 
     def _wait_for_an_open_transaction(self, conn: psycopg.Connection[Any], goal: Lsn) -> bool:
         """After a peek that stored no transaction, when the next, up to ``goal``, would decode
