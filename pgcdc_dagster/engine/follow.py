@@ -181,24 +181,6 @@ running-xacts records, about every 15 s of WAL) leaves the spans as they are. Me
 which fixed spans read again in each of their 17 ranges."""
 
 
-OPEN_TRANSACTION_BYTES = 64 * MiB
-"""Past this much WAL from the slot's restart point to where a peek would end, after one that
-stored nothing, a follow without an endpos waits for a running transaction to end first
-(:meth:`Follower._wait_for_an_open_transaction`)."""
-OPEN_TRANSACTION_POLL_S = 0.05
-
-
-def running_xids(conn: psycopg.Connection[Any]) -> frozenset[str]:
-    """The source's transactions running now that have an xid (those that write, prepared ones
-    included): each holds the lock on its own xid, which ``pg_locks`` shows to every role (a
-    snapshot's ``xip`` leaves out the newest, and ``pg_stat_activity`` hides other roles')."""
-    rows = conn.execute(
-        "SELECT transactionid::text FROM pg_locks "
-        "WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' AND granted"
-    )
-    return frozenset(str(x) for (x,) in rows)
-
-
 def decoded_again(conn: psycopg.Connection[Any], slot: str, start: Lsn) -> int:
     """WAL bytes a peek from ``start`` decodes again before it: from the slot's restart point
     (which PostgreSQL keeps before the oldest transaction still open there) to ``start``."""
@@ -499,7 +481,6 @@ class Follower:
         :attr:`_wake`)."""
         self._wake: tuple[int, int] | None = None
         self._peek_ranges = 0  # the next peek's span in capped ranges; 0: PEEK_MAX_RANGES
-        self._committed_none = False  # the last peek stored no transaction
         self._sessions = 0  # sessions begun; each range's Followed says in which
         self._started = time.monotonic()
         self._lead: threading.Thread | None = None
@@ -841,22 +822,11 @@ class Follower:
                 flush = current_flush_lsn(conn)
                 conn.commit()
                 goal = flush if self.endpos is None else min(flush, self.endpos)
-                waits = self.endpos is None and not self._streams(previous, goal - start)
-                if self._committed_none and waits:
-                    self._committed_none = False
-                    if self._wait_for_an_open_transaction(conn, goal):
-                        continue  # the positions again: one ended, or a stop
                 if self._streams(previous, goal - start):
                     streamed = self._stream(conn, store, start)
                     if streamed is not None:
                         start, last_kept = streamed, time.monotonic()
                         continue
-                if (
-                    previous is None
-                    and goal - start > cap
-                    and self._behind_an_open_one(conn, start)
-                ):
-                    previous = cap  # no small first ranges: each would decode it all again
                 if previous is not None and (previous == cap or previous >= 2 * FIRST_RANGE_BYTES):
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
@@ -895,7 +865,6 @@ class Follower:
                     **({} if final else {"lookahead_bytes": CUT_LOOKAHEAD_BYTES}),
                 )
                 self.summary.busy.add(RECEIVING, cycle, time.monotonic())
-                self._committed_none = result is None or result.transactions == 0
                 if result is not None:
                     last_kept = time.monotonic()
                     self._put_to_apply((result, int(flush - end)))
@@ -907,45 +876,6 @@ class Follower:
                     if previous is not None:
                         continue  # a backlog: the next range right away
                 self._stop.wait(max(0.0, cycle + cut_s - time.monotonic()))
-
-    def _behind_an_open_one(self, conn: psycopg.Connection[Any], start: Lsn) -> bool:
-        """Whether a backlog from ``start`` lies behind a transaction open across more than
-        :data:`DECODED_AGAIN_BYTES` (a backfill): every peek decodes that again from the slot's
-        restart point, so the backlog is read at once by peeks that span it
-        (:meth:`_receive_rest`), not begun with small ranges."""
-        again = decoded_again(conn, self.settings.slot, start)
-        conn.commit()
-        return again > DECODED_AGAIN_BYTES
-
-    def _wait_for_an_open_transaction(self, conn: psycopg.Connection[Any], goal: Lsn) -> bool:
-        """After a peek that stored no transaction, when the next, up to ``goal``, would decode
-        more than :data:`OPEN_TRANSACTION_BYTES` from the slot's restart point (a transaction
-        being written, a backfill, keeps it before its start and emits nothing before its
-        COMMIT), wait until one of the source's transactions running now ends, at most
-        ``follow_idle_s``. Whether it waited.
-
-        Why: a transaction is decoded only once it commits, and each peek meanwhile decoded it
-        again up to where it stood, for nothing; one that began just before the COMMIT held the
-        transaction back for its own length, with the source's cores taken from the writer
-        meanwhile (``benchmarks/big_transaction.py``). Nothing is decided on what this reads: a
-        transaction that ends is only a reason to peek now, and ``follow_idle_s`` bounds the
-        wait as an idle source's empty ranges are bounded (a transaction left open and idle
-        for hours makes a peek every ``follow_idle_s``, as then)."""
-        if decoded_again(conn, self.settings.slot, goal) <= OPEN_TRANSACTION_BYTES:
-            conn.commit()
-            return False
-        running = running_xids(conn)
-        conn.commit()
-        if not running:
-            return False
-        deadline = time.monotonic() + self.settings.follow_idle_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            self._stop.wait(OPEN_TRANSACTION_POLL_S)
-            still = running_xids(conn)
-            conn.commit()
-            if not running <= still:
-                break
-        return True
 
     def _streams(self, previous: int | None, behind: int) -> bool:
         """Whether to read by stream now: a follow without an endpos that keeps up (not in a
@@ -1045,11 +975,8 @@ class Follower:
             sized = backlog_range_bytes(sized, remaining + (goal - peek_end), cap)
             return sized
 
-        committed = False
-
         def stored(result: RangeResult) -> bool:
-            nonlocal began, committed
-            committed = committed or result.transactions > 0
+            nonlocal began
             now = time.monotonic()
             self.summary.busy.add(RECEIVING, began, now)
             began = now
@@ -1076,7 +1003,6 @@ class Follower:
         )
         for item in held:
             self._put_to_apply(item)
-        self._committed_none = not committed
         # A peek that ended because the applier was behind had decoded WAL it did not hand
         # over, which the next peek decodes again: behind a slow applier (a range applied in
         # more than PEEK_WAIT_S) every peek would decode 4 ranges to hand over 1. So the next

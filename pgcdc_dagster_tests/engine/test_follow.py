@@ -640,55 +640,6 @@ def test_a_200k_row_transaction_under_follow_keeps_memory_bounded(settings):
     assert pool.max_memory() - before < 200 * 1024 * 1024, pool.max_memory()
 
 
-def test_a_follow_waits_out_an_open_transaction_instead_of_decoding_it_at_every_poll(
-    settings, monkeypatch
-):
-    """A transaction open across a long stretch of WAL (a backfill being written) is decoded
-    only once it commits: after a peek that stored nothing, the follower waits for a running
-    transaction to end before it peeks again, instead of decoding it again at every poll; then
-    it applies it whole, once."""
-    monkeypatch.setattr(follow, "OPEN_TRANSACTION_BYTES", 256 * 1024)  # 20k rows: 3 MB
-    settings = settings.model_copy(update={"follow_read": "peek"})
-    peeks: list[float] = []
-    for name in ("receive", "receive_in_cuts"):
-        real = getattr(follow, name)
-
-        def recorded(*args, real=real, **kwargs):
-            peeks.append(time.monotonic())
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(follow, name, recorded)
-    follower = Follower(settings)
-    thread = threading.Thread(target=lambda: list(follower.run()))
-    with pipeline.range_lock(settings):
-        thread.start()
-        try:
-            run_sql(settings.source_dsn, "INSERT INTO log VALUES (0, 'running')")
-            deadline = time.monotonic() + 60
-            while count(settings.target_dsn, "log") != 1:  # the follower is under way
-                assert time.monotonic() < deadline, "the follower did not start"
-                time.sleep(0.1)
-            with psycopg.connect(settings.source_dsn) as conn:
-                peeks.clear()
-                for n in range(20):  # written over 4 s: 20 polls of follow_cut_ms
-                    conn.execute(
-                        "INSERT INTO log SELECT g, repeat('z', 40) "
-                        "FROM generate_series(%s::int, %s::int) g",
-                        (n * 1000 + 1, n * 1000 + 1000),
-                    )
-                    time.sleep(0.2)
-                while_open = len(peeks)
-            deadline = time.monotonic() + 60
-            while count(settings.target_dsn, "log") != 20_001:
-                assert time.monotonic() < deadline, "the transaction was not applied"
-                time.sleep(0.1)
-        finally:
-            follower.stop("test")
-            thread.join()
-    assert while_open <= 10, while_open  # one a poll (20) without the wait
-    assert follower.summary.transactions == 2 and follower.summary.changes == 20_001
-
-
 def test_a_head_start_works_before_its_consumer_exists_and_hands_over_lock_and_ranges(settings):
     """The CLI's head start: the lock is taken and lent, the follower works on its own, and
     whoever adopts it later gets every range it did, in order, once."""
