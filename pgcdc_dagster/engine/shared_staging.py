@@ -268,8 +268,9 @@ def _insert_new(
     try:
         with conn.transaction():
             copy_into(conn, rel.table.sql, rows)
-    except psycopg.errors.UniqueViolation:
-        # Staged with the others, their flag cleared: the upsert decides for each.
+    except (psycopg.errors.UniqueViolation, psycopg.errors.ExclusionViolation):
+        # Staged with the others, their flag cleared: the upsert decides for each (and a key
+        # the target's own constraints refuse there is applied in commit order, see apply).
         at = upserts.schema.get_field_index("n")
         return upserts.set_column(at, "n", pa.array([False] * upserts.num_rows)), 0
     return upserts.filter(pc.invert(new)), count
