@@ -56,7 +56,7 @@ from typing import Any
 
 import psycopg
 from apply import CpuMeter
-from freshness import setup_native
+from freshness import setup_native, tree_rss_mb
 
 import pgcdc_dagster
 from pgcdc_dagster.demo.run import (
@@ -123,42 +123,6 @@ def insert_probe(source_dsn: str, probe: int) -> float:
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO probe (id) VALUES (%s)", (probe,))
         return time.monotonic()
-
-
-def tree_rss_mb(root: int) -> dict[str, float]:
-    """Resident memory of process ``root`` (``command``) and of its descendants, summed by
-    their command name (``/proc/<pid>/comm``: the follower's ``python``, a local Spark's
-    ``java``), in MB."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-
-    def rss(pid: int) -> float:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
-
-    out = {"command": round(rss(root), 1)}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        out[name] = round(out.get(name, 0.0) + rss(pid), 1)
-        todo += children.get(pid, [])
-    return out
 
 
 def total(parts: dict[str, float]) -> float:

@@ -287,8 +287,9 @@ def run_native(
 
 
 def tree_rss_mb(root: int) -> dict[str, float]:
-    """Resident memory of the follow command (``command``: in a cold command, the Dagster run
-    too) and of its descendants (``follower``: the follow process it forked), in MB."""
+    """Resident memory of process ``root`` (``command``) and of its descendants, summed by
+    their command name (``/proc/<pid>/comm``: the follower's ``python``, a local Spark's
+    ``java``), in MB."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -308,12 +309,25 @@ def tree_rss_mb(root: int) -> dict[str, float]:
             pass
         return 0.0
 
-    below, todo = 0.0, list(children.get(root, []))
+    out = {"command": round(rss(root), 1)}
+    todo = list(children.get(root, []))
     while todo:
         pid = todo.pop()
-        below += rss(pid)
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        out[name] = round(out.get(name, 0.0) + rss(pid), 1)
         todo += children.get(pid, [])
-    return {"command": round(rss(root), 1), "follower": round(below, 1)}
+    return out
+
+
+def follow_rss_mb(root: int) -> dict[str, float]:
+    """Resident memory of the follow command (``command``: in a cold command, the Dagster run
+    too) and of its descendants (``follower``: the follow process it forked), in MB."""
+    parts = tree_rss_mb(root)
+    command = parts.pop("command")
+    return {"command": command, "follower": round(float(sum(parts.values())), 1)}
 
 
 def recorded_events(storage_url: str) -> dict[str, int]:
@@ -455,7 +469,7 @@ def main() -> None:
 
         def sample_rss(pid: int) -> None:  # every 10 s of the load: how memory grows
             while not sampling.wait(10.0 if sampled else 0.0):
-                sampled.append(tree_rss_mb(pid))
+                sampled.append(follow_rss_mb(pid))
 
         sampler = threading.Thread(target=sample_rss, args=(follow.pid,), daemon=True)
         sampler.start()
@@ -464,7 +478,7 @@ def main() -> None:
         )
         sampling.set()
         sampler.join()
-        ours["rss_mb"] = [*sampled, tree_rss_mb(follow.pid)]
+        ours["rss_mb"] = [*sampled, follow_rss_mb(follow.pid)]
 
         follow.send_signal(signal.SIGTERM)
         stopping = time.monotonic()
