@@ -68,7 +68,7 @@ def add_ranges(instance: Any, first: int, count: int) -> None:
 
     for start in range(first, first + count, BATCH):
         keys = [
-            LsnRange(0x1000000 + n * 8192, 0x1000000 + (n + 1) * 8192).key
+            LsnRange(0x1000000 + n * 8192, 0x1000000 + (n + 1) * 8192).partition_key
             for n in range(start, min(start + BATCH, first + count))
         ]
         instance.add_dynamic_partitions(LSN_RANGES, keys)

@@ -29,6 +29,7 @@ from .defs.runner import (
     run_job,
 )
 from .engine.errors import PgcdcError
+from .engine.lsn import LsnRange
 from .engine.settings import ReplicationSettings, SettingsError
 
 if TYPE_CHECKING:
@@ -178,7 +179,7 @@ def _note_range(report: Any, keys: collections.deque[str]) -> None:
     events, see :mod:`pgcdc_dagster.defs.following`, so its result does not list them)."""
     key = getattr(report, "range_key", None)
     if key is not None:
-        keys.append(key)
+        keys.append(LsnRange.from_key(key).partition_key)
 
 
 def _follow_totals(result: Any) -> dict[str, Any]:
@@ -191,8 +192,9 @@ def _print_summary(args: argparse.Namespace, summary: dict[str, Any], headline: 
         print(json.dumps(summary, indent=2))
         return
     last = summary.get("last_range") or {}
+    key = last.get("range_key")
     print(
-        f"{headline}; last range {last.get('range_key', '-')} outcome "
+        f"{headline}; last range {LsnRange.from_key(key).partition_key if key else '-'} outcome "
         f"{last.get('endpos_outcome', '-')}, transform_lsn {last.get('transform_lsn', '-')}, "
         f"replay_lsn {summary.get('replay_lsn')}"
     )
@@ -323,7 +325,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         "snapshot_state": chain_record.state if chain_record else None,
         "ranges_stored": store.chain_count() if complete else 0,
         "pruned_through": str(pruned) if pruned else None,
-        "last_range": last_range.key if last_range else None,
+        "last_range": last_range.partition_key if last_range else None,
         "replay_lsn": str(replay) if replay else None,
         "next_step": next_step,
         "runs_in_flight": _runs_in_flight(settings),

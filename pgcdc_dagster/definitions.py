@@ -50,6 +50,7 @@ from .defs.jobs import (
     build_follow_job,
     build_prune_job,
 )
+from .defs.metadata import database_of
 from .defs.resources import default_resources
 from .defs.runs import RANGE_LOCK_TAG
 from .defs.sensors import CATCHUP_JOB, build_slot_sensor
@@ -115,7 +116,8 @@ def build_definitions(
 ) -> Definitions:
     settings = settings or ReplicationSettings.from_env(require_servers=False)
     slot_health = build_slot_health(settings.retained_wal_limit)
-    assets = build_assets(tables, load_error, columns)
+    databases = (database_of(settings.source_dsn), database_of(settings.target_dsn))
+    assets = build_assets(tables, load_error, columns, databases)
     consistency = build_consistency_check(tables) if tables else None
     catchup_selection = AssetSelection.assets(DECODED_CHANGES_KEY) | AssetSelection.assets(
         *[target_key(t) for t in tables]

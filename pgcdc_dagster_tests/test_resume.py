@@ -559,7 +559,7 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
     clusters = site.clusters
     follow = site.start("follow", "--json")
     try:
-        earlier = {r.key for r in pipeline.store_of(site.settings).chain_ranges()}
+        earlier = {r.partition_key for r in pipeline.store_of(site.settings).chain_ranges()}
         with _following_under_writes(site, follow, seed=81):
             clusters.storage.stop()
             applied_before = pipeline.origin_progress(site.settings) or 0
@@ -577,7 +577,9 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
             "the follow to apply what was written",
             120,
         )
-        followed = {r.key for r in pipeline.store_of(site.settings).chain_ranges()} - earlier
+        followed = {
+            r.partition_key for r in pipeline.store_of(site.settings).chain_ranges()
+        } - earlier
         _wait_for(
             lambda: followed <= _registered(site), "every range it applied to be recorded", 120
         )
@@ -670,7 +672,8 @@ def test_kill_while_dagster_forgets_partitions_then_the_next_command_finishes_th
     assert done.returncode == 0, done.stderr
     registered = _registered(site)
     store = pipeline.store_of(site.settings)
-    assert len(registered) <= 2 and all(store.holds(LsnRange.from_key(k)) for k in registered)
+    assert len(registered) <= 2
+    assert all(store.holds(LsnRange.from_partition_key(k)) for k in registered)
     assert _ranges_stored(site) > stored_before  # the store keeps every range
     site.assert_converged()
 
@@ -993,7 +996,7 @@ def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_con
         orphans = [
             key
             for key in instance.get_dynamic_partitions(LSN_RANGES)
-            if store.get(LsnRange.from_key(key)) is None
+            if store.get(LsnRange.from_partition_key(key)) is None
         ]
     assert len(orphans) == 1  # registered, never run
 
@@ -1005,7 +1008,7 @@ def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_con
     with site.instance() as instance:
         keys = instance.get_dynamic_partitions(LSN_RANGES)
     # The partitions are a view of the store's chain again: the orphan was replaced.
-    assert all(store.get(LsnRange.from_key(key)) is not None for key in keys)
+    assert all(store.get(LsnRange.from_partition_key(key)) is not None for key in keys)
 
 
 def _wait_for(condition, what: str, timeout: float = 90.0) -> None:
@@ -1138,8 +1141,10 @@ def test_wiping_dagsters_storage_changes_nothing_catchup_does(site: Site, cluste
     assert done.returncode == 0, done.stderr
     wiped.assert_converged()
     with wiped.instance() as instance:
-        keys = sorted(instance.get_dynamic_partitions(LSN_RANGES))
-    assert keys and LsnRange.from_key(keys[0]).start == chain_end
+        ranges = [
+            LsnRange.from_partition_key(k) for k in instance.get_dynamic_partitions(LSN_RANGES)
+        ]
+    assert ranges and min(r.start for r in ranges) == chain_end
 
 
 SNAPSHOT_POINTS = [

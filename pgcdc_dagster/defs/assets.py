@@ -9,13 +9,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     AssetSpec,
     Config,
-    Failure,
     MaterializeResult,
     asset,
     multi_asset,
@@ -24,10 +24,11 @@ from dagster import (
 from ..engine import head_start, pipeline, verify
 from ..engine.apply import ApplyStatus
 from ..engine.catalog import ColumnInfo
-from ..engine.errors import PgcdcError
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
 from ..engine.range_lock import take_over
+from .checks import consistency_result
+from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .keys import (
     BASE_SNAPSHOT_KEY,
@@ -47,19 +48,12 @@ from .metadata import (
 )
 from .partitions import lsn_ranges
 from .progress_log import logged
-from .range_events import NO_GAP, no_gap_evaluation
+from .range_events import NO_GAP, no_gap
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .row_counts import TargetRowCounts
 from .runs import lock_holder_name
 
 REPLICATION_GROUP = "replication"
-
-ENGINE_ERRORS: tuple[type[Exception], ...] = (PgcdcError,)
-"""Problems a user must act on: their message is one line naming the fix."""
-
-
-def as_failure(exc: Exception) -> Failure:
-    return Failure(description=str(exc), metadata={"error": type(exc).__name__})
 
 
 class SnapshotConfig(Config):
@@ -76,9 +70,11 @@ def build_assets(
     tables: Sequence[TableName],
     load_error: str | None,
     columns: Mapping[TableName, list[ColumnInfo]] | None = None,
+    databases: tuple[str | None, str | None] = (None, None),
 ) -> list[Any]:
     """Every asset of the project for the resolved table list (``columns``: the source's
-    columns when they could be read at load time, shown as each table's column schema)."""
+    columns when they could be read at load time, shown as each table's column schema;
+    ``databases``: the source's and the target's ``host:port/dbname``, naming their tables)."""
     columns = columns or {}
     source_specs = [
         AssetSpec(
@@ -86,7 +82,7 @@ def build_assets(
             group_name="source",
             kinds={"postgres"},
             description=f"Source table {t} (replicated through the publication).",
-            metadata=table_metadata(t, columns.get(t)),
+            metadata=table_metadata(t, columns.get(t), databases[0]),
         )
         for t in tables
     ]
@@ -159,7 +155,7 @@ def build_assets(
         range_lock: RangeLockResource,
     ) -> MaterializeResult:
         settings = pgcdc.settings()
-        rng = LsnRange.from_key(context.partition_key)
+        rng = LsnRange.from_partition_key(context.partition_key)
         try:
             result = pipeline.receive_range(settings, rng)
             lag = _lag(settings)
@@ -167,17 +163,21 @@ def build_assets(
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         if result.already_stored:
-            context.log.info(f"range {rng.key} was already stored: nothing received again")
+            context.log.info(
+                f"range {rng.partition_key} was already stored: nothing received again"
+            )
         return MaterializeResult(metadata=receive_metadata(result, lag, uri))
 
     assets: list[Any] = [*source_specs, slot_spec, base_snapshot, decoded_changes]
     if tables:
-        assets += [_target_tables(tables, columns), _cutover(tables)]
+        assets += [_target_tables(tables, columns, databases[1]), _cutover(tables)]
     return assets
 
 
 def _target_tables(
-    tables: Sequence[TableName], columns: Mapping[TableName, list[ColumnInfo]]
+    tables: Sequence[TableName],
+    columns: Mapping[TableName, list[ColumnInfo]],
+    database: str | None,
 ) -> Any:
     specs = [
         AssetSpec(
@@ -186,7 +186,7 @@ def _target_tables(
             deps=[DECODED_CHANGES_KEY],
             kinds={"postgres"},
             description=f"Target table {t}: the source's rows, applied range by range.",
-            metadata=table_metadata(t, columns.get(t)),
+            metadata=table_metadata(t, columns.get(t), database),
         )
         for t in tables
     ]
@@ -199,12 +199,13 @@ def _target_tables(
         check_specs=[
             AssetCheckSpec(
                 NO_GAP,
-                asset=specs[0].key,
+                asset=spec.key,
                 blocking=True,
                 description="The target origin's progress equals the last commit stored up to "
-                "this range: no range was skipped or half applied. Blocking: a failure stops "
-                "the run.",
+                "this range: no range was skipped or half applied (one outcome for every "
+                "table: they are applied together). Blocking: a failure stops the run.",
             )
+            for spec in specs
         ],
     )
     def apply_to_target(
@@ -215,24 +216,23 @@ def _target_tables(
     ) -> Iterator[Any]:
         """All tables of a range in one target transaction: they cannot be applied apart."""
         settings = pgcdc.settings(spark)
-        rng = LsnRange.from_key(context.partition_key)
+        rng = LsnRange.from_partition_key(context.partition_key)
         try:
             pipeline.check_range_order(pipeline.store_of(settings), rng)
             received = pipeline.stored_range(settings, rng).manifest.result
             applied = pipeline.apply_stored_range(settings, rng, spark=lambda: spark.spark_session)
-            gap = no_gap_evaluation(
-                settings,
-                specs[0].key,
-                rng,
-                already_applied=applied.status == ApplyStatus.ALREADY_APPLIED,
+            gap = no_gap(
+                settings, rng, already_applied=applied.status == ApplyStatus.ALREADY_APPLIED
             )
             rows = TargetRowCounts(context.instance, settings, tables).after(applied)
             reshaped = pipeline.reshaped_columns(settings, applied)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
-        context.log.info(f"range {rng.key}: {applied.status}, replay_lsn {applied.replay_lsn}")
+        context.log.info(
+            f"range {rng.partition_key}: {applied.status}, replay_lsn {applied.replay_lsn}"
+        )
         for line in applied.schema_changes:  # the source's DDL, followed on the target
-            context.log.info(f"range {rng.key}: {line}")
+            context.log.info(f"range {rng.partition_key}: {line}")
         for table in tables:
             yield MaterializeResult(
                 asset_key=target_key(table),
@@ -240,14 +240,8 @@ def _target_tables(
                     table, received, applied, rows.get(table), reshaped.get(table)
                 ),
             )
-        yield AssetCheckResult(
-            asset_key=gap.asset_key,
-            check_name=gap.check_name,
-            passed=gap.passed,
-            severity=gap.severity,
-            metadata=gap.metadata,
-            description=gap.description,
-        )
+        for table in tables:
+            yield gap.result(target_key(table))
 
     return apply_to_target
 
@@ -298,6 +292,10 @@ def _cutover(tables: Sequence[TableName]) -> Any:
                 foreign_keys = []
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
+        # Each table's own check too: the tables were materialised by this run's follow just
+        # before, so the UI shows these results as the tables' current state.
+        for comparison in comparisons:
+            context.log_event(AssetCheckEvaluation(**consistency_result(comparison)))
         last = follower.summary.last
         differing = [str(c.table) for c in comparisons if not c.equal]
         yield MaterializeResult(

@@ -1,5 +1,15 @@
 """Asset checks that do not belong to one materialisation: slot health, the store's retention,
-target = source."""
+target = source.
+
+Where each sits, so that Dagster's UI shows its true state: the UI shows a check's latest result
+only while it is newer than the asset's latest materialisation, or from the run that made it.
+``decoded_changes`` and the target tables are materialised by every range (five a second under
+a follow), so a check evaluated beside them (by the sensor, from the UI) would show "Not
+evaluated" within a second. The checks of the replication as a whole (its slot, the tables it
+sends, the store's retention) therefore sit on ``replication_slot``, which is observed, never
+materialised; ``no_gap`` is recorded with each range on every target table the range
+materialises (:mod:`.range_events`); ``target_matches_source`` on each target table, by the
+``verify`` job and by the cutover, whose own follow materialised the tables just before."""
 
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,7 +27,8 @@ from ..engine import pipeline, verify
 from ..engine.identifiers import TableName
 from ..engine.retention import retention_status
 from ..engine.slot import SlotError
-from .assets import DECODED_CHANGES_KEY, ENGINE_ERRORS, SLOT_KEY, target_key
+from .failures import ENGINE_ERRORS
+from .keys import SLOT_KEY, target_key
 from .metadata import comparison_metadata, differs, no_longer_published, number, text
 from .resources import PgcdcResource
 
@@ -91,7 +102,7 @@ REPLICATED_TABLES = "replicated_tables"
 
 
 @asset_check(
-    asset=DECODED_CHANGES_KEY,
+    asset=SLOT_KEY,
     name=REPLICATED_TABLES,
     description="The tables the replication copied and those the publication sends agree: "
     "none is no longer sent (its target copy would drift, silently), none is sent without "
@@ -144,14 +155,22 @@ def replicated_tables_result(
     )
 
 
+STORE_RETENTION = "store_retention"
+
+
 @asset_check(
-    asset=DECODED_CHANGES_KEY,
-    name="store_retention",
-    description="The output store's retention keeps up: no applied range older than "
-    "PGCDC_STORE_RETENTION (plus two prune intervals) is still stored.",
+    asset=SLOT_KEY,
+    name=STORE_RETENTION,
+    description="The output store (decoded_changes) keeps up its retention: no applied range "
+    "older than PGCDC_STORE_RETENTION (plus two prune intervals) is still stored. The slot "
+    "sensor evaluates it every minute.",
 )
 def store_retention(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -> AssetCheckResult:
-    settings = pgcdc.settings()
+    return store_retention_result(pgcdc.settings())
+
+
+def store_retention_result(settings: pipeline.ReplicationSettings) -> AssetCheckResult:
+    """:func:`store_retention`'s evaluation."""
     try:
         origin = pipeline.origin_progress(settings)
     except ENGINE_ERRORS as exc:
@@ -160,6 +179,7 @@ def store_retention(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -
         )
     status = retention_status(pipeline.store_of(settings), origin, settings.store_retention)
     return AssetCheckResult(
+        check_name=STORE_RETENTION,
         passed=status.overdue is None,
         severity=AssetCheckSeverity.WARN,
         description=status.overdue,
@@ -179,21 +199,29 @@ def store_retention(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -
     )
 
 
+TARGET_MATCHES_SOURCE = "target_matches_source"
+
+
 def build_consistency_check(tables: Sequence[TableName]) -> Any:
     """Target equals source, table by table (rows and content hash). Meaningful when the
-    source is quiescent at an endpos that the target has reached: it belongs to cutover."""
+    source is quiescent at an endpos that the target has reached: the ``verify`` job and the
+    cutover record it. Each table's check can be executed on its own from the UI."""
+    by_key = {target_key(t): t for t in tables}
 
     @multi_asset_check(
-        name="target_matches_source",
+        name=TARGET_MATCHES_SOURCE,
         specs=[
             AssetCheckSpec(
-                "target_matches_source",
+                TARGET_MATCHES_SOURCE,
                 asset=target_key(t),
-                description=(f"{t}: same row count and content hash as the source"),
+                description=(
+                    f"{t}: same row count and content hash as the source (recorded by "
+                    "pgcdc verify and by the cutover; meaningful on a quiescent source)"
+                ),
             )
             for t in tables
         ],
-        can_subset=False,
+        can_subset=True,
     )
     def target_matches_source(
         context: AssetCheckExecutionContext,
@@ -202,14 +230,21 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
         settings = pgcdc.settings()
         for stale in pipeline.no_longer_published(settings):  # no asset, so no check: a line
             context.log.warning(no_longer_published(stale))
-        for comparison in verify.compare_tables(settings, tables):
-            yield AssetCheckResult(
-                asset_key=target_key(comparison.table),
-                check_name="target_matches_source",
-                passed=comparison.equal,
-                severity=AssetCheckSeverity.ERROR,
-                metadata=comparison_metadata([comparison]),
-                description=None if comparison.equal else differs(comparison),
-            )
+        selected = [by_key[k.asset_key] for k in context.selected_asset_check_keys]
+        for comparison in verify.compare_tables(settings, selected):
+            yield AssetCheckResult(**consistency_result(comparison))
 
     return target_matches_source
+
+
+def consistency_result(comparison: verify.TableComparison) -> dict[str, Any]:
+    """One table's ``target_matches_source`` result, as the ``verify`` job and the cutover
+    record it (arguments of ``AssetCheckResult`` or ``AssetCheckEvaluation``)."""
+    return {
+        "asset_key": target_key(comparison.table),
+        "check_name": TARGET_MATCHES_SOURCE,
+        "passed": comparison.equal,
+        "severity": AssetCheckSeverity.ERROR,
+        "metadata": comparison_metadata([comparison]),
+        "description": None if comparison.equal else differs(comparison),
+    }

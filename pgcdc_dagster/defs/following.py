@@ -26,20 +26,22 @@ from dagster import (
     AssetObservation,
     DagsterEvent,
     Failure,
+    MetadataValue,
 )
 from dagster._core.errors import DagsterExecutionInterruptedError
 
 from ..engine import pipeline
 from ..engine.errors import PgcdcError
 from ..engine.failpoints import failpoint
-from ..engine.follow import Followed, Follower, Following, FollowSummary, adopt
+from ..engine.follow import Followed, Follower, Following, FollowSummary, Idle, adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from ..engine.range_lock import RangeLock
+from .failures import ENGINE_ERRORS
 from .keys import DECODED_CHANGES_KEY, target_key
-from .metadata import spark_metadata
+from .metadata import number, spark_metadata, text
 from .progress_log import logged
-from .range_events import no_gap_evaluation, range_events, register_range
+from .range_events import no_gap, range_events, register_range
 from .row_counts import TargetRowCounts
 from .storage_outage import StorageRide, StorageUnavailableError, give_up
 
@@ -180,7 +182,10 @@ def _record_ranges(
 
     table_events = TableEvents(log, settings, tables)
     session = 0
-    for followed in follower.run():
+    for followed in follower.run(idle_s=HEARTBEAT_S):
+        if isinstance(followed, Idle):
+            storage.write(lambda idle=followed: record(step, heartbeat(settings, idle)))
+            continue
         failpoint("follow.recording")
         if followed.session != session:
             try:
@@ -193,13 +198,14 @@ def _record_ranges(
                 tables.extend(added)
                 log(
                     f"recording {', '.join(str(t) for t in added)} too from range "
-                    f"{followed.done.received.range_key} on: added to the replication "
+                    f"{LsnRange.from_key(followed.done.received.range_key).partition_key} on: "
+                    "added to the replication "
                     "(pgcdc add-table) since the code location listed its tables"
                 )
         done = followed.done
         rng = LsnRange.from_key(done.received.range_key)
         for line in done.applied.schema_changes:  # the source's DDL, followed on the target
-            log(f"range {rng.key}: {line}")
+            log(f"range {rng.partition_key}: {line}")
         storage.write(lambda rng=rng: register_range(context.instance, settings, rng))
         recorded, described = table_events.choose(followed)
         counts = storage.write(lambda done=done: row_counts.after(done.applied))
@@ -213,10 +219,8 @@ def _record_ranges(
             replay = done.applied.replay_lsn
             # Strict even for a range found applied: in a follow, the origin past a range
             # it takes means another applier, which must stop it.
-            gap = no_gap_evaluation(
-                settings, target_key(tables[0]), rng, Lsn(replay) if replay else None
-            )
-            events.append(gap)
+            gap = no_gap(settings, rng, Lsn(replay) if replay else None)
+            events += [gap.evaluation(target_key(t)) for t in recorded]
         for event in events:  # each written once: a retry goes on from the one that failed
             storage.write(lambda event=event: record(step, event))
         while storage.back_notes:
@@ -228,6 +232,33 @@ def _record_ranges(
             follower.stop("no_gap failed")
             raise Failure(description=gap.description)
     table_events.log_trailed()
+
+
+HEARTBEAT_S = 60.0
+"""How long a follow that applies nothing goes before it says it is alive (:func:`heartbeat`)."""
+
+
+def heartbeat(settings: pipeline.ReplicationSettings, idle: Idle) -> AssetObservation:
+    """An observation of ``decoded_changes`` from a live follow with nothing to apply: how
+    far behind the source it is and where it stands, so an idle follow is told from a hung
+    one (a range the follower stores and applies is a materialisation instead)."""
+    metadata: dict[str, Any] = {"idle_s": MetadataValue.float(idle.seconds)}
+    try:
+        positions = pipeline.source_positions(settings, timeout_s=3)
+        metadata["source_lag_bytes"] = number(positions.lag_bytes)
+        metadata["source_flush_lsn"] = text(positions.flush_lsn)
+        metadata["slot_confirmed_lsn"] = text(positions.slot.confirmed_flush_lsn)
+    except (*ENGINE_ERRORS, psycopg.Error) as exc:
+        metadata["source"] = text(f"not reachable now: {exc}")
+    try:
+        metadata["replay_lsn"] = text(pipeline.origin_progress(settings) or "none")
+    except (*ENGINE_ERRORS, psycopg.Error) as exc:
+        metadata["target"] = text(f"not reachable now: {exc}")
+    return AssetObservation(
+        DECODED_CHANGES_KEY,
+        description=f"a live follow's heartbeat: nothing to apply for {idle.seconds:g} s",
+        metadata=metadata,
+    )
 
 
 TRAILING_S = 2.0

@@ -34,7 +34,7 @@ from ..engine import pipeline
 from ..engine.identifiers import TableName
 from ..engine.retention import prune
 from ..engine.settings import parse_duration
-from .assets import ENGINE_ERRORS, as_failure
+from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY, SLOT_KEY
 from .metadata import added_metadata, finish_metadata, prune_metadata

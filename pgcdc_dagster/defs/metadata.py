@@ -51,11 +51,24 @@ APPLIED_THROUGH = "pgcdc/applied_through"
 """The origin's progress a target table's ``dagster/row_count`` is exact at."""
 
 
-def table_metadata(table: TableName, columns: list[ColumnInfo] | None) -> dict[str, Any]:
-    """A table's name and, when known, its columns, as Dagster's standard metadata."""
-    meta: dict[str, Any] = {TABLE_NAME: str(table)}
-    if columns:
-        meta[COLUMN_SCHEMA] = MetadataValue.table_schema(
+def table_metadata(
+    table: TableName, columns: list[ColumnInfo] | None, database: str | None = None
+) -> dict[str, Any]:
+    """A table's name and, when known, its columns, as Dagster's standard metadata.
+
+    ``database``: where the table lives (:func:`database_of`). Dagster takes two assets with
+    the same ``dagster/table_name`` for the same storage ("linked assets"), so the source's
+    and the target's copy of a table are named with their own server and database."""
+    name = str(table) if database is None else f"{database}.{table}"
+    return {TABLE_NAME: name, **column_schema(columns)}
+
+
+def column_schema(columns: list[ColumnInfo] | None) -> dict[str, Any]:
+    """``dagster/column_schema`` of a table's columns (nothing when they are not known)."""
+    if not columns:
+        return {}
+    return {
+        COLUMN_SCHEMA: MetadataValue.table_schema(
             TableSchema(
                 columns=[
                     TableColumn(
@@ -67,7 +80,23 @@ def table_metadata(table: TableName, columns: list[ColumnInfo] | None) -> dict[s
                 ]
             )
         )
-    return meta
+    }
+
+
+def database_of(dsn: str | None) -> str | None:
+    """``host:port/dbname`` of a connection string, for naming its tables: never the user or
+    the password. ``None`` when there is no connection string."""
+    if not dsn:
+        return None
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        info = conninfo_to_dict(dsn)
+    except Exception:  # psycopg.ProgrammingError: not a connection string; say nothing of it
+        return None
+    host = str(info.get("host") or info.get("hostaddr") or "localhost")
+    port = str(info.get("port") or "5432")
+    return f"{host}:{port}/{info.get('dbname') or info.get('user') or ''}"
 
 
 def watermarks(result: RangeResult) -> dict[str, Any]:
@@ -76,7 +105,8 @@ def watermarks(result: RangeResult) -> dict[str, Any]:
         "start_lsn": text(result.start_lsn),
         "endpos": text(result.endpos),
         "transform_lsn": text(result.transform_lsn or "none (no transaction in range)"),
-        "last_xid": number(result.last_xid) if result.last_xid is not None else text("none"),
+        # An id, not a quantity: text, so the UI draws no plot of it.
+        "last_xid": text(result.last_xid if result.last_xid is not None else "none"),
         "endpos_outcome": text(result.endpos_outcome),
     }
 
@@ -94,8 +124,9 @@ def receive_metadata(
         "inserts": number(result.inserts),
         "updates": number(result.updates),
         "deletes": number(result.deletes),
-        "truncates": number(result.truncates),
-        "deferred_transactions": number(len(result.straddlers)),
+        # Rare events, not a series worth a plot: text, so the UI draws none.
+        "truncates": text(result.truncates),
+        "deferred_transactions": text(len(result.straddlers)),
         "bytes": number(result.bytes),
         "seconds": MetadataValue.float(float(result.seconds)),
         "already_stored": MetadataValue.bool(result.already_stored),
@@ -147,8 +178,7 @@ def apply_metadata(
     steps = [line for line in applied.schema_changes if line.startswith(f"{table}: ")]
     if steps:
         meta["schema_changes"] = text("\n".join(steps))
-    if columns:
-        meta.update(table_metadata(table, columns))
+    meta.update(column_schema(columns))
     if str(table) in applied.in_commit_order:
         meta["applied_in_commit_order"] = MetadataValue.bool(True)
     if row_count is not None:
@@ -341,10 +371,10 @@ def prune_metadata(
         "ranges_removed": len(result.removed),
         "history_ranges_removed": len(result.history),
         "bytes_removed": number(result.bytes),
-        "first_removed": result.removed[0].key if result.removed else "",
-        "last_removed": result.removed[-1].key if result.removed else "",
+        "first_removed": result.removed[0].partition_key if result.removed else "",
+        "last_removed": result.removed[-1].partition_key if result.removed else "",
         "pruned_through": text(result.pruned_through),
-        "oldest_kept": result.kept.key if result.kept else "",
+        "oldest_kept": result.kept.partition_key if result.kept else "",
         "partitions_dropped": partitions_dropped,
         "seconds": result.seconds,
     }

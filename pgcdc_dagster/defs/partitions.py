@@ -1,4 +1,5 @@
-"""LSN-range partitions: keys ``{start:016X}-{end:016X}``, registered in LSN order."""
+"""LSN-range partitions: keys ``X/Y-X/Y`` (:attr:`~..engine.lsn.LsnRange.partition_key`),
+registered in LSN order."""
 
 from dagster import DagsterInstance, DynamicPartitionsDefinition
 
@@ -9,5 +10,6 @@ lsn_ranges = DynamicPartitionsDefinition(name=LSN_RANGES)
 
 
 def registered_ranges(instance: DagsterInstance) -> list[LsnRange]:
-    """Every registered range in LSN order (keys sort like LSNs by construction)."""
-    return [LsnRange.from_key(k) for k in sorted(instance.get_dynamic_partitions(LSN_RANGES))]
+    """Every registered range in LSN order."""
+    ranges = map(LsnRange.from_partition_key, instance.get_dynamic_partitions(LSN_RANGES))
+    return sorted(ranges, key=lambda r: (r.start, r.end))

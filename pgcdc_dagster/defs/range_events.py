@@ -19,6 +19,7 @@ from typing import Any
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckResult,
     AssetCheckSeverity,
     AssetKey,
     AssetMaterialization,
@@ -65,7 +66,7 @@ def register_range(
     by another process, so a follow's ranges look once a minute (the partitions may then pass
     the limit by a minute's ranges); any other registration (a sensor tick, a run's first
     range) looks every time."""
-    if instance.has_dynamic_partition(LSN_RANGES, rng.key):
+    if instance.has_dynamic_partition(LSN_RANGES, rng.partition_key):
         return
     now = time.monotonic()
     last = _REGISTERED.get(settings.store_path)
@@ -73,7 +74,7 @@ def register_range(
     if scanned_at is None or now - scanned_at >= STALE_SCAN_S:
         trim_partitions(instance, settings, through=rng)
         scanned_at = now
-    instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+    instance.add_dynamic_partitions(LSN_RANGES, [rng.partition_key])
     _REGISTERED[settings.store_path] = _Registered(rng.end, scanned_at)
 
 
@@ -99,31 +100,64 @@ def trim_partitions(
     at 5 a second) against at most about ``partitions_kept`` partitions. Returns the keys
     deleted."""
     store = pipeline.store_of(settings)
-    others = [
-        LsnRange.from_key(k)
+    others = {  # each registered key (in either form, see LsnRange.partition_key): its range
+        k: LsnRange.from_partition_key(k)
         for k in instance.get_dynamic_partitions(LSN_RANGES)
-        if through is None or k != through.key
-    ]
-    eligible = [r for r in others if through is None or r.start <= through.start]
-    unstored = [r for r in eligible if not store.holds(r)]
+        if through is None or k != through.partition_key
+    }
+    eligible = [k for k, r in others.items() if through is None or r.start <= through.start]
+    unstored = [k for k in eligible if not store.holds(others[k])]
     kept = len(others) - len(unstored) + (1 if through is not None else 0)
-    oldest: list[LsnRange] = []
+    oldest: list[str] = []
     if settings.partitions_kept is not None and kept > settings.partitions_kept:
         gone = set(unstored)
-        oldest = sorted((r for r in eligible if r not in gone), key=lambda r: r.start)
+        oldest = sorted((k for k in eligible if k not in gone), key=lambda k: others[k].start)
         oldest = oldest[: kept - settings.partitions_kept]
-    dropped = [r.key for r in unstored + oldest]
+    dropped = unstored + oldest
     forget_partitions(instance, dropped)
     return dropped
 
 
-def no_gap_evaluation(
+@dataclass(frozen=True)
+class NoGap:
+    """The ``no_gap`` outcome of one range, recorded on every target table the range
+    materialises (the check judges the apply, which is all of them at once)."""
+
+    partition: str
+    passed: bool
+    metadata: dict[str, Any]
+    description: str | None
+
+    def evaluation(self, key: AssetKey) -> AssetCheckEvaluation:
+        """As a follow records it (an event of its own)."""
+        return AssetCheckEvaluation(
+            asset_key=key,
+            check_name=NO_GAP,
+            passed=self.passed,
+            severity=AssetCheckSeverity.ERROR,
+            partition=self.partition,
+            metadata=self.metadata,
+            description=self.description,
+        )
+
+    def result(self, key: AssetKey) -> AssetCheckResult:
+        """As a per-range run's step yields it."""
+        return AssetCheckResult(
+            asset_key=key,
+            check_name=NO_GAP,
+            passed=self.passed,
+            severity=AssetCheckSeverity.ERROR,
+            metadata=self.metadata,
+            description=self.description,
+        )
+
+
+def no_gap(
     settings: pipeline.ReplicationSettings,
-    key: AssetKey,
     rng: LsnRange,
     origin_progress: Lsn | None = None,
     already_applied: bool = False,
-) -> AssetCheckEvaluation:
+) -> NoGap:
     """Whether the target's origin stands exactly at the last commit stored up to ``rng``: no
     range before it skipped, none half applied. Blocking: a failure stops the run.
 
@@ -138,12 +172,9 @@ def no_gap_evaluation(
         or actual == expected
         or (already_applied and actual is not None and actual > expected)
     )
-    return AssetCheckEvaluation(
-        asset_key=key,
-        check_name=NO_GAP,
+    return NoGap(
+        partition=rng.partition_key,
         passed=passed,
-        severity=AssetCheckSeverity.ERROR,
-        partition=rng.key,
         metadata={
             "origin_progress": text(actual),
             "last_applied_transform_lsn": text(expected),
@@ -173,18 +204,19 @@ def range_events(
     changes partition and the partitions of ``tables`` (a follow's choice, ``table_events``
     says which, see :class:`~.following.TableEvents`), with the same metadata."""
     received, applied = done.received, done.applied
-    uri = pipeline.store_of(settings).range_path(LsnRange.from_key(received.range_key)).as_uri()
+    rng = LsnRange.from_key(received.range_key)
+    uri = pipeline.store_of(settings).range_path(rng).as_uri()
     decoded = receive_metadata(received, lag_bytes, uri)
     if table_events is not None:
         decoded["table_events"] = text(table_events)
     events = [
-        AssetMaterialization(DECODED_CHANGES_KEY, partition=received.range_key, metadata=decoded)
+        AssetMaterialization(DECODED_CHANGES_KEY, partition=rng.partition_key, metadata=decoded)
     ]
     reshaped = pipeline.reshaped_columns(settings, applied)
     events += [
         AssetMaterialization(
             target_key(table),
-            partition=received.range_key,
+            partition=rng.partition_key,
             metadata=apply_metadata(
                 table, received, applied, row_counts.get(table), reshaped.get(table)
             ),

@@ -60,6 +60,7 @@ def dagster_instance() -> Any:
         quiet_storage_retries()
         _instance = DagsterInstance.from_ref(ref)
         keep_storage_connections(_instance)
+        record_under_jobs(_instance)
     return _instance
 
 
@@ -166,6 +167,49 @@ def _definitions_of(job: str) -> Any:
     from .jobs import OP_JOBS
 
     return op_job_definitions() if job in OP_JOBS else load_defs()
+
+
+LOCATION_NAME = "pgcdc_dagster"
+"""The code location's name in ``workspace.yaml``."""
+REPOSITORY_NAME = "__repository__"
+"""The name Dagster gives the repository of a code location's ``Definitions``."""
+
+
+def job_origin(name: str) -> Any:
+    """Where the UI finds the job ``name``: ``workspace.yaml``'s code location. A run that
+    carries it is listed under its job, drawn in the Overview timeline, and can be re-executed
+    from the UI, as a run the daemon launched; a run created by ``execute_in_process`` has
+    none, and shows in the Runs list only."""
+    from dagster._core.remote_origin import (
+        ManagedGrpcPythonEnvCodeLocationOrigin,
+        RemoteRepositoryOrigin,
+    )
+    from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
+
+    loadable = LoadableTargetOrigin(
+        executable_path=sys.executable,
+        module_name="pgcdc_dagster.definitions",
+        attribute="defs",
+        working_directory=os.getcwd(),
+    )
+    location = ManagedGrpcPythonEnvCodeLocationOrigin(loadable, LOCATION_NAME)
+    return RemoteRepositoryOrigin(location, REPOSITORY_NAME).get_job_origin(name)
+
+
+def record_under_jobs(instance: Any) -> None:
+    """Have every run ``instance`` creates for a job in this process carry the job's origin
+    (:func:`job_origin`). ``execute_in_process`` takes no origin and creates its run through
+    the instance's ``create_run_for_job``: this instance's gives one. Idempotent."""
+    create = instance.create_run_for_job
+    if getattr(create, "records_under_jobs", False):
+        return
+
+    def create_run_for_job(job_def: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("remote_job_origin", job_origin(job_def.name))
+        return create(job_def, **kwargs)
+
+    create_run_for_job.records_under_jobs = True  # type: ignore[attr-defined]
+    instance.create_run_for_job = create_run_for_job
 
 
 def run_job(

@@ -18,16 +18,19 @@ Each tick (every query has a 3 s timeout):
    launches a run key twice, and a retry must be able to.
 
 Besides, at most once a minute, it evaluates the ``replicated_tables`` check (a table the
-publication no longer sends, or sends without having been added, or an add left unfinished),
-recording it when its outcome changes (:func:`tables_evaluation`).
+publication no longer sends, or sends without having been added, or an add left unfinished)
+and the ``store_retention`` check, recording each when its outcome changes
+(:func:`check_evaluation`).
 """
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckResult,
     AssetObservation,
     DefaultSensorStatus,
     RunRequest,
@@ -40,10 +43,16 @@ from ..engine import pipeline
 from ..engine.failpoints import failpoint
 from ..engine.next_step import CaughtUp
 from ..engine.range_lock import lock_holders
-from .assets import ENGINE_ERRORS
-from .checks import REPLICATED_TABLES, finished_at, replicated_tables_result
+from .checks import (
+    REPLICATED_TABLES,
+    STORE_RETENTION,
+    finished_at,
+    replicated_tables_result,
+    store_retention_result,
+)
+from .failures import ENGINE_ERRORS
 from .jobs import FOLLOW_JOB
-from .keys import DECODED_CHANGES_KEY, SLOT_KEY
+from .keys import SLOT_KEY
 from .metadata import number, text
 from .range_events import register_range
 from .resources import PgcdcResource
@@ -77,7 +86,10 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
             return SensorResult(skip_reason=f"cannot read the source slot: {exc}")
         last = _parse(context.cursor)
         events, cursor = slot_observation(last, positions)
-        checked, cursor["tables"] = tables_evaluation(last.get("tables"), settings)
+        checked: list[AssetCheckEvaluation] = []
+        for part in SENSOR_CHECKS:
+            evaluations, cursor[part] = check_evaluation(last.get(part), settings, part)
+            checked += evaluations
 
         def result(**outcome: Any) -> SensorResult:
             return SensorResult(
@@ -108,7 +120,7 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
             return result(skip_reason=f"{step.describe()}: no new WAL")
         register_range(context.instance, settings, step.range)
         failpoint("sensor.after_register")
-        return result(run_requests=[RunRequest(partition_key=step.range.key)])
+        return result(run_requests=[RunRequest(partition_key=step.range.partition_key)])
 
     return slot_progress_sensor
 
@@ -127,42 +139,48 @@ def _parse(cursor: str | None) -> dict[str, Any]:
     return last if isinstance(last, dict) else {}
 
 
-TABLES_CHECKED_EVERY_S = 60.0
-"""The slot sensor evaluates ``replicated_tables`` at most this often (a query of the source's
-publication, and of the target when a table is no longer sent)."""
-TABLES_RECORDED_EVERY_S = 600.0
+CHECKED_EVERY_S = 60.0
+"""The slot sensor evaluates each of the replication's checks (:data:`SENSOR_CHECKS`) at most
+this often (a query of the source's publication or of the target's origin, and of the store)."""
+RECORDED_EVERY_S = 600.0
 """An unchanged evaluation is recorded again at most this often: every evaluation is a row of
 Dagster's event log that nothing prunes (see :func:`slot_observation`), while a change is
 recorded at once."""
 
+SENSOR_CHECKS: dict[str, tuple[str, Callable[[pipeline.ReplicationSettings], AssetCheckResult]]] = {
+    "tables": (REPLICATED_TABLES, lambda s: replicated_tables_result(s, timeout_s=3)),
+    "retention": (STORE_RETENTION, store_retention_result),
+}
+"""The checks of ``replication_slot`` the sensor evaluates, by their part of its cursor. A
+table the publication stops sending breaks nothing and is seen by no range (its changes just
+stop), and a store that outgrows its retention fails nothing either: without these, only
+``pgcdc status`` and ``pgcdc verify`` would ever say so."""
 
-def tables_evaluation(
-    last: Any, settings: pipeline.ReplicationSettings
+
+def check_evaluation(
+    last: Any, settings: pipeline.ReplicationSettings, part: str
 ) -> tuple[list[AssetCheckEvaluation], dict[str, Any]]:
-    """The tick's evaluation of the ``replicated_tables`` check, if one is due, and its part
-    of the next cursor (``last``: the part before). A table the publication stops sending
-    breaks nothing and is seen by no range (its changes just stop), so without this only
-    ``pgcdc status`` and ``pgcdc verify`` would ever say it."""
+    """The tick's evaluation of the check :data:`SENSOR_CHECKS` names ``part``, if one is
+    due, and its part of the next cursor (``last``: the part before)."""
     last = last if isinstance(last, dict) else {}
     now = time.time()
-    if now - float(last.get("checked_at", 0)) < TABLES_CHECKED_EVERY_S:
+    if now - float(last.get("checked_at", 0)) < CHECKED_EVERY_S:
         return [], last
-    result = replicated_tables_result(settings, timeout_s=3)  # as the tick's other queries
+    name, evaluate = SENSOR_CHECKS[part]
+    result = evaluate(settings)
     said = [result.passed, result.description]
-    part = {**last, "checked_at": now}
-    if said == last.get("said") and now - float(last.get("recorded_at", 0)) < (
-        TABLES_RECORDED_EVERY_S
-    ):
-        return [], part
+    state = {**last, "checked_at": now}
+    if said == last.get("said") and now - float(last.get("recorded_at", 0)) < RECORDED_EVERY_S:
+        return [], state
     evaluation = AssetCheckEvaluation(
-        asset_key=DECODED_CHANGES_KEY,
-        check_name=REPLICATED_TABLES,
+        asset_key=SLOT_KEY,
+        check_name=name,
         passed=result.passed,
         metadata=result.metadata,
         severity=result.severity,
         description=result.description,
     )
-    return [evaluation], {**part, "said": said, "recorded_at": now}
+    return [evaluation], {**state, "said": said, "recorded_at": now}
 
 
 def slot_observation(

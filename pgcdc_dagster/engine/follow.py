@@ -85,7 +85,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, overload
 
 import psycopg
 
@@ -331,7 +331,11 @@ class Following(Protocol):
 
     def start(self) -> Any: ...
 
+    @overload
     def run(self) -> Iterator[Followed]: ...
+
+    @overload
+    def run(self, idle_s: float) -> Iterator[Followed | Idle]: ...
 
     def stop(self, reason: str) -> None: ...
 
@@ -353,24 +357,42 @@ END = _End()
 """Ends a queue of done ranges (:func:`done_ranges`)."""
 
 
+STOPPED_BY_INTERRUPT = "stopped by an interrupt (Ctrl-C or SIGINT)"
+STOPPED_BY_RUN = "stopped with its run (terminated from the UI, or SIGTERM to the command)"
+"""How a follow stopped on purpose reads in its totals: a stop, not an error."""
+
+
+class Idle(NamedTuple):
+    """Nothing was applied for ``seconds`` (a follow's heartbeat: alive, not hung)."""
+
+    seconds: float
+
+
 def done_ranges(
     done: Backlog,
     interrupts: tuple[type[BaseException], ...],
     stop: Callable[[str], None],
-) -> Iterator[Followed]:
+    idle_s: float | None = None,
+) -> Iterator[Followed | Idle]:
     """The ranges put in ``done`` until :data:`END`. An interrupt (one of ``interrupts``: the
     run's SIGINT or Dagster's termination) raised while waiting is taken as ``stop``: the
-    follower stops at its next boundary, and what it finishes is still yielded."""
+    follower stops at its next boundary, and what it finishes is still yielded. With
+    ``idle_s``, an :class:`Idle` each time that long went by with no range."""
+    last = time.monotonic()
     while True:
         try:
             item = done.get(timeout=0.2)
         except queue.Empty:
+            if idle_s is not None and time.monotonic() - last >= idle_s:
+                yield Idle(round(time.monotonic() - last, 1))
+                last = time.monotonic()
             continue
         except interrupts as exc:
-            stop(type(exc).__name__)
+            stop(STOPPED_BY_INTERRUPT if isinstance(exc, KeyboardInterrupt) else STOPPED_BY_RUN)
             continue
         if item is END:
             return
+        last = time.monotonic()
         yield item
 
 
@@ -525,13 +547,14 @@ class Follower:
         watcher.start()
         return self
 
-    def run(self) -> Iterator[Followed]:
-        """Yield every range as it is applied, until ``endpos`` or a stop. An interrupt (one of
-        ``interrupts``) raised while waiting is taken as a stop; an error of the follower's
-        threads is raised here once they have all ended."""
+    def run(self, idle_s: float | None = None) -> Iterator[Any]:
+        """Yield every range as it is applied, until ``endpos`` or a stop (and, with
+        ``idle_s``, an :class:`Idle` each time that long went by without one). An interrupt
+        (one of ``interrupts``) raised while waiting is taken as a stop; an error of the
+        follower's threads is raised here once they have all ended."""
         self.start()
         try:
-            yield from done_ranges(self._done, self.interrupts, self.stop)
+            yield from done_ranges(self._done, self.interrupts, self.stop, idle_s)
         finally:
             self.close(self._stop_reason or "closed")
             self._done.close()

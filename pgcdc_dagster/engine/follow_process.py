@@ -48,7 +48,7 @@ from typing import Any
 from . import progress
 from .backlog import Backlog
 from .errors import PgcdcError
-from .follow import END, Followed, Follower, FollowSummary, done_ranges, track, untrack
+from .follow import END, Follower, FollowSummary, done_ranges, track, untrack
 from .lsn import Lsn
 from .processes import fresh_standard_streams
 
@@ -115,11 +115,11 @@ class ProcessFollower:
     def endpos(self) -> Lsn | None:
         return self.follower.endpos
 
-    def run(self) -> Iterator[Followed]:
+    def run(self, idle_s: float | None = None) -> Iterator[Any]:
         """As :meth:`.follow.Follower.run`: every range as it is applied, until the end."""
         self.start()
         try:
-            yield from done_ranges(self._done, self.interrupts, self.stop)
+            yield from done_ranges(self._done, self.interrupts, self.stop, idle_s)
         finally:
             self.close(self.summary.stopped_by or "closed")
             self._done.close()

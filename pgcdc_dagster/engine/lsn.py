@@ -104,7 +104,33 @@ class LsnRange:
 
     @property
     def key(self) -> str:
+        """The range's name in the store (its folder): fixed width, so names sort in LSN
+        order."""
         return f"{self.start.hex16}-{self.end.hex16}"
+
+    @property
+    def partition_key(self) -> str:
+        """The range's name as people read it (its Dagster partition): the ``X/Y`` form that
+        PostgreSQL, ``pgcdc status`` and every metadata field show, so a search for an LSN
+        finds it. Registered in chain order, so Dagster lists them in LSN order."""
+        return f"{self.start}-{self.end}"
+
+    @classmethod
+    def from_partition_key(cls, key: str) -> LsnRange:
+        """A range from its :attr:`partition_key`, or from its :attr:`key` (how partitions
+        were named before: such partitions stay readable)."""
+        start, sep, end = key.partition("-")
+        if sep and "/" in start:
+            try:
+                return cls(Lsn.parse(start), Lsn.parse(end))
+            except LsnError:
+                pass
+        else:
+            return cls.from_key(key)
+        raise LsnError(
+            f"{key!r} is not an LSN-range partition key: expected two LSNs joined by '-', "
+            "for example '0/1000000-0/1800000'"
+        )
 
     def holds_commit(self, end_lsn: int) -> bool:
         """Whether a transaction whose COMMIT ends at ``end_lsn`` belongs to this range."""

@@ -99,6 +99,23 @@ def test_source_and_target_tables_carry_their_name_and_column_schema():
     )  # columns not known: no schema rather than a wrong one
 
 
+def test_source_and_target_tables_are_named_with_their_own_database():
+    """Dagster links assets of one ``dagster/table_name`` as the same storage: a table's source
+    and target copies are named with their server and database (never a user or password)."""
+    from pgcdc_dagster.engine.settings import ReplicationSettings
+
+    settings = ReplicationSettings(
+        source_dsn="host=10.0.0.1 port=5432 dbname=app user=u password=secret-pw",
+        target_dsn="postgresql://u:secret-pw@10.0.0.2:6432/app",
+    )
+    graph = build_definitions(TABLES, None, settings=settings).resolve_asset_graph()
+    source = graph.get(AssetKey(["source", "public", "orders"])).metadata
+    target = graph.get(AssetKey(["target", "public", "orders"])).metadata
+    assert source["dagster/table_name"] == "10.0.0.1:5432/app.public.orders"
+    assert target["dagster/table_name"] == "10.0.0.2:6432/app.public.orders"
+    assert "secret-pw" not in str(source) + str(target)
+
+
 def test_every_setting_reaches_the_runs_through_the_resources():
     """A run rebuilds its settings from the resources: a setting they do not carry would be
     silently back at its default inside every Dagster run."""

@@ -86,8 +86,8 @@ class Replication:
         )
 
     def register(self, rng: LsnRange) -> str:
-        self.instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
-        return rng.key
+        self.instance.add_dynamic_partitions(LSN_RANGES, [rng.partition_key])
+        return rng.partition_key
 
     def chain_end(self) -> Lsn:
         store = pipeline.store_of(self.settings)
@@ -195,19 +195,24 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     tick = r.sensor()
     assert len(tick.run_requests) == 1
     (registered,) = r.instance.get_dynamic_partitions(LSN_RANGES)
-    first = LsnRange.from_key(registered)
+    assert registered == f"{consistent_point}-{Lsn.parse(registered.split('-')[1])}"
+    first = LsnRange.from_partition_key(registered)
     assert first.start == consistent_point
-    assert tick.run_requests[0].partition_key == first.key
-    observation, tables_check = tick.asset_events
+    assert tick.run_requests[0].partition_key == first.partition_key
+    observation, *checks = tick.asset_events
     assert observation.asset_key == AssetKey("replication_slot")
-    assert isinstance(tables_check, AssetCheckEvaluation) and tables_check.passed
+    # The replication's own checks sit on the slot asset, which no range materialises.
+    assert {(c.asset_key, c.check_name, c.passed) for c in checks} == {
+        (AssetKey("replication_slot"), "replicated_tables", True),
+        (AssetKey("replication_slot"), "store_retention", True),
+    }
     assert int(observation.metadata["lag_bytes"].value) > 0
     r.register(first)
     # The slot is observed at most once a minute (the cursor says when it last was), and at
     # once when its state changes; the tick's decision is the same either way.
     quiet = r.sensor(cursor=tick.cursor)
     assert quiet.asset_events == [] and quiet.cursor == tick.cursor
-    assert [q.partition_key for q in quiet.run_requests] == [first.key]
+    assert [q.partition_key for q in quiet.run_requests] == [first.partition_key]
     aged = json.loads(tick.cursor)
     aged["observed_at"] -= 61
     assert len(r.sensor(cursor=json.dumps(aged)).asset_events) == 1
@@ -221,9 +226,9 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     # stored is planned afresh towards the flushed WAL each tick.
     def requested_again(tick) -> LsnRange:
         (request,) = tick.run_requests
-        again = LsnRange.from_key(request.partition_key)
+        again = LsnRange.from_partition_key(request.partition_key)
         assert again.start == first.start
-        assert r.instance.get_dynamic_partitions(LSN_RANGES) == [again.key]
+        assert r.instance.get_dynamic_partitions(LSN_RANGES) == [again.partition_key]
         return again
 
     first = requested_again(r.sensor())
@@ -259,7 +264,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         assert r.sensor().skip_reason is not None
     r.instance.delete_run(in_flight.run_id)
 
-    result = r.run("catchup", first.key)
+    result = r.run("catchup", first.partition_key)
     assert result.success
     received = metadata(result, AssetKey("decoded_changes"))
     assert received["start_lsn"] == str(first.start) and received["endpos"] == str(first.end)
@@ -280,7 +285,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert snap_meta["dagster/row_count"] == snap_meta["rows"]
 
     # Re-running a finished range is a no-op reported as such.
-    again = r.run("catchup", first.key)
+    again = r.run("catchup", first.partition_key)
     assert again.success
     assert metadata(again, AssetKey("decoded_changes"))["already_stored"] is True
     assert metadata(again, AssetKey(["target", "public", "accounts"]))["apply_status"] == (
@@ -295,7 +300,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert not refused.success
     failure = next(e for e in refused.all_events if e.is_step_failure)
     assert "cannot run yet" in failure.step_failure_data.user_failure_data.description
-    r.instance.delete_dynamic_partition(LSN_RANGES, out_of_order.key)
+    r.instance.delete_dynamic_partition(LSN_RANGES, out_of_order.partition_key)
 
     # Mid-transaction endpos: the straddling transaction goes whole to the next range.
     with psycopg.connect(r.source) as open_txn:
@@ -321,7 +326,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     )
     # The sensor caps the next range at PGCDC_RANGE_MAX_BYTES.
     tick = r.sensor()
-    capped = LsnRange.from_key(tick.run_requests[0].partition_key)
+    capped = LsnRange.from_partition_key(tick.run_requests[0].partition_key)
     assert capped.start == r.chain_end()
     assert capped.end - capped.start == r.settings.range_max_bytes
     r.register(capped)
@@ -354,8 +359,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         assert conn.execute("SELECT last_value FROM tickets_id_seq").fetchone()[0] == 42
 
     # Every range is contiguous and registered in LSN order.
-    keys = sorted(r.instance.get_dynamic_partitions(LSN_RANGES))
-    ranges = [LsnRange.from_key(k) for k in keys]
+    ranges = [LsnRange.from_partition_key(k) for k in r.instance.get_dynamic_partitions(LSN_RANGES)]
     assert ranges[0].start == consistent_point
     assert all(a.end == b.start for a, b in itertools.pairwise(ranges))
 
@@ -366,13 +370,18 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
 
 
 def _tables_check(tick) -> list[AssetCheckEvaluation]:
-    return [e for e in tick.asset_events if isinstance(e, AssetCheckEvaluation)]
+    return [
+        e
+        for e in tick.asset_events
+        if isinstance(e, AssetCheckEvaluation) and e.check_name == "replicated_tables"
+    ]
 
 
 def _aged(cursor: str) -> str:
-    """``cursor`` as if the sensor's last look at the tables were a minute older."""
+    """``cursor`` as if the sensor's last look at its checks were a minute older."""
     aged = json.loads(cursor)
-    aged["tables"]["checked_at"] -= 61
+    for part in ("tables", "retention"):
+        aged[part]["checked_at"] -= 61
     return json.dumps(aged)
 
 
@@ -386,7 +395,7 @@ def test_the_sensor_says_when_the_replicated_and_published_tables_part_ways(repl
     tick = r.sensor()
     (agree,) = _tables_check(tick)
     assert agree.check_name == "replicated_tables" and agree.passed
-    assert agree.asset_key == AssetKey("decoded_changes")
+    assert agree.asset_key == AssetKey("replication_slot")
     quiet = r.sensor(cursor=_aged(tick.cursor))
     assert _tables_check(quiet) == []  # looked again, the same: not recorded again
 

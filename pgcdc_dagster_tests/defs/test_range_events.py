@@ -28,14 +28,15 @@ def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute
         return LsnRange(start, end)
 
     with instance_for_test() as instance:
-        # A sensor registered the next range and its run died before storing it.
+        # A sensor registered the next range and its run died before storing it (named as
+        # partitions were before they took the X/Y form: such keys stay readable).
         instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/1000", "0/1800").key])
         listings = CallCount(monkeypatch, instance, "get_dynamic_partitions")
 
         # A follow resumes there with other boundaries: its first range drops the dead one.
         first = stored("0/1000", "0/2000")
         register_range(instance, settings, first)
-        assert instance.get_dynamic_partitions(LSN_RANGES) == [first.key]
+        assert instance.get_dynamic_partitions(LSN_RANGES) == ["0/1000-0/2000"]
         listings.count = 0
 
         # Its next ranges start where the last one ended: nothing stale can be there.
@@ -45,12 +46,12 @@ def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute
             register_range(instance, settings, chain[-1])
         assert listings.count == 0
         # ...until a minute has passed; another process's dead run is dropped then.
-        instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/4000", "0/4800").key])
+        instance.add_dynamic_partitions(LSN_RANGES, [LsnRange("0/4000", "0/4800").partition_key])
         monkeypatch.setattr(range_events, "STALE_SCAN_S", 0.0)
         chain.append(stored("0/4000", "0/5000"))
         register_range(instance, settings, chain[-1])
         assert listings.count == 1
-        assert sorted(instance.get_dynamic_partitions(LSN_RANGES)) == [r.key for r in chain]
+        assert instance.get_dynamic_partitions(LSN_RANGES) == [r.partition_key for r in chain]
 
 
 def test_past_partitions_kept_the_oldest_partitions_go_and_the_store_keeps_their_ranges(
@@ -72,7 +73,7 @@ def test_past_partitions_kept_the_oldest_partitions_go_and_the_store_keeps_their
             chain.append(rng)
             register_range(instance, settings, rng)
             assert len(instance.get_dynamic_partitions(LSN_RANGES)) == min(n, 3)
-        assert instance.get_dynamic_partitions(LSN_RANGES) == [r.key for r in chain[-3:]]
+        assert instance.get_dynamic_partitions(LSN_RANGES) == [r.partition_key for r in chain[-3:]]
         assert [r.key for r in store.ranges()] == [r.key for r in chain]
 
         # "all": no limit.
@@ -82,7 +83,7 @@ def test_past_partitions_kept_the_oldest_partitions_go_and_the_store_keeps_their
         )
         assert unlimited.partitions_kept is None
         for rng in chain[:3]:
-            instance.add_dynamic_partitions(LSN_RANGES, [rng.key])
+            instance.add_dynamic_partitions(LSN_RANGES, [rng.partition_key])
         nxt = LsnRange("0/7000", "0/8000")
         with store.writer(nxt) as writer:
             writer.commit(range_manifest(nxt.start, nxt.end, None))

@@ -44,6 +44,15 @@ def test_range_key_sorts_like_lsns():
     assert all(LsnRange.from_key(k) == r for k, r in zip(keys, ranges, strict=True))
 
 
+def test_partition_key_is_the_lsn_text_and_reads_the_store_form_too():
+    rng = LsnRange("0/2469D70", "1/2473D50")
+    assert rng.partition_key == "0/2469D70-1/2473D50"
+    assert LsnRange.from_partition_key(rng.partition_key) == rng
+    assert LsnRange.from_partition_key(rng.key) == rng  # partitions named the earlier way
+    with pytest.raises(LsnError, match="not an LSN-range partition key"):
+        LsnRange.from_partition_key("0/2469D70-nowhere")
+
+
 @pytest.mark.parametrize("bad", ["0-1", "000000000000000a-0000000000000010", "x" * 33])
 def test_range_key_rejects_malformed(bad):
     with pytest.raises(LsnError, match="not an LSN-range key"):
