@@ -182,10 +182,17 @@ def _record_ranges(
 
     table_events = TableEvents(log, settings, tables)
     session = 0
+    said_at = time.monotonic()  # when the run last recorded a range or a heartbeat
     for followed in follower.run(idle_s=HEARTBEAT_S):
-        if isinstance(followed, Idle):
-            storage.write(lambda idle=followed: record(step, heartbeat(settings, idle)))
+        if isinstance(followed, Idle) or _empty(followed):
+            if isinstance(followed, Followed):
+                _check_empty(settings, followed, row_counts, follower, storage)
+            if time.monotonic() - said_at >= HEARTBEAT_S:
+                idle = Idle(round(time.monotonic() - said_at, 1))
+                storage.write(lambda idle=idle: record(step, heartbeat(settings, idle)))
+                said_at = time.monotonic()
             continue
+        said_at = time.monotonic()
         failpoint("follow.recording")
         if followed.session != session:
             try:
@@ -236,6 +243,33 @@ def _record_ranges(
 
 HEARTBEAT_S = 60.0
 """How long a follow that applies nothing goes before it says it is alive (:func:`heartbeat`)."""
+
+
+def _empty(followed: Followed) -> bool:
+    """A range with no transaction: an idle source's (the slot moved on through WAL that
+    published nothing). A follow records it as no partition: the partitions are the ranges
+    that hold changes, told apart from the idle ones at a glance, and the asset's latest
+    materialisation is the last range with data. Its progress shows in the heartbeat."""
+    return followed.done.received.transactions == 0
+
+
+def _check_empty(
+    settings: pipeline.ReplicationSettings,
+    followed: Followed,
+    row_counts: TargetRowCounts,
+    follower: Following,
+    storage: StorageRide,
+) -> None:
+    """What a follow still does for an empty range it records no partition for: carry the
+    tables' row counts past it, and stop at once if ``no_gap`` fails there."""
+    done = followed.done
+    storage.write(lambda: row_counts.after(done.applied))
+    replay = done.applied.replay_lsn
+    rng = LsnRange.from_key(done.received.range_key)
+    gap = no_gap(settings, rng, Lsn(replay) if replay else None)
+    if not gap.passed:
+        follower.stop("no_gap failed")
+        raise Failure(description=gap.description)
 
 
 def heartbeat(settings: pipeline.ReplicationSettings, idle: Idle) -> AssetObservation:

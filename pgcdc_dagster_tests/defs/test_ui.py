@@ -159,27 +159,47 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
     assert len(ranges) >= 3 and all(a.end == b.start for a, b in itertools.pairwise(ranges))
 
 
-def test_an_idle_follow_says_it_is_alive_with_its_lag(cli_env, capsys):
-    """A follow with nothing to apply yields an ``Idle`` every ``idle_s`` (the engine), which
-    its run records as a heartbeat observation of ``decoded_changes``: the source's lag and
-    where the target stands, read from the servers."""
+def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsys, monkeypatch):
+    """A follow with nothing to apply yields an ``Idle`` every ``idle_s`` (the engine). Its
+    run records a range that holds no transaction as no partition (the partitions are the
+    ranges with changes), and says it is alive, with its lag and where the target stands,
+    as an observation of ``decoded_changes`` at most every ``HEARTBEAT_S``."""
     import threading
 
-    from pgcdc_dagster.defs.following import heartbeat
+    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+
+    from pgcdc_dagster.defs import following, runner
+    from pgcdc_dagster.defs.partitions import LSN_RANGES
+    from pgcdc_dagster.defs.runner import dagster_instance, run_job
     from pgcdc_dagster.engine.backlog import Backlog
     from pgcdc_dagster.engine.follow import END, Idle, done_ranges
-    from pgcdc_dagster.engine.settings import ReplicationSettings
 
     done = Backlog()
     threading.Timer(1.0, done.put, (END,)).start()
     beats = list(done_ranges(done, (KeyboardInterrupt,), lambda reason: None, idle_s=0.3))
     assert 2 <= len(beats) <= 4 and all(isinstance(b, Idle) and b.seconds >= 0.3 for b in beats)
 
+    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(following, "HEARTBEAT_S", 0.0)
     assert run_cli(capsys, "snapshot")[0] == 0
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-        conn.execute("INSERT INTO items VALUES (2000, 'not yet received')")
-    observation = heartbeat(ReplicationSettings.from_env(), Idle(60.0))
-    assert observation.asset_key.path == ["decoded_changes"]
-    meta = {k: v.value for k, v in observation.metadata.items()}
-    assert meta["idle_s"] == 60.0 and int(meta["source_lag_bytes"]) > 0
-    assert "/" in meta["replay_lsn"] and "/" in meta["slot_confirmed_lsn"]
+        # WAL that publishes nothing: pgoutput sends no logical message unless asked to.
+        conn.execute("SELECT pg_logical_emit_message(true, 'pgcdc-test', repeat('x', 1000))")
+    config = {"ops": {"follow_stream": {"config": {"endpos": "current"}}}}
+    result = run_job("follow", run_config=config)
+    assert result.success
+    instance = dagster_instance()
+    assert instance.get_dynamic_partitions(LSN_RANGES) == []
+    records = instance.get_event_records(
+        EventRecordsFilter(DagsterEventType.ASSET_OBSERVATION, AssetKey("decoded_changes"))
+    )
+    beats = [
+        r.asset_observation
+        for r in records
+        if r.event_log_entry.run_id == result.run_id
+        and "heartbeat" in (r.asset_observation.description or "")
+    ]
+    assert beats, "no heartbeat recorded"
+    meta = {k: v.value for k, v in beats[0].metadata.items()}
+    assert int(meta["source_lag_bytes"]) >= 0 and "/" in meta["replay_lsn"]
+    assert "/" in meta["slot_confirmed_lsn"] and meta["idle_s"] >= 0.0
