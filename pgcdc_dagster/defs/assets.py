@@ -249,7 +249,9 @@ def _target_tables(
 def _cutover(tables: Sequence[TableName]) -> Any:
     @asset(
         key=CUTOVER_KEY,
-        group_name=REPLICATION_GROUP,
+        # A group of its own, after the targets: the lineage reads left to right, source,
+        # replication, target, cutover (in the replication group its edges looped back).
+        group_name="cutover",
         deps=[target_key(t) for t in tables],
         kinds={"postgres"},
         description="Migration cutover: catch up to an endpos (default: the source's flushed "

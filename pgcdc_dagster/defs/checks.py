@@ -32,15 +32,18 @@ from .keys import SLOT_KEY, target_key
 from .metadata import comparison_metadata, differs, no_longer_published, number, text
 from .resources import PgcdcResource
 
+SLOT_HEALTH = "slot_health"
+
 
 def build_slot_health(retained_wal_limit: int) -> Any:
     """The slot's health check, failing above ``retained_wal_limit`` bytes of retained WAL."""
 
     @asset_check(
         asset=SLOT_KEY,
-        name="slot_health",
+        name=SLOT_HEALTH,
         description="The slot exists, is not invalidated, its WAL is not lost, and the WAL it "
-        f"retains is under PGCDC_RETAINED_WAL_LIMIT ({retained_wal_limit} bytes).",
+        f"retains is under PGCDC_RETAINED_WAL_LIMIT ({retained_wal_limit} bytes). The slot "
+        "sensor evaluates it every minute.",
     )
     def slot_health(context: AssetCheckExecutionContext, pgcdc: PgcdcResource) -> AssetCheckResult:
         return slot_health_result(pgcdc.settings(), retained_wal_limit)

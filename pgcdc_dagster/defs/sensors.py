@@ -18,8 +18,8 @@ Each tick (every query has a 3 s timeout):
    launches a run key twice, and a retry must be able to.
 
 Besides, at most once a minute, it evaluates the ``replicated_tables`` check (a table the
-publication no longer sends, or sends without having been added, or an add left unfinished)
-and the ``store_retention`` check, recording each when its outcome changes
+publication no longer sends, or sends without having been added, or an add left unfinished),
+the ``slot_health`` and the ``store_retention`` checks, recording each when its outcome changes
 (:func:`check_evaluation`).
 """
 
@@ -45,9 +45,11 @@ from ..engine.next_step import CaughtUp
 from ..engine.range_lock import lock_holders
 from .checks import (
     REPLICATED_TABLES,
+    SLOT_HEALTH,
     STORE_RETENTION,
     finished_at,
     replicated_tables_result,
+    slot_health_result,
     store_retention_result,
 )
 from .failures import ENGINE_ERRORS
@@ -148,6 +150,7 @@ Dagster's event log that nothing prunes (see :func:`slot_observation`), while a 
 recorded at once."""
 
 SENSOR_CHECKS: dict[str, tuple[str, Callable[[pipeline.ReplicationSettings], AssetCheckResult]]] = {
+    "health": (SLOT_HEALTH, lambda s: slot_health_result(s, s.retained_wal_limit)),
     "tables": (REPLICATED_TABLES, lambda s: replicated_tables_result(s, timeout_s=3)),
     "retention": (STORE_RETENTION, store_retention_result),
 }

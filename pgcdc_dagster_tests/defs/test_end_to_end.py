@@ -203,6 +203,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert observation.asset_key == AssetKey("replication_slot")
     # The replication's own checks sit on the slot asset, which no range materialises.
     assert {(c.asset_key, c.check_name, c.passed) for c in checks} == {
+        (AssetKey("replication_slot"), "slot_health", True),
         (AssetKey("replication_slot"), "replicated_tables", True),
         (AssetKey("replication_slot"), "store_retention", True),
     }
@@ -380,7 +381,7 @@ def _tables_check(tick) -> list[AssetCheckEvaluation]:
 def _aged(cursor: str) -> str:
     """``cursor`` as if the sensor's last look at its checks were a minute older."""
     aged = json.loads(cursor)
-    for part in ("tables", "retention"):
+    for part in ("health", "tables", "retention"):
         aged[part]["checked_at"] -= 61
     return json.dumps(aged)
 
