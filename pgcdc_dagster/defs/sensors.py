@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from dagster import (
     AssetCheckEvaluation,
     AssetCheckResult,
@@ -54,7 +55,7 @@ from .checks import (
 )
 from .failures import ENGINE_ERRORS
 from .jobs import FOLLOW_JOB
-from .keys import SLOT_KEY
+from .keys import SLOT_KEY, source_key
 from .metadata import number, text
 from .range_events import register_range
 from .resources import PgcdcResource
@@ -88,6 +89,8 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
             return SensorResult(skip_reason=f"cannot read the source slot: {exc}")
         last = _parse(context.cursor)
         events, cursor = slot_observation(last, positions)
+        sources, cursor["sources"] = source_observations(last.get("sources"), settings)
+        events += sources
         checked: list[AssetCheckEvaluation] = []
         for part in SENSOR_CHECKS:
             evaluations, cursor[part] = check_evaluation(last.get(part), settings, part)
@@ -184,6 +187,36 @@ def check_evaluation(
         description=result.description,
     )
     return [evaluation], {**state, "said": said, "recorded_at": now}
+
+
+SOURCES_OBSERVED_EVERY_S = 3600.0
+"""The slot sensor observes the source tables' sizes at most this often: an observation a
+table (200 tables: 4,800 rows a day of Dagster's event log, see :func:`slot_observation`)."""
+
+
+def source_observations(
+    last: Any, settings: pipeline.ReplicationSettings
+) -> tuple[list[AssetObservation], dict[str, Any]]:
+    """The tick's observations of the source tables, if due: each table's estimated rows (the
+    source's planner statistics: no table is read, see :func:`.catalog.estimated_rows`), so
+    the source assets show their size beside the targets' exact ``dagster/row_count``. Its
+    part of the next cursor (``last``: the part before)."""
+    last = last if isinstance(last, dict) else {}
+    now = time.time()
+    if now - float(last.get("observed_at", 0)) < SOURCES_OBSERVED_EVERY_S:
+        return [], last
+    try:
+        estimates = pipeline.source_row_estimates(settings, timeout_s=3)
+    except (*ENGINE_ERRORS, psycopg.Error):
+        return [], last  # the slot's observation says the source is away
+    observations = [
+        AssetObservation(
+            source_key(table),
+            metadata={"estimated_rows": number(rows) if rows is not None else text("unknown")},
+        )
+        for table, rows in estimates.items()
+    ]
+    return observations, {"observed_at": now}
 
 
 def slot_observation(

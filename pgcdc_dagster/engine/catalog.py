@@ -70,6 +70,28 @@ def table_columns(
     return columns
 
 
+def estimated_rows(
+    conn: psycopg.Connection[Any], tables: Sequence[TableName]
+) -> dict[TableName, int | None]:
+    """The planner's estimate of each table's rows (``pg_class.reltuples``, as the last
+    ANALYZE or autovacuum left it; ``None`` for a table never analysed, or gone): one query
+    for all of them that reads no table, so it may be asked of a busy source."""
+    rows = conn.execute(
+        """
+        SELECT t.ord, c.reltuples
+        FROM unnest(%s::text[], %s::text[]) WITH ORDINALITY AS t(schema_name, table_name, ord)
+        LEFT JOIN pg_namespace n ON n.nspname = t.schema_name
+        LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = t.table_name
+        """,
+        ([t.schema for t in tables], [t.name for t in tables]),
+    ).fetchall()
+    estimates: dict[TableName, int | None] = {}
+    for ord_, reltuples in rows:
+        estimate = None if reltuples is None or reltuples < 0 else int(reltuples)
+        estimates[tables[ord_ - 1]] = estimate
+    return estimates
+
+
 def count_rows(
     conn: psycopg.Connection[Any], tables: Sequence[TableName], timeout_s: float
 ) -> dict[TableName, int | None]:

@@ -355,6 +355,18 @@ def _source_session(
     return conn
 
 
+def source_row_estimates(
+    settings: ReplicationSettings, *, timeout_s: int = 5
+) -> dict[TableName, int | None]:
+    """The source's estimate of each replicated table's rows (:func:`.catalog.estimated_rows`),
+    bounded in time (the sensor calls it)."""
+    from .catalog import estimated_rows
+    from .publication import publication_tables
+
+    with _source_session(settings, timeout_s, autocommit=True) as conn:
+        return estimated_rows(conn, publication_tables(conn, settings.publication))
+
+
 def source_positions(settings: ReplicationSettings, *, timeout_s: int = 5) -> SourcePositions:
     """The slot and the source's flushed WAL position, bounded in time (the sensor calls it)."""
     with _source_session(settings, timeout_s) as conn:

@@ -20,6 +20,7 @@ from dagster import (
     AssetCheckEvaluation,
     AssetCheckSeverity,
     AssetKey,
+    AssetObservation,
     DagsterInstance,
     DagsterRunStatus,
     Definitions,
@@ -199,8 +200,16 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     first = LsnRange.from_partition_key(registered)
     assert first.start == consistent_point
     assert tick.run_requests[0].partition_key == first.partition_key
-    observation, *checks = tick.asset_events
+    observation, *sources = [e for e in tick.asset_events if isinstance(e, AssetObservation)]
+    checks = [e for e in tick.asset_events if isinstance(e, AssetCheckEvaluation)]
     assert observation.asset_key == AssetKey("replication_slot")
+    # The source tables are observed too (their planner's estimate, no table read).
+    assert {s.asset_key for s in sources} == {
+        AssetKey(["source", *k.path[1:]])
+        for k in r.defs.resolve_asset_graph().get_all_asset_keys()
+        if k.path[0] == "target"
+    }
+    assert all("estimated_rows" in s.metadata for s in sources)
     # The replication's own checks sit on the slot asset, which no range materialises.
     assert {(c.asset_key, c.check_name, c.passed) for c in checks} == {
         (AssetKey("replication_slot"), "slot_health", True),
