@@ -130,26 +130,21 @@ class NoGap:
 
     def evaluation(self, key: AssetKey) -> AssetCheckEvaluation:
         """As a follow records it (an event of its own)."""
-        return AssetCheckEvaluation(
-            asset_key=key,
-            check_name=NO_GAP,
-            passed=self.passed,
-            severity=AssetCheckSeverity.ERROR,
-            partition=self.partition,
-            metadata=self.metadata,
-            description=self.description,
-        )
+        return AssetCheckEvaluation(partition=self.partition, **self._fields(key))
 
     def result(self, key: AssetKey) -> AssetCheckResult:
-        """As a per-range run's step yields it."""
-        return AssetCheckResult(
-            asset_key=key,
-            check_name=NO_GAP,
-            passed=self.passed,
-            severity=AssetCheckSeverity.ERROR,
-            metadata=self.metadata,
-            description=self.description,
-        )
+        """As a per-range run's step yields it (the run knows its partition)."""
+        return AssetCheckResult(**self._fields(key))
+
+    def _fields(self, key: AssetKey) -> dict[str, Any]:
+        return {
+            "asset_key": key,
+            "check_name": NO_GAP,
+            "passed": self.passed,
+            "severity": AssetCheckSeverity.ERROR,
+            "metadata": self.metadata,
+            "description": self.description,
+        }
 
 
 def no_gap(
