@@ -205,20 +205,12 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     and the run's events, shrink as ranges grow), and none takes more than half of what remains
     (the last one is small again). A bigger backlog is cut at ``cap``, as it always was: those
     two idle ends are a small part of it, and every range more costs its target transaction
-    and the run's events (measured when every range was a peek of its own, 250k pgbench
-    transactions, 134.7 MB of WAL, warm: 10 such ranges 7.9-9.3 s against 7.7-9.1 s for 5 of
-    32 MiB, the source's CPU 4.4-5.5 s against 3.9-4.8 s). Never above ``cap``, so a small cap
-    keeps its meaning. After a backlog's first range (its first two when they are cut small),
-    the rest is read by peeks of at most :data:`PEEK_MAX_RANGES` ranges
-    (:meth:`Follower._receive_rest`).
-
-    Measured, 80k pgbench transactions (43.7 MB of WAL) in a warm command, pairs alternating
-    with the code before (a 32 MiB range and the rest, on threads): a busy hour, these 6 ranges
-    3.3-4.5 s against 3.7-5.1 s, faster in 7 of 7; a calm one, median 3.27 s against 3.45 s,
-    faster in 5 of 8 (the slower ones spent more source CPU re-decoding from the restart point).
-    On threads (Dagster's run sharing the interpreter lock) the same ranges gained nothing.
-    Reading all but the first two by one peek (:meth:`Follower._receive_rest`): the source's
-    CPU 1.21-1.71 s against 1.86-2.26 s with a peek per range (busy hours, see the README)."""
+    and the run's events (more small ranges were no faster and cost the source more CPU).
+    Never above ``cap``, so a small cap keeps its meaning. After a backlog's first range (its
+    first two when they are cut small), the rest is read by peeks of at most
+    :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`), which re-decode from the
+    restart point less often than a peek per range. The measurements behind each choice:
+    ``benchmarks/HISTORY.md``, "The follow's range shaping"."""
     if previous is None:
         if remaining <= cap or remaining > 2 * cap:
             return cap
