@@ -183,16 +183,19 @@ def _record_ranges(
     table_events = TableEvents(log, settings, tables)
     session = 0
     said_at = time.monotonic()  # when the run last recorded a range or a heartbeat
+
+    def beat() -> float:
+        """A heartbeat, if none and no range was recorded for :data:`HEARTBEAT_S`."""
+        if time.monotonic() - said_at < HEARTBEAT_S:
+            return said_at
+        idle = Idle(round(time.monotonic() - said_at, 1))
+        storage.write(lambda: record(step, heartbeat(settings, idle)))
+        return time.monotonic()
+
     for followed in follower.run(idle_s=HEARTBEAT_S):
-        if isinstance(followed, Idle) or _empty(followed):
-            if isinstance(followed, Followed):
-                _check_empty(settings, followed, row_counts, follower, storage)
-            if time.monotonic() - said_at >= HEARTBEAT_S:
-                idle = Idle(round(time.monotonic() - said_at, 1))
-                storage.write(lambda idle=idle: record(step, heartbeat(settings, idle)))
-                said_at = time.monotonic()
+        if isinstance(followed, Idle):
+            said_at = beat()
             continue
-        said_at = time.monotonic()
         failpoint("follow.recording")
         if followed.session != session:
             try:
@@ -213,21 +216,25 @@ def _record_ranges(
         rng = LsnRange.from_key(done.received.range_key)
         for line in done.applied.schema_changes:  # the source's DDL, followed on the target
             log(f"range {rng.partition_key}: {line}")
-        storage.write(lambda rng=rng: register_range(context.instance, settings, rng))
-        recorded, described = table_events.choose(followed)
         counts = storage.write(lambda done=done: row_counts.after(done.applied))
-        events: list[RangeEvent] = list(
-            range_events(
-                recorded, settings, done, followed.lag_bytes, counts, table_events=described
-            )
-        )
         gap = None
         if tables:
             replay = done.applied.replay_lsn
             # Strict even for a range found applied: in a follow, the origin past a range
             # it takes means another applier, which must stop it.
             gap = no_gap(settings, rng, Lsn(replay) if replay else None)
-            events += [gap.evaluation(target_key(t)) for t in recorded]
+        events: list[RangeEvent] = []
+        if _empty(followed):
+            said_at = beat()
+        else:
+            said_at = time.monotonic()
+            storage.write(lambda rng=rng: register_range(context.instance, settings, rng))
+            recorded, described = table_events.choose(followed)
+            events += range_events(
+                recorded, settings, done, followed.lag_bytes, counts, table_events=described
+            )
+            if gap is not None:
+                events += [gap.evaluation(target_key(t)) for t in recorded]
         for event in events:  # each written once: a retry goes on from the one that failed
             storage.write(lambda event=event: record(step, event))
         while storage.back_notes:
@@ -249,27 +256,9 @@ def _empty(followed: Followed) -> bool:
     """A range with no transaction: an idle source's (the slot moved on through WAL that
     published nothing). A follow records it as no partition: the partitions are the ranges
     that hold changes, told apart from the idle ones at a glance, and the asset's latest
-    materialisation is the last range with data. Its progress shows in the heartbeat."""
+    materialisation is the last range with data. Its progress shows in the heartbeat; its
+    ``no_gap`` is still enforced and the tables' row counts carried past it."""
     return followed.done.received.transactions == 0
-
-
-def _check_empty(
-    settings: pipeline.ReplicationSettings,
-    followed: Followed,
-    row_counts: TargetRowCounts,
-    follower: Following,
-    storage: StorageRide,
-) -> None:
-    """What a follow still does for an empty range it records no partition for: carry the
-    tables' row counts past it, and stop at once if ``no_gap`` fails there."""
-    done = followed.done
-    storage.write(lambda: row_counts.after(done.applied))
-    replay = done.applied.replay_lsn
-    rng = LsnRange.from_key(done.received.range_key)
-    gap = no_gap(settings, rng, Lsn(replay) if replay else None)
-    if not gap.passed:
-        follower.stop("no_gap failed")
-        raise Failure(description=gap.description)
 
 
 def heartbeat(settings: pipeline.ReplicationSettings, idle: Idle) -> AssetObservation:
