@@ -29,6 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks
 	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks
 	$(VENV)/bin/mypy pgcdc_dagster/engine
+	$(VENV)/bin/lint-imports
 
 bench-receive: $(STAMP)
 	$(PY) benchmarks/receive.py

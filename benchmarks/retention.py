@@ -123,8 +123,8 @@ def main() -> None:
             f"{host.get('host', '127.0.0.1')}:{host.get('port', '5432')}/{storage_db}",
         }
         os.environ.update(env)
+        from pgcdc_dagster.defs.instance import dagster_instance
         from pgcdc_dagster.defs.partitions import LSN_RANGES
-        from pgcdc_dagster.defs.runner import dagster_instance
 
         instance = dagster_instance()
         keys = [r.key for r in OutputStore(work / "store").ranges()]

@@ -435,7 +435,11 @@ def run_cli(
     pgcdc = str(Path(sys.executable).parent / "pgcdc")
     # A user's Dagster storage already has its schema: create it outside the timing.
     subprocess.run(
-        [sys.executable, "-c", "from pgcdc_dagster.defs.runner import dagster_instance as d; d()"],
+        [
+            sys.executable,
+            "-c",
+            "from pgcdc_dagster.defs.instance import dagster_instance as d; d()",
+        ],
         env=env,
         check=True,
         cwd=work,

@@ -766,7 +766,7 @@ class SnapshotBench:
         # A user's Dagster storage already has its schema: made outside the timing.
         subprocess.run(
             [sys.executable, "-c",
-             "from pgcdc_dagster.defs.runner import dagster_instance as d; d()"],
+             "from pgcdc_dagster.defs.instance import dagster_instance as d; d()"],
             env=env, check=True, cwd=self.work, capture_output=True,
         )  # fmt: skip
         pgcdc = str(Path(sys.executable).parent / "pgcdc")

@@ -12,7 +12,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import sys
 import threading
@@ -20,17 +19,17 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .cli_progress import shown
-from .defs.runner import (
-    _failure_text,
+from .defs.instance import dagster_instance
+from .engine.errors import PgcdcError
+from .engine.lsn import LsnRange
+from .engine.settings import ReplicationSettings, SettingsError
+from .runner import (
     clear_the_way,
-    dagster_instance,
+    failure_text,
     materialization_metadata,
     observed_metadata,
     run_job,
 )
-from .engine.errors import PgcdcError
-from .engine.lsn import LsnRange
-from .engine.settings import ReplicationSettings, SettingsError
 
 if TYPE_CHECKING:
     from .engine.identifiers import TableName
@@ -97,7 +96,7 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
     from .engine import pipeline, progress
-    from .engine.follow import head_start
+    from .engine.follow_process import head_start
     from .engine.next_step import CaughtUp
 
     settings = ReplicationSettings.from_env()
@@ -418,7 +417,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"NOTE {note}")
     _refuse_differing(tables, stale)
     if result is not None and not result.success:
-        raise CliError(f"verify run {result.run_id} failed: {_failure_text(result)}")
+        raise CliError(f"verify run {result.run_id} failed: {failure_text(result)}")
     return 0
 
 
@@ -605,27 +604,27 @@ def cmd_spark(args: argparse.Namespace) -> int:
 
 def cmd_server(args: argparse.Namespace) -> int:
     """Start, stop or show the warm command server (see :mod:`pgcdc_dagster.launcher`)."""
-    from . import launcher
+    from . import server_client
 
     try:
         if args.action == "start":
-            if os.environ.get("PGCDC_SERVER") == "off":
+            if server_client.server_mode() == "off":
                 raise CliError("PGCDC_SERVER=off: commands would not use the server; unset it")
-            status = launcher.start_server(wait_s=60.0)
+            status = server_client.start_server(wait_s=60.0)
             assert status is not None  # with a wait: the status, or ServerUnavailable
             print(_server_line(status))
         elif args.action == "stop":
-            reply = launcher.ask("stop")
+            reply = server_client.ask("stop")
             running = reply["commands_running"]
             print(
                 f"stopped the command server (pid {reply['pid']})"
                 + (f"; {running} command(s) under way finish first" if running else "")
             )
         elif args.json:
-            print(json.dumps(launcher.ask("status")))
+            print(json.dumps(server_client.ask("status")))
         else:
-            print(_server_line(launcher.ask("status")))
-    except launcher.ServerUnavailable as exc:
+            print(_server_line(server_client.ask("status")))
+    except server_client.ServerUnavailable as exc:
         if args.action == "start":
             raise CliError(str(exc)) from None
         print("no command server is running")
@@ -758,6 +757,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .launcher import entry
-
-    entry()
+    sys.exit(main(sys.argv[1:]))

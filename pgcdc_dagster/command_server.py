@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import Any
 
-from . import launcher
+from . import launcher, server_client
 from .engine.processes import fresh_standard_streams
 
 PRELOAD = (
@@ -41,7 +41,8 @@ PRELOAD = (
     "pgcdc_dagster.engine.pipeline",
     "pgcdc_dagster.engine.follow",
     "pgcdc_dagster.engine.snapshot",
-    "pgcdc_dagster.defs.runner",
+    "pgcdc_dagster.runner",
+    "pgcdc_dagster.defs.instance",
     "pgcdc_dagster.defs.jobs",
     "dagster",
     "dagster._core.storage.event_log",
@@ -85,7 +86,7 @@ class _Server:
     def __init__(self, fingerprint: str, idle_s: float) -> None:
         self.fingerprint = fingerprint
         self.idle_s = idle_s
-        self.paths = launcher.server_paths()
+        self.paths = server_client.server_paths()
         self.lock_fd: int | None = None
         self.listener: socket.socket | None = None
         self.children: dict[int, socket.socket] = {}
@@ -176,7 +177,7 @@ class _Server:
                 signum = os.WTERMSIG(status)
                 with contextlib.suppress(OSError):
                     reply = {"exit": 128 + signum, "signal": signal.Signals(signum).name}
-                    launcher.send_message(conn, reply)
+                    server_client.send_message(conn, reply)
             conn.close()
 
     # -- one connection ------------------------------------------------------------------
@@ -190,19 +191,19 @@ class _Server:
             conn.settimeout(5.0)
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
             uid = int.from_bytes(creds[4:8], sys.byteorder)
-            request, fds = launcher.receive_message(conn, want_fds=3)
+            request, fds = server_client.receive_message(conn, want_fds=3)
             if uid != os.getuid() or request is None:
                 conn.close()
                 return
             op = request.get("op")
             if op == "status":
-                launcher.send_message(conn, self.status())
+                server_client.send_message(conn, self.status())
             elif op == "stop":
-                launcher.send_message(conn, {"stopping": True, **self.status()})
+                server_client.send_message(conn, {"stopping": True, **self.status()})
                 self.close_door()
             elif op == "run" and len(fds) == 3:
                 if request.get("fingerprint") != self.fingerprint:
-                    launcher.send_message(conn, {"stale": True})
+                    server_client.send_message(conn, {"stale": True})
                     self.close_door()
                 else:
                     self.fork(conn, request, fds)
@@ -264,12 +265,12 @@ class _Server:
         _limits_of_the_command(request)
         sys.argv = [request["argv0"], *request["argv"]]
         conn.settimeout(None)
-        launcher.send_message(conn, {"pid": os.getpid()})
+        server_client.send_message(conn, {"pid": os.getpid()})
         threading.Thread(target=_die_with_client, args=(conn,), daemon=True).start()
 
         code = launcher.run_main(list(request["argv"]))
         with contextlib.suppress(OSError):
-            launcher.send_message(conn, {"exit": code})
+            server_client.send_message(conn, {"exit": code})
         os._exit(code)
 
 
@@ -305,8 +306,8 @@ def _die_with_client(conn: socket.socket) -> None:
 
 
 def serve() -> int:
-    fingerprint = launcher.code_fingerprint()  # before the imports: a later change is stale
-    idle_s = float(os.environ.get("PGCDC_SERVER_IDLE_S") or launcher.DEFAULT_IDLE_S)
+    fingerprint = server_client.code_fingerprint()  # before the imports: a later change is stale
+    idle_s = server_client.server_idle_s()
     server = _Server(fingerprint, idle_s)
     if not server.take_lock():
         return 0  # another server runs, or is starting

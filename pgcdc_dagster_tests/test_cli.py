@@ -243,8 +243,9 @@ def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
     cli_env, capsys, monkeypatch
 ):
     from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
-    from pgcdc_dagster.defs.runner import dagster_instance, run_job
+    from pgcdc_dagster.runner import run_job
 
     # This test reads its own storage: not the instance an earlier test left to the process.
     monkeypatch.setattr(runner, "_instance", None)
@@ -386,9 +387,9 @@ def test_re_running_an_applied_range_changes_nothing_and_passes_its_gap_check(
     later ranges too. The run changes nothing on the target, and its blocking ``no_gap`` check
     passes: nothing was skipped, the origin is past the range."""
     from pgcdc_dagster.defs import runner
-    from pgcdc_dagster.defs.runner import run_job
     from pgcdc_dagster.engine import pipeline
     from pgcdc_dagster.engine.settings import ReplicationSettings
+    from pgcdc_dagster.runner import run_job
 
     monkeypatch.setattr(runner, "_instance", None)
     snapshot_then_catch_up_inserts(cli_env, capsys, first_id=400, count=2)
@@ -417,7 +418,8 @@ def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, c
     from dagster import AssetKey, DagsterEventType, EventRecordsFilter
 
     from pgcdc_dagster.defs import runner
-    from pgcdc_dagster.defs.runner import dagster_instance, run_job
+    from pgcdc_dagster.defs.instance import dagster_instance
+    from pgcdc_dagster.runner import run_job
 
     monkeypatch.setattr(runner, "_instance", None)
     assert run_cli(capsys, "snapshot")[0] == 0
@@ -440,8 +442,8 @@ def test_a_publication_that_narrows_its_table_from_the_command_line(cli_env, cap
     from dagster import TableRecord
 
     from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.keys import BASE_SNAPSHOT_KEY
-    from pgcdc_dagster.defs.runner import dagster_instance
 
     monkeypatch.setattr(runner, "_instance", None)  # this test's own storage
     monkeypatch.setenv("PGCDC_PUBLICATION", "narrow")
@@ -626,7 +628,7 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
         assert code == 0, err
         # The cutover job launched as the UI launches it (no command lending it the range):
         # the follow makes way for its run too.
-        from pgcdc_dagster.defs.runner import run_job
+        from pgcdc_dagster.runner import run_job
 
         ui_run = run_job("cutover_job")
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcdc_dagster import launcher
+from pgcdc_dagster import server_client
 from pgcdc_dagster.engine.processes import stat_fields
 from pgcdc_dagster_tests.procs import descendants, gone, nice
 
@@ -31,14 +31,14 @@ def server(monkeypatch):
     monkeypatch.setenv("PGCDC_SERVER_DIR", directory)
     started = subprocess.run([PGCDC, "server", "start"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
-    pid = launcher.ask("status")["pid"]
+    pid = server_client.ask("status")["pid"]
     yield pid
     subprocess.run([PGCDC, "server", "stop"], capture_output=True, check=True)
     assert gone(pid, 10)
 
 
 def _served() -> int:
-    return int(launcher.ask("status")["commands_served"])
+    return int(server_client.ask("status")["commands_served"])
 
 
 def test_commands_run_warm_with_their_own_terminal_directory_and_environment(
@@ -166,8 +166,8 @@ def _next_server() -> dict:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            return launcher.ask("status")
-        except launcher.ServerUnavailable:
+            return server_client.ask("status")
+        except server_client.ServerUnavailable:
             time.sleep(0.2)
     raise AssertionError("no new server after a command ran without one")
 
@@ -193,21 +193,21 @@ def test_a_command_outlives_its_server_and_still_reports(server, cli_env):
 
     # The dead server's socket is left behind: the next command runs in its own process, and
     # the server it leaves takes over the dead one's lock and socket.
-    assert launcher.server_paths().socket.exists()
+    assert server_client.server_paths().socket.exists()
     ran = subprocess.run([PGCDC, "--help"], capture_output=True, text=True)
     assert ran.returncode == 0
     assert _next_server()["pid"] != server
 
 
 def test_a_server_never_runs_changed_code(server):
-    with launcher.connected(5) as conn:
+    with server_client.connected(5) as conn:
         request = {"op": "run", "argv0": "pgcdc", "argv": ["status"], "env": {}, "cwd": "/",
                    "umask": 0o22, "fingerprint": "0" * 64}  # fmt: skip
-        launcher.send_message(conn, request, [0, 1, 2])
-        reply, _ = launcher.receive_message(conn)
+        server_client.send_message(conn, request, [0, 1, 2])
+        reply, _ = server_client.receive_message(conn)
     assert reply == {"stale": True}
     assert gone(server, 10)
-    assert not launcher.server_paths().socket.exists()
+    assert not server_client.server_paths().socket.exists()
 
     # The next command runs in its own process, then leaves a server with the current code.
     ran = subprocess.run([PGCDC, "server", "status"], capture_output=True, text=True)
@@ -224,9 +224,9 @@ def test_an_idle_server_goes_away(monkeypatch):
     monkeypatch.setenv("PGCDC_SERVER", "auto")
     started = subprocess.run([PGCDC, "server", "start"], capture_output=True, text=True)
     assert started.returncode == 0, started.stderr
-    pid = launcher.ask("status")["pid"]
+    pid = server_client.ask("status")["pid"]
     assert gone(pid, 10)
-    assert not launcher.server_paths().socket.exists()
+    assert not server_client.server_paths().socket.exists()
 
 
 def test_messages_that_arrive_in_one_read_are_all_delivered():
@@ -236,9 +236,9 @@ def test_messages_that_arrive_in_one_read_are_all_delivered():
 
     ours, theirs = socket.socketpair()
     with ours, theirs:
-        launcher.send_message(theirs, {"pid": 123})
-        launcher.send_message(theirs, {"exit": 0})
+        server_client.send_message(theirs, {"pid": 123})
+        server_client.send_message(theirs, {"exit": 0})
         theirs.shutdown(socket.SHUT_WR)
         time.sleep(0.1)  # both frames are in our receive buffer before the first read
-        replies = launcher.MessageReader(ours)
+        replies = server_client.MessageReader(ours)
         assert [replies.next(), replies.next(), replies.next()] == [{"pid": 123}, {"exit": 0}, None]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
 from psycopg import sql
@@ -259,6 +259,22 @@ class Site:
                 for run in instance.get_runs()
                 if run.tags.get(PROCESS_TAG, "").split(":")[1:2] == [str(pid)]
             ]
+
+    def failures_of(self, pid: int) -> str:
+        """The errors, with their causes and stacks, of the failed steps and runs of the runs
+        process ``pid`` created: what a test shows when such a run ended where it should not."""
+        shown = []
+        with self.instance() as instance:
+            for run_id in self.runs_of_pid(pid):
+                for record in instance.all_logs(run_id):
+                    event = record.dagster_event
+                    if event is None or not (event.is_step_failure or event.is_run_failure):
+                        continue
+                    error = getattr(event.event_specific_data, "error", None)
+                    while error is not None:
+                        shown.append(f"{error.cls_name}: {error.message}{''.join(error.stack)}")
+                        error = error.cause or error.context
+        return "\n".join(shown) or "no failure recorded"
 
     def assert_killed_run_marked_failed(self) -> None:
         """The run of the killed process is failed, and says why, in the UI's event log."""
@@ -537,13 +553,32 @@ def _run_started(site: Site, command: subprocess.Popen[str]) -> bool:
         return run is not None and run.status == DagsterRunStatus.STARTED
 
 
+def _run_recording(site: Site, command: subprocess.Popen[str]) -> bool:
+    """Whether the run ``command`` created records ranges: its step is past Dagster's own
+    start events (which no run can write without its storage) and follows."""
+    runs = site.runs_of_pid(command.pid)
+    if not runs:
+        return False
+    with site.instance() as instance:
+        records = instance.get_records_for_run(
+            runs[0], of_type=DagsterEventType.ASSET_MATERIALIZATION, limit=1
+        ).records
+    return bool(records)
+
+
 @contextlib.contextmanager
 def _following_under_writes(site: Site, follow: subprocess.Popen[str], seed: int) -> Iterator[None]:
-    """Once ``follow``'s run has started: writes on the source, and two ranges followed."""
-    _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120)
+    """Once ``follow``'s run has started: writes on the source, two ranges followed, and the
+    run recording them."""
+    _wait_for(lambda: _run_started(site, follow), "the follow run to start", 120, alive=follow)
     with site.writer(seed=seed):
         before = _ranges_stored(site)
-        _wait_for(lambda: _ranges_stored(site) >= before + 2, "two ranges followed", 120)
+        _wait_for(
+            lambda: _ranges_stored(site) >= before + 2 and _run_recording(site, follow),
+            "two ranges followed and recorded",
+            120,
+            alive=follow,
+        )
         yield
 
 
@@ -630,14 +665,17 @@ def test_follow_rides_through_a_crash_of_a_target_that_also_holds_dagsters_stora
                 ),
                 "the follow to apply what was written after the crash",
                 120,
+                alive=follow,
             )
             follow.send_signal(signal.SIGTERM)
             out, err = follow.communicate(timeout=90)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(follow.pid, signal.SIGKILL)
-            if follow.returncode is None:  # failed before it ended: show what it said
-                print(f"pgcdc follow's stderr:\n{follow.communicate(timeout=30)[1][-4000:]}")
+            if follow.poll() != 0:  # failed before it ended: show what it and its run said
+                with contextlib.suppress(ValueError):  # its output read already
+                    print(f"pgcdc follow's stderr:\n{follow.communicate(timeout=30)[1][-4000:]}")
+                print(f"its run's failure:\n{site.failures_of(follow.pid)}")
         assert follow.returncode == 0, err
         totals = json.loads(out)["follow"]
         assert totals["outages"] == 1 and totals["outage_s"] > 5.0, totals
@@ -1018,9 +1056,14 @@ def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_con
     assert all(store.get(LsnRange.from_partition_key(key)) is not None for key in keys)
 
 
-def _wait_for(condition, what: str, timeout: float = 90.0) -> None:
+def _wait_for(
+    condition, what: str, timeout: float = 90.0, alive: subprocess.Popen[str] | None = None
+) -> None:
+    """Wait for ``condition``; fail at once if the process ``alive`` ended meanwhile."""
     deadline = time.monotonic() + timeout
     while not condition():
+        if alive is not None and alive.poll() is not None:
+            raise AssertionError(f"{what}: the process ended first (exit {alive.returncode})")
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)

@@ -33,7 +33,8 @@ from dagster._core.errors import DagsterExecutionInterruptedError
 from ..engine import pipeline
 from ..engine.errors import PgcdcError
 from ..engine.failpoints import failpoint
-from ..engine.follow import Followed, Follower, Following, FollowSummary, Idle, adopt
+from ..engine.follow import Followed, Follower, Following, FollowSummary, Idle
+from ..engine.follow_process import adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from ..engine.range_lock import RangeLock
@@ -71,6 +72,14 @@ def follow_events(
     try:
         with logged(context) as lines:
             try:
+                # A log line that cannot be written raises out of Dagster's log handler once
+                # the storage is away (after its own retries): each one goes through the ride.
+                storage.write(
+                    lambda: context.log.info(
+                        f"following slot {settings.slot}"
+                        + (f" up to {follower.endpos}" if follower.endpos else "")
+                    )
+                )
                 _record_ranges(context, settings, recorded, follower, row_counts, storage)
             except StorageUnavailableError as exc:
                 lines.drop()
@@ -378,7 +387,7 @@ def new_follower(
     stopped), with Spark from the run's ``spark`` resource, started only if a range needs it.
 
     When the command that started this run already follows (its head start, see
-    :func:`~pgcdc_dagster.engine.follow.head_start`), the run takes that follower over: same
+    :func:`~pgcdc_dagster.engine.follow_process.head_start`), the run takes that follower over: same
     slot, same endpos, ranges it has done so far are reported first.
 
     ``lock``: the run's range lock, whose session the follower checks is still there after an

@@ -36,12 +36,12 @@ from ..engine.retention import prune
 from ..engine.settings import parse_duration
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
+from .instance import keep_storage_connections
 from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY, SLOT_KEY
 from .metadata import added_metadata, finish_metadata, prune_metadata
 from .progress_log import logged
 from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
-from .runner import keep_storage_connections
 from .runs import RANGE_LOCK_TAG, lock_holder_name
 
 FOLLOW_JOB = "follow"
@@ -78,10 +78,6 @@ def build_follow_job(tables: Sequence[TableName]) -> JobDefinition:
         try:
             endpos = None if config.endpos.strip().lower() == NO_ENDPOS else config.endpos
             follower = new_follower(settings, endpos, spark, range_lock.held())
-            context.log.info(
-                f"following slot {settings.slot}"
-                + (f" up to {follower.endpos}" if follower.endpos else "")
-            )
             yield from follow_events(context, settings, tables, follower)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None

@@ -21,6 +21,11 @@ What must hold:
   from the durable state and records its own ranges.
 - Messages name the storage by host, port and database, never by its URL (it may hold a
   password).
+- The ride covers the run's own writes from its first line (``following slot ...``) on.
+  Dagster's writes before it (the run's and the step's start) cannot be retried from here: an
+  outage then fails the run in one line naming the storage
+  (:func:`~pgcdc_dagster.runner.failure_text`), while the follower the command started ends
+  at a boundary; the next command or the sensor's next run goes on.
 """
 
 from __future__ import annotations
@@ -133,12 +138,29 @@ def _first_line(text: str) -> str:
 
 def unreachable_error(exc: BaseException, waited_s: float | None = None) -> StorageUnavailableError:
     """The one line for a command or run that cannot reach the storage."""
+    return StorageUnavailableError(unreachable_line(storage_problem(exc), waited_s))
+
+
+def unreachable_line(problem: str, waited_s: float | None = None) -> str:
+    """:func:`unreachable_error`'s line, for ``problem`` (libpq's first line)."""
     waited = f" for {waited_s:.0f} s (PGCDC_FOLLOW_RETRY)" if waited_s is not None else ""
-    return StorageUnavailableError(
-        f"{storage_name()} cannot be reached{waited}: {storage_problem(exc)}. Start it or fix "
+    return (
+        f"{storage_name()} cannot be reached{waited}: {problem}. Start it or fix "
         "DAGSTER_POSTGRES_URL, then run the command again: the replication's progress is in "
         "the slot, the store and the target's origin, so nothing was lost"
     )
+
+
+def recorded_storage_problem(error: Any) -> str | None:
+    """libpq's first line when a run's recorded error (Dagster's serialised error, with its
+    causes) is dagster-postgres giving up on the storage; ``None`` for any other error."""
+    chain = []
+    while error is not None:
+        chain.append(error)
+        error = error.cause or error.context
+    if not any(seen.cls_name == "DagsterPostgresException" for seen in chain):
+        return None
+    return _first_line(chain[-1].message)
 
 
 class StorageRide:

@@ -243,9 +243,10 @@ def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measure
 
 
 def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
-    from ..defs.runner import clear_the_way, dagster_instance, materialization_metadata, run_job
+    from ..defs.instance import dagster_instance
     from ..engine import pipeline
     from ..engine.settings import ReplicationSettings
+    from ..runner import clear_the_way, materialization_metadata, run_job
 
     base = (Path.cwd() / ".pgcdc").resolve()
     started = time.monotonic()
@@ -338,8 +339,8 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
 def catch_up_backfill(source: LocalCluster, settings: Any, spark: SparkWork) -> None:
     """Commit the backfill, then catch up to it in this process (whose Spark the snapshot
     started): the range holds more than ``PGCDC_SPARK_MIN_CHANGES`` changes."""
-    from ..defs.runner import observed_metadata, run_job
     from ..engine import pipeline
+    from ..runner import observed_metadata, run_job
 
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
         conn.execute(BACKFILL)

@@ -764,7 +764,7 @@ def staging_partitions(spark: SparkSession, changes: int) -> int:
     :data:`CHANGES_PER_STAGING_TASK`, and at least one per executor core, so that every core
     works and a range is never cut into Spark's default of 200 (200 COPYs and transactions per
     table for a range a few tasks carry)."""
-    from .spark_session import is_connect_session
+    from .spark_executors import is_connect_session
 
     cores = 2 if is_connect_session(spark) else int(spark.sparkContext.defaultParallelism)
     return max(1, cores, -(-changes // CHANGES_PER_STAGING_TASK))

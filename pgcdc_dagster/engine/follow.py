@@ -80,7 +80,6 @@ import contextlib
 import os
 import queue
 import select
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,7 +88,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, overload
 
 import psycopg
 
-from . import head_start as head_starts
 from . import progress
 from .backlog import Backlog
 from .busy_time import BusyTime
@@ -114,7 +112,6 @@ from .range_lock import (
     RangeBusyError,
     askers,
     command_holder,
-    lent_lock,
     listen_for_askers,
     lock_holders,
     make_way,
@@ -415,39 +412,6 @@ def untrack(follower: Following) -> None:
         _active.discard(follower)
 
 
-def head_start(
-    settings: ReplicationSettings,
-    endpos: Lsn | None,
-    spark: SparkProvider,
-    *,
-    own_process: bool = False,
-) -> Following:
-    """Start following now, for this process's follow run to :func:`adopt` once it exists
-    (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
-    follower has ended. ``own_process``: in a forked child, for a caller whose interpreter has
-    other work, Dagster's imports and run (:mod:`.follow_process`; Linux only, elsewhere on
-    threads)."""
-    lent = lent_lock(settings.target_dsn, settings.slot)
-    threaded = Follower(
-        settings, endpos, spark=spark, lock_session=lent.session_pid if lent else None
-    )
-    follower: Following = threaded
-    if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
-        from .follow_process import ProcessFollower
-
-        follower = ProcessFollower(threaded)
-    follower.start()
-    head_starts.offer("follow", settings.slot, follower)
-    return follower
-
-
-def adopt(slot: str) -> Following | None:
-    """The follower :func:`head_start` started in this process for ``slot`` (a
-    :class:`Follower` or a :class:`~.follow_process.ProcessFollower`), once."""
-    follower: Following | None = head_starts.adopt("follow", slot)
-    return follower
-
-
 class Follower:
     """One follow of the slot. Use :meth:`run` once; :meth:`stop` from any thread or a signal
     handler. The caller must hold the range lock (a Dagster run does, for its whole life)."""
@@ -523,9 +487,9 @@ class Follower:
         """Start working in the background (idempotent): ranges an earlier run stored are
         applied first, then receive and apply run on their own threads. :meth:`run` takes the
         ranges as they are done; they wait for it in a :class:`~.backlog.Backlog` (on disk past
-        the first thousand), so a follower started before its consumer exists (the CLI's head
-        start, see :func:`head_start`) loses none, and one whose run cannot record (Dagster's
-        storage away) is not held back, in bounded memory."""
+        the first thousand), so a follower started before its consumer exists (the CLI's
+        head start, see :func:`~.follow_process.head_start`) loses none, and one whose run
+        cannot record (Dagster's storage away) is not held back, in bounded memory."""
         with _active_lock:
             if self._lead is not None:
                 return self

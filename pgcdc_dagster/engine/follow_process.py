@@ -1,4 +1,5 @@
-"""A follower in a process of its own: a command's head start while the command runs Dagster.
+"""A command's head start on a follow (:func:`head_start`, :func:`adopt`): on threads, or in a
+follower in a process of its own while the command runs Dagster.
 
 Why: ``pgcdc catchup`` and ``follow`` start following at once (:mod:`.head_start`) while the
 command's main thread imports Dagster, its storage and the definitions (a fresh process: about
@@ -45,12 +46,16 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
+from . import head_start as head_starts
 from . import progress
 from .backlog import Backlog
 from .errors import PgcdcError
-from .follow import END, Follower, FollowSummary, done_ranges, track, untrack
+from .follow import END, Follower, Following, FollowSummary, done_ranges, track, untrack
 from .lsn import Lsn
+from .pipeline import SparkProvider
 from .processes import fresh_standard_streams
+from .range_lock import lent_lock
+from .settings import ReplicationSettings
 
 _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("!I")
@@ -249,3 +254,34 @@ def _portable(error: BaseException | None) -> BaseException | None:
         return PgcdcError(str(error))
     detail = "".join(traceback.format_exception(error)).rstrip()
     return FollowProcessError(f"the follow process failed: {detail}")
+
+
+def head_start(
+    settings: ReplicationSettings,
+    endpos: Lsn | None,
+    spark: SparkProvider,
+    *,
+    own_process: bool = False,
+) -> Following:
+    """Start following now, for this process's follow run to :func:`adopt` once it exists
+    (see :mod:`.head_start`). The caller holds the range lock, lent to that run, until the
+    follower has ended. ``own_process``: in a forked child, for a caller whose interpreter has
+    other work, Dagster's imports and run (:class:`ProcessFollower`; Linux only, elsewhere on
+    threads)."""
+    lent = lent_lock(settings.target_dsn, settings.slot)
+    threaded = Follower(
+        settings, endpos, spark=spark, lock_session=lent.session_pid if lent else None
+    )
+    follower: Following = threaded
+    if own_process and sys.platform.startswith("linux"):  # it needs a parent-death signal
+        follower = ProcessFollower(threaded)
+    follower.start()
+    head_starts.offer("follow", settings.slot, follower)
+    return follower
+
+
+def adopt(slot: str) -> Following | None:
+    """The follower :func:`head_start` started in this process for ``slot`` (a
+    :class:`~.follow.Follower` or a :class:`ProcessFollower`), once."""
+    follower: Following | None = head_starts.adopt("follow", slot)
+    return follower

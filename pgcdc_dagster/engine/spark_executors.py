@@ -107,10 +107,16 @@ class ExecutorCheck:
         )
 
 
+def is_connect_session(spark: SparkSession) -> bool:
+    """Whether ``spark`` is a Spark Connect client (no ``sparkContext``, no RDDs).
+
+    Tested by module name so that the check works without the Connect extras installed.
+    """
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
 def is_local(spark: SparkSession) -> bool:
     """A classic session on a ``local`` master: its workers run this interpreter."""
-    from .spark_session import is_connect_session
-
     if is_connect_session(spark):
         return False
     return str(spark.sparkContext.master).startswith("local")
@@ -146,8 +152,6 @@ _shipped: set[tuple[int, str]] = set()
 
 def ship_code(spark: SparkSession) -> Path | None:
     """Add the package's zip to ``spark`` (once) unless it is local; the zip, or ``None``."""
-    from .spark_session import is_connect_session
-
     if is_local(spark):
         return None
     archive = package_zip()
@@ -211,8 +215,6 @@ def _run_probe(
 ) -> list[str]:
     """The probe's reports, one per task; the job is cancelled after ``wait_s``."""
     from pyspark import cloudpickle
-
-    from .spark_session import is_connect_session
 
     cloudpickle.register_pickle_by_value(spark_probe)
     connect = is_connect_session(spark)
@@ -310,8 +312,6 @@ def _verdict(
 def spark_app(spark: SparkSession) -> SparkApp:
     """The application's id, its UI's address (``None`` where the UI is off or unknown, as on
     Spark Connect) and its master."""
-    from .spark_session import is_connect_session
-
     if is_connect_session(spark):
         try:
             app_id = spark.conf.get("spark.app.id")

@@ -22,7 +22,7 @@ What must hold for that to work:
 The master comes from the argument (the settings' ``spark_master``), else ``local[*]``. A Spark
 Connect URL (``sc://host:port``, the settings' ``spark_remote``) wins over a master:
 a Connect session attaches in under a second to a running server, but has no ``sparkContext``
-(callers that need RDDs must check :func:`is_connect_session`).
+(callers that need RDDs must check :func:`~.spark_executors.is_connect_session`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pyspark.sql import SparkSession
+
+from .spark_executors import ship_code
 
 DEFAULT_MASTER = "local[*]"
 LOCAL_SHUFFLE_PARTITIONS = 4
@@ -49,8 +51,6 @@ def get_spark(
 ) -> SparkSession:
     """The process's SparkSession: created on first call, reused afterwards; on a cluster,
     with the package's code added to it (:func:`~.spark_executors.ship_code`)."""
-    from .spark_executors import ship_code
-
     conf = dict(conf or {})
     if remote:
         connect_builder = SparkSession.builder.remote(remote).appName(app_name)
@@ -119,14 +119,6 @@ def _launch_jvm_quietly(builder: SparkSession.Builder, log: Path) -> None:
         atexit.register(log.unlink, missing_ok=True)
         SparkContext._gateway = gateway
         SparkContext._jvm = gateway.jvm
-
-
-def is_connect_session(spark: SparkSession) -> bool:
-    """Whether ``spark`` is a Spark Connect client (no ``sparkContext``, no RDDs).
-
-    Tested by module name so that the check works without the Connect extras installed.
-    """
-    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def _local_cores(master: str) -> int:

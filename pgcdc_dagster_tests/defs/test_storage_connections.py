@@ -8,7 +8,7 @@ import psycopg
 from dagster import AssetKey, AssetMaterialization, DagsterInstance
 from dagster._core.instance.ref import InstanceRef
 
-from pgcdc_dagster.defs.runner import keep_storage_connections
+from pgcdc_dagster.defs.instance import keep_storage_connections
 
 WRITES = 30
 

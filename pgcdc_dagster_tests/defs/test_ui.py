@@ -78,8 +78,9 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
     from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 
     from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs.instance import LOCATION_NAME, REPOSITORY_NAME, dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
-    from pgcdc_dagster.defs.runner import LOCATION_NAME, REPOSITORY_NAME, dagster_instance, run_job
+    from pgcdc_dagster.runner import run_job
 
     monkeypatch.setattr(runner, "_instance", None)
     workspace = yaml.safe_load((REPO / "workspace.yaml").read_text())
@@ -169,10 +170,11 @@ def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsy
     from dagster import AssetKey, DagsterEventType, EventRecordsFilter
 
     from pgcdc_dagster.defs import following, runner
+    from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
-    from pgcdc_dagster.defs.runner import dagster_instance, run_job
     from pgcdc_dagster.engine.backlog import Backlog
     from pgcdc_dagster.engine.follow import END, Idle, done_ranges
+    from pgcdc_dagster.runner import run_job
 
     done = Backlog()
     threading.Timer(1.0, done.put, (END,)).start()

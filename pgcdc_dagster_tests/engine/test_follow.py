@@ -18,7 +18,8 @@ import pyarrow as pa
 import pytest
 
 from pgcdc_dagster.engine import backlog, failpoints, follow, pipeline, slot_stream, verify
-from pgcdc_dagster.engine.follow import Follower, adopt, backlog_range_bytes, head_start
+from pgcdc_dagster.engine.follow import Follower, backlog_range_bytes
+from pgcdc_dagster.engine.follow_process import adopt, head_start
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
 from pgcdc_dagster.engine.receive import receive_in_cuts

@@ -13,8 +13,8 @@ import pytest
 from pgcdc_dagster.engine import pipeline, spark_server, verify
 from pgcdc_dagster.engine.apply import apply_range
 from pgcdc_dagster.engine.settings import SPARK_TABLE_ROWS, ReplicationSettings
-from pgcdc_dagster.engine.spark_executors import check_executors, package_zip
-from pgcdc_dagster.engine.spark_session import get_spark, is_connect_session
+from pgcdc_dagster.engine.spark_executors import check_executors, is_connect_session, package_zip
+from pgcdc_dagster.engine.spark_session import get_spark
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def _groups(tasks: Sequence[CopyTask], parallelism: int | None) -> list[list[Cop
 def _run_on_spark(
     spark: SparkSession, groups: list[list[CopyTask]], scheduler: str
 ) -> list[RangeCopyResult]:
-    from ..spark_session import is_connect_session
+    from ..spark_executors import is_connect_session
 
     use_rdd = scheduler == "rdd" or (scheduler == "auto" and not is_connect_session(spark))
     if use_rdd:
