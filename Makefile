@@ -26,10 +26,11 @@ demo: $(STAMP)
 	$(VENV)/bin/pgcdc demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks
-	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks
+	$(VENV)/bin/ruff check pgcdc_dagster pgcdc_dagster_tests benchmarks docs/hooks
+	$(VENV)/bin/ruff format --check pgcdc_dagster pgcdc_dagster_tests benchmarks docs/hooks
 	$(VENV)/bin/mypy pgcdc_dagster/engine
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .pgcdc/site
 
 bench-receive: $(STAMP)
 	$(PY) benchmarks/receive.py

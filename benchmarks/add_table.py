@@ -50,8 +50,8 @@ from many_tables import PGCDC, emit_report, native_schema, pgcdc_env, timed_comm
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
+from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.range_lock import lock_holders
 
 POLL_S = 0.02
 

@@ -5,8 +5,8 @@ One process, one pgbench backlog, both paths catching up the same changes from t
 1. a source cluster (logical WAL) with ``pgbench -i -s <scale>`` (``pgbench_history`` set to
    REPLICA IDENTITY FULL first, as the preflight requires) and a ``FOR ALL TABLES`` publication
    for the native side; a target cluster. The SparkSession is started, then
-   :func:`pgcdc_dagster.engine.pipeline.take_snapshot` copies the base data into target database
-   ``bench_a`` (it creates our publication, slot and origin); right after it, before any
+   :func:`pgcdc_dagster.engine.control.pipeline.take_snapshot` copies the base data into target
+   database ``bench_a`` (it creates our publication, slot and origin); right after it, before any
    backlog, the native slot is created on the source. ``bench_a`` is analysed (what autovacuum
    would have done during the backlog) and cloned, unconnected, into ``bench_b``
    (``CREATE DATABASE ... TEMPLATE``): both sides start from the same rows, the same physical
@@ -17,14 +17,15 @@ One process, one pgbench backlog, both paths catching up the same changes from t
    4 rows inserted into ``pgbench_history`` per transaction. Its end is the source's
    ``pg_current_wal_flush_lsn()`` after a CHECKPOINT;
 3. ours, the production path with Spark already running:
-   :func:`pgcdc_dagster.engine.pipeline.catch_up` plans ranges capped at ``--range-mb`` from the
-   chain's start (the slot's confirmed position) to the end, and each range runs through
-   :func:`pgcdc_dagster.engine.pipeline.run_step_in_process` (under the range lock: ``receive``,
-   then ``apply_range``). Total = receive seconds + apply_range seconds over all ranges, split
-   into the stages the results carry (receive; compaction, staging, apply statements + COMMIT,
-   and the rest of ``apply_range``: target catalog reads, origin and gap checks). ``bench_a`` is
-   then compared with the source (:func:`pgcdc_dagster.engine.verify.compare_tables`: row
-   counts and a content hash per table);
+   :func:`pgcdc_dagster.engine.control.pipeline.catch_up` plans ranges capped at ``--range-mb`` from
+   the chain's start (the slot's confirmed position) to the end, and each range runs through
+   :func:`pgcdc_dagster.engine.control.pipeline.run_step_in_process` (under the range lock:
+   ``receive``, then ``apply_range``). Total = receive seconds + apply_range seconds over all
+   ranges, split into the stages the results carry (receive; compaction, staging, apply statements +
+   COMMIT, and the rest of ``apply_range``: target catalog reads, origin and gap checks).
+   ``bench_a`` is then compared with the source
+   (:func:`pgcdc_dagster.engine.control.verify.compare_tables`: row counts and a content hash per
+   table);
 4. native: ``CREATE SUBSCRIPTION`` on ``bench_b`` over the pre-made slot (no copy, disabled),
    timed from ``ALTER SUBSCRIPTION ... ENABLE`` until the source's ``confirmed_flush_lsn`` of
    the slot reaches the end (polled every 20 ms). The same poll reads the subscription origin's
@@ -73,10 +74,10 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.demo.run import pgbench
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.control import pipeline, verify
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.spark_session import get_spark
+from pgcdc_dagster.engine.spark.session import get_spark
 
 CLIENTS = 4
 SLOT = "bench"

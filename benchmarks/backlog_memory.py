@@ -4,9 +4,10 @@ While Dagster's storage is away, a follow goes on applying and its ranges wait f
 record them (``defs/storage_outage.py``). This builds ``--ranges`` finished ranges as a follow
 at 1,000 tps of the demo's load produces them (8 replicated tables, 2 changed a range, about
 200 transactions each), queues them in a plain ``queue.Queue`` (the follower's queue before
-:mod:`pgcdc_dagster.engine.backlog`) and in a :class:`~pgcdc_dagster.engine.backlog.Backlog`,
-and reports for each the memory held (``tracemalloc``) once all are queued, the bytes on disk,
-and the seconds to put and to get them all back, in order.
+:mod:`pgcdc_dagster.engine.follow.backlog`) and in a
+:class:`~pgcdc_dagster.engine.follow.backlog.Backlog`, and reports for each the memory held
+(``tracemalloc``) once all are queued, the bytes on disk, and the seconds to put and to get them all
+back, in order.
 
 Usage: ``.venv/bin/python benchmarks/backlog_memory.py [--ranges 100000]``.
 """
@@ -25,12 +26,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pgcdc_dagster.engine.apply import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
-from pgcdc_dagster.engine.backlog import Backlog  # noqa: E402
-from pgcdc_dagster.engine.follow import Followed  # noqa: E402
+from pgcdc_dagster.engine.control.pipeline import RangeDone  # noqa: E402
+from pgcdc_dagster.engine.follow.backlog import Backlog  # noqa: E402
+from pgcdc_dagster.engine.follow.follower import Followed  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
-from pgcdc_dagster.engine.pipeline import RangeDone  # noqa: E402
-from pgcdc_dagster.engine.store import EndposOutcome, RangeResult  # noqa: E402
+from pgcdc_dagster.engine.store.output_store import EndposOutcome, RangeResult  # noqa: E402
+from pgcdc_dagster.engine.target.apply import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
 
 TABLES = [f"public.{n}" for n in ("pgbench_accounts", "pgbench_branches", "pgbench_history")]
 TABLES += [f"public.{n}" for n in ("pgbench_tellers", "orders", "customers", "events", "notes")]

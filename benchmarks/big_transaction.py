@@ -64,7 +64,7 @@ from pgcdc_dagster.demo.run import (
     demo_environment,
     start_clusters,
 )
-from pgcdc_dagster.engine.range_lock import lock_holders
+from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

@@ -64,7 +64,7 @@ from apply import (
 )
 
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.spark_session import get_spark
+from pgcdc_dagster.engine.spark.session import get_spark
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

@@ -40,7 +40,7 @@ from many_tables import PGCDC, emit_report, pgcdc_env, timed_command
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
-from pgcdc_dagster.engine.range_lock import lock_holders
+from pgcdc_dagster.engine.control.range_lock import lock_holders
 
 
 def make_source(source: LocalCluster) -> str:

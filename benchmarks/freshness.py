@@ -69,10 +69,10 @@ from pgcdc_dagster.demo.run import (
     probe_freshness,
     start_clusters,
 )
-from pgcdc_dagster.engine import pipeline, verify
 from pgcdc_dagster.engine.connect import libpq_tool_environment
+from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -356,7 +356,7 @@ def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str,
     holds, for the paths that look at them."""
     if not count:
         return {}
-    from pgcdc_dagster.engine.store import MANIFEST, OutputStore
+    from pgcdc_dagster.engine.store.output_store import MANIFEST, OutputStore
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' store helpers
     from pgcdc_dagster_tests.stores import range_manifest

@@ -6,7 +6,8 @@ on that same backlog measures, median of ``--repeat`` runs:
 
 * raw: ``pg_logical_slot_peek_binary_changes`` fetched through a binary server-side cursor in
   batches, no decoding (the ceiling: what the server can hand us);
-* receive+store: :func:`pgcdc_dagster.engine.receive.receive` of the whole backlog as one range into
+* receive+store: :func:`pgcdc_dagster.engine.source.peek.receive` of the whole backlog as one range
+into
   a fresh Parquet store (decode, buffer, write, fsync, rename, slot advance), each run on its
   own slot so every run sees the same backlog.
 
@@ -27,8 +28,8 @@ import psycopg
 from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.receive import receive
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.source.peek import receive
+from pgcdc_dagster.engine.store.output_store import OutputStore
 
 PUBLICATION = "bench_pub"
 

@@ -48,7 +48,7 @@ from receive import PUBLICATION, raw_read
 from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.slot_stream import Keepalive, SlotStream
+from pgcdc_dagster.engine.source.walsender import Keepalive, SlotStream
 
 BEGIN = struct.Struct("!cQqI")  # 'B', final_lsn, commit time, xid
 COMMIT_END = struct.Struct("!Q")  # a Commit message's end_lsn, at offset 10
@@ -66,7 +66,7 @@ def peek_read(dsn: str, slot: str, upto: Lsn) -> int:
 
 
 def stream_read(dsn: str, slot: str, upto: Lsn) -> int:
-    """Every message up to ``upto``, by the engine's stream (``engine/slot_stream.py``)."""
+    """Every message up to ``upto``, by the engine's stream (``engine/source/walsender.py``)."""
     messages = 0
     with SlotStream(dsn, slot, PUBLICATION, Lsn(0)) as stream:
         while True:

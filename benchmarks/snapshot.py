@@ -65,13 +65,12 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.demo.run import pgbench
-from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.origin import origin_name
+from pgcdc_dagster.engine.identifiers import TableName, origin_name
 from pgcdc_dagster.engine.snapshot import (
     DEFAULT_ROWS_PER_TASK,
     take_base_snapshot,
 )
-from pgcdc_dagster.engine.spark_session import get_spark
+from pgcdc_dagster.engine.spark.session import get_spark
 
 TABLES = [
     TableName("public", name)
@@ -407,7 +406,7 @@ def run_cli(
     import shutil
     import sys
 
-    from pgcdc_dagster.engine import spark_server
+    from pgcdc_dagster.engine.spark import server as spark_server
 
     run_name = f"{run}w" if warm else str(run)
     database, slot = f"bench_cli_{run_name}", f"bench_cli_{run_name}"
@@ -452,7 +451,7 @@ def run_cli(
             server, _ = spark_server.start(store)
             stack.callback(spark_server.stop, store)
             subprocess.run(
-                [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark_session "
+                [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark.session "
                  "import get_spark; get_spark(remote=sys.argv[1]).range(1000).count()",
                  server.url],
                 check=True, env=env, cwd=work,

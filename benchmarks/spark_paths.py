@@ -291,7 +291,7 @@ class StandaloneCluster:
         return process
 
     def start(self, timeout: float = 120.0) -> StandaloneCluster:
-        from pgcdc_dagster.engine.spark_server import free_port
+        from pgcdc_dagster.engine.spark.server import free_port
 
         self.directory.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
@@ -397,7 +397,7 @@ def user_tables(dsn: str) -> list[str]:
 
 
 def fingerprints(dsn: str, tables: list[str]) -> dict[str, list[Any]]:
-    from pgcdc_dagster.engine.verify import _COMPARABLE_SESSION
+    from pgcdc_dagster.engine.control.verify import _COMPARABLE_SESSION
 
     out: dict[str, list[Any]] = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -428,8 +428,8 @@ def _noop(x: int) -> int:
 
 def start_session(path: str, master: str, conf: dict[str, str], servers: dict[str, str]) -> Any:
     """The warm session of a path, its start-up split: (spark, fixed-cost dict)."""
-    from pgcdc_dagster.engine.spark_executors import check_executors
-    from pgcdc_dagster.engine.spark_session import get_spark
+    from pgcdc_dagster.engine.spark.executors import check_executors
+    from pgcdc_dagster.engine.spark.session import get_spark
 
     t0 = time.perf_counter()
     spark = get_spark(master=master, conf=conf)
@@ -596,9 +596,9 @@ def child_snapshot(params: dict[str, Any]) -> dict[str, Any]:
 def child_range(params: dict[str, Any]) -> dict[str, Any]:
     from spark_staging import apply_split
 
-    from pgcdc_dagster.engine.apply import apply_range
     from pgcdc_dagster.engine.lsn import LsnRange
-    from pgcdc_dagster.engine.store import OutputStore
+    from pgcdc_dagster.engine.store.output_store import OutputStore
+    from pgcdc_dagster.engine.target.apply import apply_range
 
     path = params["path"]
     store = OutputStore(Path(params["store"]))
@@ -706,7 +706,7 @@ class SnapshotBench:
     def _cleanup(self, database: str, slot: str | None) -> None:
         import snapshot as snapbench
 
-        from pgcdc_dagster.engine.origin import origin_name
+        from pgcdc_dagster.engine.identifiers import origin_name
 
         if slot is not None:
             with psycopg.connect(self.source.dsn(), autocommit=True) as conn:
@@ -904,7 +904,7 @@ def range_bench(args: argparse.Namespace, ctx: dict[str, Any], paths: list[str])
     from apply import checkpoint as do_checkpoint
     from spark_staging import bulk_updates
 
-    from pgcdc_dagster.engine import pipeline
+    from pgcdc_dagster.engine.control import pipeline
 
     def no_spark() -> Any:
         raise RuntimeError("the range's setup copies everything from the driver")
@@ -1185,7 +1185,7 @@ def print_table(report: dict[str, Any]) -> str:
 
 def warm_local_server(work: Path) -> dict[str, Any]:
     """``pgcdc spark start --master local[2]``'s server, and a first job from a client."""
-    from pgcdc_dagster.engine import spark_server
+    from pgcdc_dagster.engine.spark import server as spark_server
 
     store = work / "warm_store"
     store.mkdir()
@@ -1194,7 +1194,7 @@ def warm_local_server(work: Path) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark_session "
+        [sys.executable, "-c", "import sys; from pgcdc_dagster.engine.spark.session "
          "import get_spark; get_spark(remote=sys.argv[1]).range(1000).count()", server.url],
         check=True, env=child_env(), capture_output=True,
     )  # fmt: skip
@@ -1288,7 +1288,7 @@ def main() -> None:
             }
             log(f"cluster {cluster.url} up in {cluster.started_s:.1f} s")
         if "local" in paths and "snapshot" in work_kinds and not args.no_cli:
-            from pgcdc_dagster.engine import spark_server
+            from pgcdc_dagster.engine.spark import server as spark_server
 
             warm = warm_local_server(work)
             stack.callback(spark_server.stop, warm["store"])

@@ -39,10 +39,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import retention as retention_bench  # noqa: E402
 
+from pgcdc_dagster.engine.control.next_step import decide  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
-from pgcdc_dagster.engine.next_step import decide  # noqa: E402
-from pgcdc_dagster.engine.retention import prune  # noqa: E402
-from pgcdc_dagster.engine.store import OutputStore  # noqa: E402
+from pgcdc_dagster.engine.store.output_store import OutputStore  # noqa: E402
+from pgcdc_dagster.engine.store.retention import prune  # noqa: E402
 from pgcdc_dagster_tests.stores import range_manifest  # noqa: E402
 
 

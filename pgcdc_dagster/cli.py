@@ -43,8 +43,8 @@ class CliError(PgcdcError):
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from .engine import pipeline
-    from .engine.head_start import Background, offer
+    from .engine.control import pipeline
+    from .engine.control.head_start import Background, offer
 
     settings = ReplicationSettings.from_env()
     resnapshot = bool(args.resnapshot)
@@ -95,15 +95,16 @@ def cmd_follow(args: argparse.Namespace) -> int:
 
 
 def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
-    from .engine import pipeline, progress
-    from .engine.follow_process import head_start
-    from .engine.next_step import CaughtUp
+    from .engine import progress
+    from .engine.control import pipeline
+    from .engine.control.next_step import CaughtUp
+    from .engine.follow.process import head_start
 
     settings = ReplicationSettings.from_env()
     target = pipeline.resolve_endpos(settings, endpos) if endpos else None
 
     def start() -> Any:
-        # The follower gets a process of its own (engine/follow_process.py), so neither the
+        # The follower gets a process of its own (engine/follow/process.py), so neither the
         # Dagster imports of a cold command nor the run's own work share its interpreter lock.
         return head_start(settings, target, settings.spark_session, own_process=True)
 
@@ -146,11 +147,11 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
 @contextlib.contextmanager
 def _head_start(settings: ReplicationSettings, kind: str, start: Any) -> Iterator[bool]:
     """Take the range lock and ``start()`` the work at once, before Dagster is even imported;
-    the run adopts both (see :mod:`pgcdc_dagster.engine.head_start`). Yields whether it did:
+    the run adopts both (see :mod:`pgcdc_dagster.engine.control.head_start`). Yields whether it did:
     with the lock held elsewhere it does nothing, and :func:`clear_the_way` waits as usual.
     On the way out it waits for the work to end (adopted or not) before the lock goes."""
-    from .engine.head_start import adopt
-    from .engine.range_lock import RangeBusyError, command_holder, range_lock
+    from .engine.control.head_start import adopt
+    from .engine.control.range_lock import RangeBusyError, command_holder, range_lock
 
     with contextlib.ExitStack() as stack:
         try:
@@ -207,7 +208,7 @@ def _stops_at_boundary() -> Iterator[None]:
     """SIGTERM and SIGINT stop the follow at a range boundary (exit 0): the first one sets the
     stop, a second one interrupts as usual."""
 
-    from .engine.follow import stop_all
+    from .engine.follow.follower import stop_all
 
     def handler(signum: int, frame: Any) -> None:
         global _stop_requested
@@ -234,7 +235,7 @@ def _run_in_worker(run_config: dict[str, Any]) -> Any:
     signals stay ours (:func:`_stops_at_boundary`), and a stop reaches the follower once it
     runs."""
     from .defs.storage_outage import given_up
-    from .engine.follow import stop_all
+    from .engine.follow.follower import stop_all
 
     outcome: dict[str, Any] = {}
 
@@ -258,7 +259,7 @@ def _run_in_worker(run_config: dict[str, Any]) -> Any:
 
 
 def _range_summary(settings: ReplicationSettings, ran: list[str]) -> dict[str, Any]:
-    from .engine import pipeline
+    from .engine.control import pipeline
 
     store = pipeline.store_of(settings)
     last = store.last_stored()
@@ -284,7 +285,7 @@ def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .engine import pipeline
+    from .engine.control import pipeline
     from .engine.errors import PgcdcError
     from .engine.snapshot.foreign_keys import not_valid_foreign_keys
 
@@ -347,7 +348,7 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
         storage_unreachable,
         unreachable_now,
     )
-    from .engine.range_lock import lock_holders
+    from .engine.control.range_lock import lock_holders
 
     holders = lock_holders(settings.target_dsn, settings.slot)
     # The replication's state needs no Dagster; only its runs are not known without it.
@@ -373,7 +374,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reports its evaluations: the comparison is done once, inside the run the UI shows. Then
     names the tables replicated once that the publication no longer sends (their target copy
     is stale, and no check covers them: they are no longer assets)."""
-    from .engine import pipeline
+    from .engine.control import pipeline
 
     settings = ReplicationSettings.from_env()
     # No published table, no verify job (its checks are per table): only the stale ones.
@@ -450,10 +451,10 @@ def _refuse_differing(tables: Sequence[dict[str, Any]], stale: Sequence[TableNam
 def cmd_cutover(args: argparse.Namespace) -> int:
     """Runs the cutover job (catch up to the endpos, copy sequence values, compare every
     table) under the range: a running follow makes way for it, and goes on after it (see
-    :func:`~pgcdc_dagster.engine.range_lock.range_lock_or_way`). Exits non-zero when a table
+    :func:`~pgcdc_dagster.engine.control.range_lock.range_lock_or_way`). Exits non-zero when a table
     differs or is no longer published."""
-    from .engine import pipeline
-    from .engine.range_lock import command_holder, range_lock_or_way
+    from .engine.control import pipeline
+    from .engine.control.range_lock import command_holder, range_lock_or_way
 
     settings = ReplicationSettings.from_env()
     clear_the_way(dagster_instance(), settings, args.wait, "pgcdc cutover", waiting=False)
@@ -560,7 +561,7 @@ def cmd_add_table(args: argparse.Namespace) -> int:
 
 def cmd_finish(args: argparse.Namespace) -> int:
     """Runs the finish job: the replication recorded as ended, the source's slot and the
-    target's origin dropped (see :mod:`.engine.finish`); a running follow makes way, then
+    target's origin dropped (see :mod:`.engine.control.finish`); a running follow makes way, then
     stops."""
     from .defs.jobs import FINISH_JOB
 
@@ -584,8 +585,8 @@ def cmd_finish(args: argparse.Namespace) -> int:
 
 def cmd_spark(args: argparse.Namespace) -> int:
     """Start, stop or show the warm Spark Connect server recorded in the store (see
-    :mod:`pgcdc_dagster.engine.spark_server`)."""
-    from .engine import spark_server
+    :mod:`pgcdc_dagster.engine.spark.server`)."""
+    from .engine.spark import server as spark_server
 
     store = ReplicationSettings.from_env(require_servers=False).store_path  # only the store
     if args.action == "start":

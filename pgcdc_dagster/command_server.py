@@ -38,8 +38,8 @@ from .engine.processes import fresh_standard_streams
 PRELOAD = (
     "pgcdc_dagster.cli",
     "pgcdc_dagster.definitions",
-    "pgcdc_dagster.engine.pipeline",
-    "pgcdc_dagster.engine.follow",
+    "pgcdc_dagster.engine.control.pipeline",
+    "pgcdc_dagster.engine.follow.follower",
     "pgcdc_dagster.engine.snapshot",
     "pgcdc_dagster.runner",
     "pgcdc_dagster.defs.instance",
@@ -69,8 +69,8 @@ PRELOAD = (
     "zstandard",
     "psycopg2.extras",
     "dagster._core.execution.plan.active",
-    "pgcdc_dagster.engine.preflight",
-    "pgcdc_dagster.engine.publication",
+    "pgcdc_dagster.engine.source.preflight",
+    "pgcdc_dagster.engine.source.publication",
     # what the engine's first Arrow calls import: pa.array() asks pandas whether its input is a
     # pandas object, importing it (0.33 s) in the middle of a follow's first range
     "pandas",

@@ -69,8 +69,8 @@ def resolve_tables(env: Mapping[str, str]) -> tuple[list[TableName], str | None]
         return list(settings.tables), None
     if not settings.source_dsn:
         return [], "PGCDC_SOURCE_DSN is not set"
-    from .engine.preflight import user_tables
-    from .engine.publication import PublicationError, publication_tables
+    from .engine.source.preflight import user_tables
+    from .engine.source.publication import PublicationError, publication_tables
 
     try:
         with connect(

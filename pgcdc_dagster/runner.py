@@ -140,11 +140,12 @@ def clear_the_way(
     ``waiting=False``: nothing to wait for here. Either this process already holds the lock (a
     head start), so no other run can be alive (a run launched meanwhile fails at once on the
     lock), or the command takes the range in its run, where a live follow makes way for it
-    (``pgcdc add-table``, see :func:`~pgcdc_dagster.engine.range_lock.range_lock_or_way`)."""
+    (``pgcdc add-table``, see
+    :func:`~pgcdc_dagster.engine.control.range_lock.range_lock_or_way`)."""
     from dagster import DagsterRunStatus
 
     from .defs.runs import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
-    from .engine.range_lock import lock_holders
+    from .engine.control.range_lock import lock_holders
 
     grace = settings.dead_run_grace
     deadline = time.monotonic() + wait_s

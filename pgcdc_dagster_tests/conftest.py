@@ -115,7 +115,7 @@ def encoded_databases(source_cluster, target_cluster) -> Iterator[Callable[[str,
 @pytest.fixture(scope="session")
 def spark():
     """One local SparkSession for the whole test session (a cold start costs seconds)."""
-    from pgcdc_dagster.engine.spark_session import get_spark
+    from pgcdc_dagster.engine.spark.session import get_spark
 
     session = get_spark(master="local[2]")
     yield session

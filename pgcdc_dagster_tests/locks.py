@@ -2,12 +2,12 @@
 
 import psycopg
 
-from pgcdc_dagster.engine.range_lock import APPLICATION_PREFIX, lock_key
+from pgcdc_dagster.engine.control.range_lock import APPLICATION_PREFIX, lock_key
 
 
 def holder_session(target_dsn: str, holder: str) -> psycopg.Connection:
-    """A target session named as :func:`~pgcdc_dagster.engine.range_lock.range_lock` names its
-    holder, so ``lock_holders`` and error messages name it ``holder``."""
+    """A target session named as :func:`~pgcdc_dagster.engine.control.range_lock.range_lock` names
+    its holder, so ``lock_holders`` and error messages name it ``holder``."""
     return psycopg.connect(
         target_dsn, autocommit=True, application_name=APPLICATION_PREFIX + holder
     )

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from pgcdc_dagster.engine.spark_server import free_port
+from pgcdc_dagster.engine.spark.server import free_port
 
 WORKERS = 2
 WORKER_MEMORY = "1g"

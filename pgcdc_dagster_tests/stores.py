@@ -1,7 +1,12 @@
 """Output stores written by hand, for tests of what is decided from a store (no database)."""
 
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.store import EndposOutcome, OutputStore, RangeManifest, RangeResult
+from pgcdc_dagster.engine.store.output_store import (
+    EndposOutcome,
+    OutputStore,
+    RangeManifest,
+    RangeResult,
+)
 
 
 def range_manifest(start: str, end: str, transform: str | None) -> RangeManifest:

@@ -19,8 +19,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine.origin import origin_name
-from pgcdc_dagster.engine.range_lock import lock_holders
+from pgcdc_dagster.engine.control.range_lock import lock_holders
+from pgcdc_dagster.engine.identifiers import origin_name
 from pgcdc_dagster_tests.procs import MemoryCap
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.cli import main
+from pgcdc_dagster.engine.control.range_lock import range_lock
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.range_lock import range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings, SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,13 +242,13 @@ def snapshot_then_catch_up_inserts(cli_env, capsys, *, first_id: int, count: int
 def test_prune_removes_applied_ranges_and_their_partitions_and_catchup_goes_on(
     cli_env, capsys, monkeypatch
 ):
-    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
     from pgcdc_dagster.runner import run_job
 
     # This test reads its own storage: not the instance an earlier test left to the process.
-    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(instance_module, "_instance", None)
 
     snapshot_then_catch_up_inserts(cli_env, capsys, first_id=200, count=3)
     stored = json.loads(run_cli(capsys, "status", "--json")[1])["ranges_stored"]
@@ -386,12 +386,12 @@ def test_re_running_an_applied_range_changes_nothing_and_passes_its_gap_check(
     on a target table a follow did not record for a range): the range is stored and applied,
     later ranges too. The run changes nothing on the target, and its blocking ``no_gap`` check
     passes: nothing was skipped, the origin is past the range."""
-    from pgcdc_dagster.defs import runner
-    from pgcdc_dagster.engine import pipeline
+    from pgcdc_dagster.defs import instance as instance_module
+    from pgcdc_dagster.engine.control import pipeline
     from pgcdc_dagster.engine.settings import ReplicationSettings
     from pgcdc_dagster.runner import run_job
 
-    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(instance_module, "_instance", None)
     snapshot_then_catch_up_inserts(cli_env, capsys, first_id=400, count=2)
     settings = ReplicationSettings.from_env()
     store = pipeline.store_of(settings)
@@ -417,11 +417,11 @@ def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, c
     for a follow that runs for days)."""
     from dagster import AssetKey, DagsterEventType, EventRecordsFilter
 
-    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.runner import run_job
 
-    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(instance_module, "_instance", None)
     assert run_cli(capsys, "snapshot")[0] == 0
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("INSERT INTO items VALUES (500, 'followed')")
@@ -441,11 +441,11 @@ def test_a_publication_that_narrows_its_table_from_the_command_line(cli_env, cap
     apply and compare only what it sends, and the snapshot's metadata says how it narrows."""
     from dagster import TableRecord
 
-    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.keys import BASE_SNAPSHOT_KEY
 
-    monkeypatch.setattr(runner, "_instance", None)  # this test's own storage
+    monkeypatch.setattr(instance_module, "_instance", None)  # this test's own storage
     monkeypatch.setenv("PGCDC_PUBLICATION", "narrow")
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("CREATE PUBLICATION narrow FOR TABLE items (id) WHERE (id <= 50)")
@@ -541,12 +541,12 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
     partitions too (its code location listed only ``items``); it still stops cleanly."""
     import time
 
-    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.keys import target_key
     from pgcdc_dagster.defs.partitions import LSN_RANGES
     from pgcdc_dagster.engine.identifiers import TableName
 
-    monkeypatch.setattr(runner, "_instance", None)  # this test's own storage
+    monkeypatch.setattr(instance_module, "_instance", None)  # this test's own storage
     _snapshot_then(
         cli_env,
         capsys,
@@ -566,7 +566,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
             while conn.execute("SELECT v FROM later WHERE id = 1").fetchone() != ("after",):
                 assert follow.poll() is None and time.monotonic() < deadline
                 time.sleep(0.2)
-        instance = runner.dagster_instance()
+        instance = instance_module.dagster_instance()
         later = target_key(TableName("public", "later"))
         while (event := instance.get_latest_materialization_event(later)) is None:
             assert follow.poll() is None and time.monotonic() < deadline
@@ -589,7 +589,7 @@ def _follow_running(cli_env: dict[str, str]):
     import subprocess
     import time
 
-    from pgcdc_dagster.engine.range_lock import lock_holders
+    from pgcdc_dagster.engine.control.range_lock import lock_holders
 
     follow = _pgcdc("follow", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

@@ -40,12 +40,13 @@ from pgcdc_dagster.demo.local_cluster import (
     LocalCluster,
     temporary_cluster,
 )
-from pgcdc_dagster.engine import pipeline, staging, verify
-from pgcdc_dagster.engine.follow import Followed, Follower, RangeTakenError
+from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.control.range_lock import RangeLock, lock_holders, range_lock
+from pgcdc_dagster.engine.follow.follower import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.lsn import LsnRange
-from pgcdc_dagster.engine.range_lock import RangeLock, lock_holders, range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.output_store import OutputStore
+from pgcdc_dagster.engine.target import staging
 from pgcdc_dagster_tests.locks import holder_session, take_lock
 from pgcdc_dagster_tests.procs import descendants, gone
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
@@ -977,7 +978,7 @@ def _lock_taken_from_the_follower(settings: ReplicationSettings, holder: str) ->
 
 
 def _follower_pid(command: subprocess.Popen[str]) -> int:
-    """The follow process a cold ``pgcdc follow`` forked (engine/follow_process.py)."""
+    """The follow process a cold ``pgcdc follow`` forked (engine/follow/process.py)."""
     (pid,) = [pid for pid, cmd in descendants(command.pid).items() if PGCDC in cmd]
     return pid
 
@@ -987,7 +988,7 @@ def test_a_cold_follow_runs_in_a_process_that_lives_and_dies_with_its_command(
     site: Site, victim: str
 ):
     """A fresh ``pgcdc follow`` forks its follower before importing Dagster
-    (:mod:`pgcdc_dagster.engine.follow_process`). SIGKILL of the command alone takes the
+    (:mod:`pgcdc_dagster.engine.follow.process`). SIGKILL of the command alone takes the
     follower down with it (parent-death signal), so no follower runs on without the command's
     range lock; SIGKILL of the follower alone (as the OOM killer would) takes the command with
     it. Either way the next plain catch-up converges."""
@@ -1331,7 +1332,7 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
         endpos = pipeline.resolve_endpos(fresh.settings, "current")
 
         def converged() -> bool:
-            from pgcdc_dagster.engine.next_step import CaughtUp
+            from pgcdc_dagster.engine.control.next_step import CaughtUp
 
             try:
                 if not isinstance(pipeline.next_step(fresh.settings, endpos), CaughtUp):

@@ -1,7 +1,7 @@
 """Assets: source tables → base snapshot → decoded changes (per LSN range) → target tables.
 
-Each body is a call into :mod:`pgcdc_dagster.engine.pipeline` plus metadata; the engine owns every
-decision about LSNs. Engine errors that a user must act on become ``Failure``s whose text is
+Each body is a call into :mod:`pgcdc_dagster.engine.control.pipeline` plus metadata; the engine owns
+every decision about LSNs. Engine errors that a user must act on become ``Failure``s whose text is
 the engine's message (it names the problem and the fix, and never a connection string).
 """
 
@@ -21,12 +21,12 @@ from dagster import (
     multi_asset,
 )
 
-from ..engine import head_start, pipeline, verify
-from ..engine.apply import ApplyStatus
 from ..engine.catalog import ColumnInfo
+from ..engine.control import head_start, pipeline, verify
+from ..engine.control.range_lock import take_over
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
-from ..engine.range_lock import take_over
+from ..engine.target.apply import ApplyStatus
 from .checks import consistency_result
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
@@ -272,8 +272,8 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         spark: SparkResource,
         range_lock: RangeLockResource,
     ) -> Iterator[Any]:
-        from ..engine.sequences import sync_sequences
         from ..engine.snapshot.foreign_keys import complete
+        from ..engine.target.sequences import sync_sequences
 
         settings = pgcdc.settings(spark)
         try:

@@ -23,10 +23,10 @@ from dagster import (
     multi_asset_check,
 )
 
-from ..engine import pipeline, verify
+from ..engine.control import pipeline, verify
 from ..engine.identifiers import TableName
-from ..engine.retention import retention_status
-from ..engine.slot import SlotError
+from ..engine.source.slot import SlotError
+from ..engine.store.retention import retention_status
 from .failures import ENGINE_ERRORS
 from .keys import SLOT_KEY, target_key
 from .metadata import comparison_metadata, differs, no_longer_published, number, text

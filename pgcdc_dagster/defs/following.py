@@ -1,7 +1,7 @@
 """The Dagster side of a follower: every range it takes, recorded as a per-range run would.
 
-A follower (:mod:`pgcdc_dagster.engine.follow`) receives and applies inside one long-lived run;
-this turns each range it finishes into the events a per-range run records (its ``lsn_ranges``
+A follower (:mod:`pgcdc_dagster.engine.follow.follower`) receives and applies inside one long-lived
+run; this turns each range it finishes into the events a per-range run records (its ``lsn_ranges``
 partition, the ``decoded_changes`` and target-table materialisations with the same metadata,
 the blocking ``no_gap`` evaluation), as they happen.
 
@@ -30,14 +30,14 @@ from dagster import (
 )
 from dagster._core.errors import DagsterExecutionInterruptedError
 
-from ..engine import pipeline
+from ..engine.control import pipeline
+from ..engine.control.range_lock import RangeLock
 from ..engine.errors import PgcdcError
 from ..engine.failpoints import failpoint
-from ..engine.follow import Followed, Follower, Following, FollowSummary, Idle
-from ..engine.follow_process import adopt
+from ..engine.follow.follower import Followed, Follower, Following, FollowSummary, Idle
+from ..engine.follow.process import adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
-from ..engine.range_lock import RangeLock
 from .failures import ENGINE_ERRORS
 from .keys import DECODED_CHANGES_KEY, target_key
 from .metadata import number, spark_metadata, text
@@ -387,7 +387,7 @@ def new_follower(
     stopped), with Spark from the run's ``spark`` resource, started only if a range needs it.
 
     When the command that started this run already follows (its head start, see
-    :func:`~pgcdc_dagster.engine.follow_process.head_start`), the run takes that follower over: same
+    :func:`~pgcdc_dagster.engine.follow.process.head_start`), the run takes that follower over: same
     slot, same endpos, ranges it has done so far are reported first.
 
     ``lock``: the run's range lock, whose session the follower checks is still there after an

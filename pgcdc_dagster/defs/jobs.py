@@ -11,7 +11,7 @@ taken. Terminating the run from the UI (or SIGINT/SIGTERM to ``pgcdc``) stops it
 boundary.
 
 Every apply already prunes what ``PGCDC_STORE_RETENTION`` lets go, every few minutes at most
-(:mod:`pgcdc_dagster.engine.retention`); ``prune`` (``pgcdc prune``) does it now, with another
+(:mod:`pgcdc_dagster.engine.store.retention`); ``prune`` (``pgcdc prune``) does it now, with another
 retention if given, or shows what it would remove, and drops the removed ranges' partitions.
 It needs no range lock: the store's chain lock orders it with any other prune or snapshot.
 """
@@ -30,10 +30,10 @@ from dagster import (
     op,
 )
 
-from ..engine import pipeline
+from ..engine.control import pipeline
 from ..engine.identifiers import TableName
-from ..engine.retention import prune
 from ..engine.settings import parse_duration
+from ..engine.store.retention import prune
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .instance import keep_storage_connections
@@ -242,7 +242,7 @@ def build_finish_job() -> JobDefinition:
     def end_replication(
         context: OpExecutionContext, config: FinishConfig, pgcdc: PgcdcResource
     ) -> Iterator[Any]:
-        from ..engine.finish import finish
+        from ..engine.control.finish import finish
 
         settings = pgcdc.settings()
         try:

@@ -26,7 +26,7 @@ from dagster import (
     DagsterInstance,
 )
 
-from ..engine import pipeline
+from ..engine.control import pipeline
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from .keys import DECODED_CHANGES_KEY, target_key

@@ -63,7 +63,7 @@ class OutputStoreResource(ConfigurableResource):
 
 
 class SparkResource(LazyPySparkResource):
-    """dagster-pyspark's lazy session, built by :func:`pgcdc_dagster.engine.spark_session.get_spark`
+    """dagster-pyspark's lazy session, built by :func:`pgcdc_dagster.engine.spark.session.get_spark`
     so a run starts at most one session, and only when a step needs Spark. ``spark_config``
     (any ``spark.*`` setting; ``PGCDC_SPARK_CONF`` by default) goes to the session's builder,
     so start-up settings (executor memory, ``spark.archives``) take effect."""
@@ -76,8 +76,8 @@ class SparkResource(LazyPySparkResource):
 
     def _init_session(self) -> None:
         if self._spark_session is None:
-            from ..engine.spark_server import spark_target
-            from ..engine.spark_session import get_spark
+            from ..engine.spark.server import spark_target
+            from ..engine.spark.session import get_spark
 
             target = spark_target(self.master, self.remote, Path(self.store or ".").resolve())
             conf = {key: str(value) for key, value in self.spark_config.items()}
@@ -125,11 +125,11 @@ or for another catch-up to end."""
 
 
 class RangeLockResource(ConfigurableResource):
-    """The slot's range lock (:mod:`pgcdc_dagster.engine.range_lock`), held from the moment the
-    run's resources are built until they are torn down: the whole run, every step of it, under the
-    run's id. A run that finds the lock taken fails at once, naming the holder; a cutover run
+    """The slot's range lock (:mod:`pgcdc_dagster.engine.control.range_lock`), held from the moment
+    the run's resources are built until they are torn down: the whole run, every step of it, under
+    the run's id. A run that finds the lock taken fails at once, naming the holder; a cutover run
     has a running follow make way for it instead (see
-    :func:`pgcdc_dagster.engine.range_lock.range_lock_or_way`), as ``pgcdc cutover`` does.
+    :func:`pgcdc_dagster.engine.control.range_lock.range_lock_or_way`), as ``pgcdc cutover`` does.
 
     Required by every asset and op that receives, applies or snapshots; the jobs that run them
     execute in one process, so the lock is taken once per run. The run is also tagged with its
@@ -143,7 +143,7 @@ class RangeLockResource(ConfigurableResource):
     @contextmanager
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
         from ..engine import processes
-        from ..engine.range_lock import range_lock, range_lock_or_way, take_over
+        from ..engine.control.range_lock import range_lock, range_lock_or_way, take_over
         from .runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
 
         settings = self.pgcdc.settings()
@@ -164,8 +164,8 @@ class RangeLockResource(ConfigurableResource):
             yield self
 
     def held(self) -> Any:
-        """The :class:`~pgcdc_dagster.engine.range_lock.RangeLock` this run holds (a follower
-        checks its session is still there after an outage)."""
+        """The :class:`~pgcdc_dagster.engine.control.range_lock.RangeLock` this run holds (a
+        follower checks its session is still there after an outage)."""
         return self._lock
 
 

@@ -35,7 +35,7 @@ from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES, DagsterRun
 
 from ..engine import processes
-from ..engine.range_lock import LockHolder
+from ..engine.control.range_lock import LockHolder
 
 RANGE_LOCK_TAG = "pgcdc/range_lock"
 """Carried by every run that holds the range lock; ``dagster.yaml`` runs them one at a time."""

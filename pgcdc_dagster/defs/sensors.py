@@ -40,10 +40,10 @@ from dagster import (
     sensor,
 )
 
-from ..engine import pipeline
+from ..engine.control import pipeline
+from ..engine.control.next_step import CaughtUp
+from ..engine.control.range_lock import lock_holders
 from ..engine.failpoints import failpoint
-from ..engine.next_step import CaughtUp
-from ..engine.range_lock import lock_holders
 from .checks import (
     REPLICATED_TABLES,
     SLOT_HEALTH,

@@ -11,7 +11,7 @@ What must hold:
 
 - A follow run goes on receiving and applying while the storage is away: its follower does not
   wait for the run's events (the ranges it finishes wait for :class:`StorageRide` in a
-  backlog whose memory is bounded, past which they wait on disk: ``engine/backlog.py``), and
+  backlog whose memory is bounded, past which they wait on disk: ``engine/follow/backlog.py``), and
   the run's progress log lines are written from a thread of their own
   (:mod:`.progress_log`), so a slow or absent storage never holds the follower.
 - Each write is tried again, with growing pauses, until the storage answers; a range's events
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ..engine.errors import PgcdcError
-from ..engine.outage import OutageClock
+from ..engine.follow.outage import OutageClock
 
 T = TypeVar("T")
 

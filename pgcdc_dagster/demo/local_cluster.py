@@ -22,7 +22,7 @@ from pathlib import Path
 import psycopg
 
 from ..engine.connect import postgres_bindir
-from ..engine.spark_server import free_port
+from ..engine.spark.server import free_port
 
 LOGICAL_SOURCE_SETTINGS: dict[str, str] = {
     "wal_level": "logical",

@@ -152,7 +152,7 @@ def pgbench(cluster: LocalCluster, *args: str) -> subprocess.Popen[bytes] | None
 
 SCHEMA_CHANGE_AT = 100
 """The side workload's step at which it adds a column on the source (a migration's DDL,
-mid-stream): the follow carries it out on the target by itself (:mod:`..engine.ddl`)."""
+mid-stream): the follow carries it out on the target by itself (:mod:`..engine.target.ddl`)."""
 
 
 def side_workload(dsn: str, stop: threading.Event) -> None:
@@ -230,7 +230,7 @@ def probe_freshness(
 
 
 def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measurements) -> None:
-    from ..engine.pipeline import source_positions
+    from ..engine.control.pipeline import source_positions
     from ..engine.settings import ReplicationSettings
 
     settings = ReplicationSettings.from_env(settings_env)
@@ -244,7 +244,7 @@ def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measure
 
 def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
     from ..defs.instance import dagster_instance
-    from ..engine import pipeline
+    from ..engine.control import pipeline
     from ..engine.settings import ReplicationSettings
     from ..runner import clear_the_way, materialization_metadata, run_job
 
@@ -339,7 +339,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
 def catch_up_backfill(source: LocalCluster, settings: Any, spark: SparkWork) -> None:
     """Commit the backfill, then catch up to it in this process (whose Spark the snapshot
     started): the range holds more than ``PGCDC_SPARK_MIN_CHANGES`` changes."""
-    from ..engine import pipeline
+    from ..engine.control import pipeline
     from ..runner import observed_metadata, run_job
 
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
@@ -361,7 +361,7 @@ def catch_up_backfill(source: LocalCluster, settings: Any, spark: SparkWork) -> 
 
 def wait_follow_run(instance: Any, settings: Any, timeout_s: float) -> float:
     """Seconds until a follow run holds the range lock (the sensor started it)."""
-    from ..engine.range_lock import lock_holders
+    from ..engine.control.range_lock import lock_holders
 
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -376,8 +376,8 @@ def wait_follow_run(instance: Any, settings: Any, timeout_s: float) -> float:
 
 def wait_caught_up(settings: object, endpos: Lsn, timeout_s: float) -> None:
     """Until the target has applied everything committed up to ``endpos`` (the origin's word)."""
-    from ..engine import pipeline
-    from ..engine.next_step import CaughtUp
+    from ..engine.control import pipeline
+    from ..engine.control.next_step import CaughtUp
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -451,7 +451,7 @@ def follow_run_costs(instance) -> list[tuple[float, float]]:  # type: ignore[no-
 
 
 def print_report(settings, measurements, cutover, comparisons, runs, spark, elapsed) -> None:  # type: ignore[no-untyped-def]
-    from ..engine import pipeline
+    from ..engine.control import pipeline
 
     store = pipeline.store_of(settings)
     ranges = store.chain_ranges()

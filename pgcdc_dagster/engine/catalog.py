@@ -1,8 +1,8 @@
 """What a server's catalog says about the replicated tables: columns and row counts.
 
 Read-only descriptions for people (the column schema and row counts the UI shows) and for the
-comparison of :mod:`.verify`; the apply reads the richer description it needs itself
-(:func:`~pgcdc_dagster.engine.apply.read_target_tables`).
+comparison of :mod:`.control.verify`; the apply reads the richer description it needs itself
+(:func:`~pgcdc_dagster.engine.target.apply.read_target_tables`).
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ SESSION_SETTINGS = (
 * ``row_security=off``, as pg_dump sets it: a read or write that a row-level security policy
   would filter fails instead. Left on, a role under a policy had the base snapshot copy 5 of
   a table's 10 rows without a word, while the change stream, which no policy filters, carried
-  them all. The source's preflight names the fix first (:mod:`.preflight`)."""
+  them all. The source's preflight names the fix first (:mod:`.source.preflight`)."""
 
 
 SESSION_DEFAULTS = (

@@ -1,4 +1,5 @@
-"""The one SQL-identifier helper: table names that are always quoted, never formatted in."""
+"""The one SQL-identifier helper: table names that are always quoted, never formatted in; and
+the names the engine gives what it creates on a server."""
 
 from __future__ import annotations
 
@@ -95,3 +96,8 @@ _RESERVED = frozenset(
     select session_user some symmetric system_user table then to trailing true union unique
     user using variadic when where window with""".split()
 )
+
+
+def origin_name(slot_name: str) -> str:
+    """The target's replication origin for ``slot_name``."""
+    return f"pgcdc_{slot_name}"

@@ -36,7 +36,7 @@ class TableProgress:
 class SnapshotProgress:
     phase: str
     """``slot`` (its creation waits for the source's open transactions, see
-    :mod:`.slot_wait`), ``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or
+    :mod:`.source.slot_wait`), ``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or
     ``done``."""
     elapsed_s: float
     tables: list[TableProgress] = field(default_factory=list)

@@ -34,7 +34,7 @@ from pydantic import (
 )
 
 from .errors import PgcdcError
-from .identifiers import TableName
+from .identifiers import TableName, origin_name
 
 PREFIX = "PGCDC_"
 SPARK_TABLE_ROWS = 2_000_000
@@ -42,7 +42,7 @@ SPARK_TABLE_ROWS = 2_000_000
 DEFAULT_SPARK_MIN_CHANGES = 2_000_000
 """Ranges with fewer changes are compacted in this process even when a SparkSession is given;
 from this many on, Spark's workers compact them and stage the net rows on the target
-(:mod:`.spark_staging`).
+(:mod:`.target.spark_staging`).
 
 Measured on 2 shared cores, pgbench backlog of 320k changes (157k net rows): the Arrow kernel
 takes 0.14-0.23 s (0.3-0.5 s with the Parquet read); Spark local[2] takes 6 s warm (each
@@ -126,7 +126,8 @@ class ReplicationSettings(BaseModel):
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
     or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is
     compacted and staged one key-hash partition at a time (:attr:`partition_changes`,
-    :mod:`.partitioned_staging`), so a transaction of any size is applied in bounded memory."""
+    :mod:`.target.partitioned_staging`), so a transaction of any size is applied in bounded
+    memory."""
     sensor_interval: PositiveInt = 5
     """Seconds between slot sensor ticks (Dagster's daemon evaluates sensors every 5 s at
     most)."""
@@ -137,7 +138,7 @@ class ReplicationSettings(BaseModel):
     """``slot_health`` fails above this many bytes of WAL retained by the slot."""
     ddl: Literal["auto", "strict"] = "auto"
     """What the apply does with a source's DDL it cannot follow column by column (a narrowing
-    type change, a volatile default, a rewritten table; :mod:`.ddl`): ``auto`` re-copies the
+    type change, a volatile default, a rewritten table; :mod:`.target.ddl`): ``auto`` re-copies the
     table by itself (a resync, while the other tables go on); ``strict`` stops with one line
     naming ``pgcdc resync``. Either way nothing of the range is applied before."""
     auto_add: bool = False
@@ -159,8 +160,8 @@ class ReplicationSettings(BaseModel):
     """``follow`` cuts a range at most this often while changes flow (milliseconds)."""
     follow_read: Literal["stream", "peek"] = "stream"
     """How ``follow`` reads the slot once it keeps up (no endpos, less than
-    :data:`~.follow.STREAM_WITHIN_BYTES` behind): a ``START_REPLICATION`` stream
-    (:mod:`.stream_receive`: each transaction a few milliseconds after its COMMIT, each WAL
+    :data:`~.follow.follower.STREAM_WITHIN_BYTES` behind): a ``START_REPLICATION`` stream
+    (:mod:`.source.stream`: each transaction a few milliseconds after its COMMIT, each WAL
     record decoded once) or a peek every ``follow_cut_ms``. A backlog is always read by peeks."""
     follow_range_bytes: PositiveInt = 32 * MiB
     """``follow``'s cap on one range's WAL: small enough that applying a range overlaps
@@ -180,7 +181,7 @@ class ReplicationSettings(BaseModel):
     """Seconds an applied range stays in the store after it was stored (its ``lsn_ranges``
     partition goes with it); ``None`` (``forever``): every range stays. From ``90s``, ``30m``,
     ``12h``, ``7d`` or plain seconds. The last applied range always stays (see
-    :mod:`.retention`)."""
+    :mod:`.store.retention`)."""
 
     partitions_kept: PositiveInt | None = DEFAULT_PARTITIONS_KEPT
     """At most about this many ``lsn_ranges`` partitions stay registered in Dagster (``all``:
@@ -211,7 +212,7 @@ class ReplicationSettings(BaseModel):
         on a cluster master), tables past :data:`SPARK_TABLE_ROWS` go to Spark."""
         if self.snapshot_driver_rows is not None:
             return self.snapshot_driver_rows
-        from .spark_server import cores_are_local
+        from .spark.server import cores_are_local
 
         local = cores_are_local(self.spark_master, self.spark_remote, self.store_path)
         return sys.maxsize if local else SPARK_TABLE_ROWS
@@ -247,17 +248,17 @@ class ReplicationSettings(BaseModel):
         return value or None
 
     def spark_target(self) -> dict[str, str | None]:
-        """Where Spark runs, as :func:`~.spark_session.get_spark`'s ``master`` and ``remote``:
+        """Where Spark runs, as :func:`~.spark.session.get_spark`'s ``master`` and ``remote``:
         the configured ones, else the warm server ``pgcdc spark start`` recorded in the store
-        if it runs (:func:`~.spark_server.spark_target`), else local Spark."""
-        from .spark_server import spark_target
+        if it runs (:func:`~.spark.server.spark_target`), else local Spark."""
+        from .spark.server import spark_target
 
         return spark_target(self.spark_master, self.spark_remote, self.store_path)
 
     def spark_session(self) -> Any:
         """A SparkSession where :meth:`spark_target` says: what the engine takes as its lazy
         Spark provider outside Dagster (a run takes its ``spark`` resource's)."""
-        from .spark_session import get_spark
+        from .spark.session import get_spark
 
         target = self.spark_target()
         return get_spark(master=target["master"], remote=target["remote"], conf=self.spark_conf)
@@ -288,8 +289,6 @@ class ReplicationSettings(BaseModel):
     @property
     def origin(self) -> str:
         """The target's replication origin for this slot."""
-        from .origin import origin_name
-
         return origin_name(self.slot)
 
     @property

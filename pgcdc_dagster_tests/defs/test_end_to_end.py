@@ -38,10 +38,10 @@ from pgcdc_dagster.demo.local_cluster import (
     LocalCluster,
     temporary_cluster,
 )
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.control.range_lock import range_lock
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.processes import identity as process_identity
-from pgcdc_dagster.engine.range_lock import range_lock
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 

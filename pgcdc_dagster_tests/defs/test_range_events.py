@@ -10,7 +10,7 @@ from pgcdc_dagster.defs.partitions import LSN_RANGES
 from pgcdc_dagster.defs.range_events import register_range
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.output_store import OutputStore
 from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
 

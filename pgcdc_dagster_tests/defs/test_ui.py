@@ -77,12 +77,12 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
     from dagster._core.workspace.context import WorkspaceProcessContext
     from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 
-    from pgcdc_dagster.defs import runner
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import LOCATION_NAME, REPOSITORY_NAME, dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
     from pgcdc_dagster.runner import run_job
 
-    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(instance_module, "_instance", None)
     workspace = yaml.safe_load((REPO / "workspace.yaml").read_text())
     assert workspace["load_from"][0]["python_module"]["location_name"] == LOCATION_NAME
 
@@ -169,11 +169,12 @@ def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsy
 
     from dagster import AssetKey, DagsterEventType, EventRecordsFilter
 
-    from pgcdc_dagster.defs import following, runner
+    from pgcdc_dagster.defs import following
+    from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
-    from pgcdc_dagster.engine.backlog import Backlog
-    from pgcdc_dagster.engine.follow import END, Idle, done_ranges
+    from pgcdc_dagster.engine.follow.backlog import Backlog
+    from pgcdc_dagster.engine.follow.follower import END, Idle, done_ranges
     from pgcdc_dagster.runner import run_job
 
     done = Backlog()
@@ -181,7 +182,7 @@ def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsy
     beats = list(done_ranges(done, (KeyboardInterrupt,), lambda reason: None, idle_s=0.3))
     assert 2 <= len(beats) <= 4 and all(isinstance(b, Idle) and b.seconds >= 0.3 for b in beats)
 
-    monkeypatch.setattr(runner, "_instance", None)
+    monkeypatch.setattr(instance_module, "_instance", None)
     monkeypatch.setattr(following, "HEARTBEAT_S", 0.0)
     assert run_cli(capsys, "snapshot")[0] == 0
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:

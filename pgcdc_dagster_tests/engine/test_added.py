@@ -15,15 +15,16 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import failpoints, pipeline, progress
-from pgcdc_dagster.engine.apply import ApplyError
-from pgcdc_dagster.engine.follow import Followed, Follower
+from pgcdc_dagster.engine import failpoints, progress
+from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.control.range_lock import lock_holders
+from pgcdc_dagster.engine.follow.follower import Followed, Follower
 from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot import TargetNotEmptyError
 from pgcdc_dagster.engine.snapshot.foreign_keys import complete
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.output_store import OutputStore
+from pgcdc_dagster.engine.target.apply import ApplyError
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 ADDED = TableName("public", "b")
@@ -130,7 +131,7 @@ ADD_IN_CHILD = (
 
 ADD_ON_SPARK_IN_CHILD = ADD_IN_CHILD.replace(
     "[TableName('public', 'b')], None)",
-    "[TableName('public', 'b')], __import__('pgcdc_dagster.engine.spark_session', "
+    "[TableName('public', 'b')], __import__('pgcdc_dagster.engine.spark.session', "
     "fromlist=['get_spark']).get_spark)",
 )
 
@@ -164,7 +165,7 @@ def test_held_back_changes_of_many_ranges_are_applied_together_each_in_its_own_l
     into one list, so each row lands in its own layout and ``b`` gains the column), or, with
     the batch capped at one change, one transaction a range; ``b`` (no key: in commit order)
     ends equal to the source either way."""
-    from pgcdc_dagster.engine import apply
+    from pgcdc_dagster.engine.target import apply
 
     if not batched:
         monkeypatch.setattr(apply, "HELD_BACK_BATCH_CHANGES", 1)
@@ -271,7 +272,7 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     or by Spark's workers) while the add's copy is still under way: the add applies them once
     its copy is done (on Spark too, for ranges past the threshold), before any later
     catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
-    from pgcdc_dagster.engine.staging import SCHEMA, shared_name, shared_tables
+    from pgcdc_dagster.engine.target.staging import SCHEMA, shared_name, shared_tables
 
     overrides = {"spark_min_changes": 1} if applied_on == "spark" else {}
     settings = _started(source_dsn, target_dsn, tmp_path, spark, **overrides)
@@ -368,7 +369,7 @@ def test_an_add_killed_while_spark_stages_its_held_back_range_is_redone_once(
     workers staged, empties ``b`` and copies it again, exactly once."""
     from psycopg import sql
 
-    from pgcdc_dagster.engine.staging import shared_tables
+    from pgcdc_dagster.engine.target.staging import shared_tables
 
     settings = _started(source_dsn, target_dsn, tmp_path, spark, spark_min_changes=1)
     child = subprocess.Popen(
@@ -409,7 +410,7 @@ def test_one_add_or_snapshot_at_a_time_since_an_add_copies_without_the_range(
     keeps a second add, which would empty the table the first one copies into, and a
     snapshot, which would copy it too, apart: each waits its ``--wait`` and then names the
     one at work; nothing has changed."""
-    from pgcdc_dagster.engine.range_lock import RangeBusyError, tables_lock
+    from pgcdc_dagster.engine.control.range_lock import RangeBusyError, tables_lock
 
     settings = _started(source_dsn, target_dsn, tmp_path, spark)
     with tables_lock(target_dsn, settings.slot, "run 4242"):
@@ -727,7 +728,7 @@ def test_an_add_killed_after_creating_keys_to_its_table_is_redone(
 
 FOLLOW_IN_CHILD = (
     "import sys; from pgcdc_dagster.engine import pipeline; "
-    "from pgcdc_dagster.engine.follow import Follower; "
+    "from pgcdc_dagster.engine.follow.follower import Follower; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
     "s = ReplicationSettings.model_validate_json(sys.argv[1]); "
     "lock = pipeline.range_lock(s); lock.__enter__(); "

@@ -16,32 +16,34 @@ from dataclasses import dataclass, field
 
 import psycopg
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
-from pgcdc_dagster.engine import apply as apply_module
-from pgcdc_dagster.engine import shared_staging, staging
-from pgcdc_dagster.engine.apply import (
+from pgcdc_dagster.engine.compaction import (
+    NetChanges,
+    TableRelation,
+    compact_arrow,
+    compact_table,
+    relations_of,
+)
+from pgcdc_dagster.engine.compaction.kernel import KERNEL_COLUMNS
+from pgcdc_dagster.engine.compaction.partitions import Router
+from pgcdc_dagster.engine.compaction.spark import route_changes, unjoin_toast
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.source.peek import receive
+from pgcdc_dagster.engine.store.output_store import CHANGE_SCHEMA, OutputStore, StoredRange
+from pgcdc_dagster.engine.target import apply as apply_module
+from pgcdc_dagster.engine.target import shared_staging, staging
+from pgcdc_dagster.engine.target.apply import (
     ApplyError,
     ApplyGapError,
     ApplyResult,
     ApplyStatus,
     apply_range,
 )
-from pgcdc_dagster.engine.compaction import (
-    TableRelation,
-    compact_arrow,
-    compact_table,
-    compact_with_spark,
-    relations_of,
-)
-from pgcdc_dagster.engine.compaction.kernel import KERNEL_COLUMNS
-from pgcdc_dagster.engine.compaction.partitions import Router
-from pgcdc_dagster.engine.ddl import SourceDdl, record_copied
-from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.partitioned_staging import SCRATCH
-from pgcdc_dagster.engine.receive import receive
-from pgcdc_dagster.engine.store import CHANGE_SCHEMA, OutputStore, StoredRange
+from pgcdc_dagster.engine.target.ddl import SourceDdl, record_copied
+from pgcdc_dagster.engine.target.partitioned_staging import SCRATCH
 
 SLOT = "apply_slot"
 PUB = "apply_pub"
@@ -594,8 +596,8 @@ def _apply_in_child(
     limit ``staged`` and ``env`` (a failpoint, say) in its environment."""
     script = (
         "import sys; from pgcdc_dagster.engine import staging; "
-        "from pgcdc_dagster.engine.apply import apply_range; "
-        "from pgcdc_dagster.engine.store import OutputStore; "
+        "from pgcdc_dagster.engine.target.apply import apply_range; "
+        "from pgcdc_dagster.engine.store.output_store import OutputStore; "
         "from pgcdc_dagster.engine.lsn import LsnRange; "
         "staging.INLINE_MAX_VALUES = int(sys.argv[5]); "
         "store = OutputStore(sys.argv[1]); "
@@ -758,18 +760,17 @@ def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, s
     relations[fullpk] = relations[fullpk].with_identity(["id"])
 
     in_process = compact_arrow(stored.read_table(), relations)
-    on_spark = compact_with_spark(spark, [str(f) for f in stored.files], relations, partitions=3)
-    assert set(in_process) == set(on_spark) == set(relations)
-    for table, net in in_process.items():
-        other = on_spark[table]
-        assert (net.changes, net.truncate, net.truncate_flags, net.ordered) == (
-            other.changes,
-            other.truncate,
-            other.truncate_flags,
-            other.ordered,
-        ), table
-        assert net.sorted_rows() == other.sorted_rows(), table
     assert any(r["f0"] is not None for r in in_process[TableName("public", "items")].sorted_rows())
+    # Routed by Spark (the executors' path), each (table, partition) group compacted alone:
+    # the union is the whole range's net rows.
+    routed = route_changes(spark, [str(f) for f in stored.files], relations, partitions=3)
+    on_spark = routed.toArrow()
+    spark_groups: dict[tuple[int, int], list[pa.Table]] = {}
+    keys = zip(on_spark["_tbl"].to_pylist(), on_spark["_pid"].to_pylist(), strict=True)
+    for t, pid in set(keys):
+        mask = pc.and_(pc.equal(on_spark["_tbl"], t), pc.equal(on_spark["_pid"], pid))
+        spark_groups[(t, pid)] = [unjoin_toast(on_spark.filter(mask))]
+    _assert_union_is_net(spark_groups, list(relations), relations, in_process)
     # Routed in this process, batch by batch (small batches: groups span several), each
     # (table, partition) compacted alone: the union is the whole range's net rows.
     router = Router(relations, 3)
@@ -781,22 +782,7 @@ def test_in_process_and_spark_compaction_give_identical_net_rows(make_replica, s
         for t, pid, rows in router.route(batch):
             groups.setdefault((t, pid), []).append(rows)
     assert {pid for _, pid in groups} == {0, 1, 2, 3}  # 3 is the moved keys'
-    for t, table in enumerate(router.tables):
-        nets = [
-            compact_table(pa.concat_tables(parts), relations[table])
-            for (g, _), parts in groups.items()
-            if g == t
-        ]
-        net = in_process[table]
-        assert sum(n.changes - n.truncates for n in nets) + net.truncates == net.changes, table
-        assert {n.truncate for n in nets} == {net.truncate}, table
-        if net.ordered:
-            assert len(nets) == 1 and nets[0].sorted_rows() == net.sorted_rows(), table
-        else:
-            routed = sorted(
-                (r for n in nets for r in n.sorted_rows()), key=lambda r: (r["op"], str(r))
-            )
-            assert routed == sorted(net.sorted_rows(), key=lambda r: (r["op"], str(r))), table
+    _assert_union_is_net(groups, router.tables, relations, in_process)
 
     # The same range applied twice from the same start: by Spark's workers staging on the
     # target, then (the target put back) by this process. Same rows, same counts.
@@ -988,3 +974,29 @@ def test_new_keys_are_inserted_apart_and_a_target_that_has_one_falls_back_to_the
         assert 0 in direct and 0 < sum(direct) < 350 and not any(inserted_apart)
     else:
         assert sum(direct) == 350 and not inserted_apart
+
+
+def _assert_union_is_net(
+    groups: dict[tuple[int, int], list[pa.Table]],
+    tables: list[TableName],
+    relations: dict[TableName, TableRelation],
+    whole: dict[TableName, NetChanges],
+) -> None:
+    """Each (table index, partition) group of routed changes compacted alone: together they
+    give ``whole``'s net rows, counts and truncate, table by table."""
+    for t, table in enumerate(tables):
+        nets = [
+            compact_table(pa.concat_tables(parts), relations[table])
+            for (g, _), parts in groups.items()
+            if g == t
+        ]
+        net = whole[table]
+        assert sum(n.changes - n.truncates for n in nets) + net.truncates == net.changes, table
+        assert {n.truncate for n in nets} == {net.truncate}, table
+        if net.ordered:
+            assert len(nets) == 1 and nets[0].sorted_rows() == net.sorted_rows(), table
+        else:
+            routed = sorted(
+                (r for n in nets for r in n.sorted_rows()), key=lambda r: (r["op"], str(r))
+            )
+            assert routed == sorted(net.sorted_rows(), key=lambda r: (r["op"], str(r))), table

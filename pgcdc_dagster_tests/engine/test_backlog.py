@@ -6,8 +6,8 @@ import queue
 
 import pytest
 
-from pgcdc_dagster.engine.backlog import Backlog
-from pgcdc_dagster.engine.follow import END
+from pgcdc_dagster.engine.follow.backlog import Backlog
+from pgcdc_dagster.engine.follow.follower import END
 
 
 def test_past_its_memory_a_backlog_waits_on_disk_and_gives_back_in_order():

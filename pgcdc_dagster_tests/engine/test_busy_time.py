@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pgcdc_dagster.engine.busy_time import FOLD_AT, BusyTime, overlap
+from pgcdc_dagster.engine.follow.busy_time import FOLD_AT, BusyTime, overlap
 
 
 def sides(seed: int, n: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:

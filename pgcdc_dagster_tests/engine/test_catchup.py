@@ -9,7 +9,7 @@ import time
 
 import psycopg
 
-from pgcdc_dagster.engine import pipeline, verify
+from pgcdc_dagster.engine.control import pipeline, verify
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 

@@ -10,9 +10,10 @@ import json
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import pipeline, staging
-from pgcdc_dagster.engine.apply import ApplyError
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.snapshot.common import SnapshotError
+from pgcdc_dagster.engine.target import staging
+from pgcdc_dagster.engine.target.apply import ApplyError
 from pgcdc_dagster_tests.pg import set_for_database
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 

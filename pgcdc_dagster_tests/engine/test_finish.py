@@ -14,11 +14,11 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.defs.checks import slot_health_result
-from pgcdc_dagster.engine import pipeline
-from pgcdc_dagster.engine.finish import FinishRefusedError, finish
-from pgcdc_dagster.engine.follow import Follower
+from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.control.finish import FinishRefusedError, finish
+from pgcdc_dagster.engine.follow.follower import Follower
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.output_store import OutputStore
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 
 
@@ -106,7 +106,7 @@ def test_an_end_refuses_while_a_table_is_being_added(source_dsn, target_dsn, tmp
 
 
 FINISH_IN_CHILD = (
-    "import sys; from pgcdc_dagster.engine.finish import finish; "
+    "import sys; from pgcdc_dagster.engine.control.finish import finish; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
     "finish(ReplicationSettings.model_validate_json(sys.argv[1]), 'child', 5)"
 )

@@ -17,15 +17,19 @@ import psycopg
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine import backlog, failpoints, follow, pipeline, slot_stream, verify
-from pgcdc_dagster.engine.follow import Follower, backlog_range_bytes
-from pgcdc_dagster.engine.follow_process import adopt, head_start
+from pgcdc_dagster.engine import failpoints
+from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.control.range_lock import lent_lock, lock_holders, range_lock
+from pgcdc_dagster.engine.follow import backlog
+from pgcdc_dagster.engine.follow import follower as follow
+from pgcdc_dagster.engine.follow.follower import Follower, backlog_range_bytes
+from pgcdc_dagster.engine.follow.process import adopt, head_start
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.range_lock import lent_lock, lock_holders, range_lock
-from pgcdc_dagster.engine.receive import receive_in_cuts
 from pgcdc_dagster.engine.settings import MiB, ReplicationSettings
-from pgcdc_dagster.engine.slot import read_slot
-from pgcdc_dagster.engine.store import EndposOutcome
+from pgcdc_dagster.engine.source import walsender as slot_stream
+from pgcdc_dagster.engine.source.peek import receive_in_cuts
+from pgcdc_dagster.engine.source.slot import read_slot
+from pgcdc_dagster.engine.store.output_store import EndposOutcome
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
 

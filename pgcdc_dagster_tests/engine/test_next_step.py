@@ -3,15 +3,15 @@ origin and the slot (the database side of those facts is exercised in test_resum
 
 import pytest
 
-from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.next_step import (
+from pgcdc_dagster.engine.control.next_step import (
     ApplyStored,
     CatchUpStateError,
     CaughtUp,
     ReceiveNext,
     decide,
 )
-from pgcdc_dagster.engine.store import OutputStore, StoreError
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
+from pgcdc_dagster.engine.store.output_store import OutputStore, StoreError
 from pgcdc_dagster_tests.stores import store_ranges
 
 CAP = 0x1000

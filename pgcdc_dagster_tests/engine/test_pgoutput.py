@@ -4,7 +4,7 @@ import struct
 
 import pytest
 
-from pgcdc_dagster.engine.pgoutput import (
+from pgcdc_dagster.engine.decode.pgoutput import (
     PG_EPOCH_OFFSET_US,
     Begin,
     Commit,

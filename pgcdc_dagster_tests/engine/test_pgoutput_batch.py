@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pgcdc_dagster.engine.pgoutput import (
+from pgcdc_dagster.engine.decode.pgoutput import (
     Begin,
     Commit,
     Delete,
@@ -16,7 +16,7 @@ from pgcdc_dagster.engine.pgoutput import (
     Update,
     decode,
 )
-from pgcdc_dagster.engine.pgoutput_batch import (
+from pgcdc_dagster.engine.decode.pgoutput_batch import (
     MessageBatch,
     decode_begin_commit,
     decode_changes,

@@ -5,17 +5,17 @@ import shutil
 
 import pytest
 
-from pgcdc_dagster.engine import store as store_module
-from pgcdc_dagster.engine.apply import ApplyGapError, check_no_gap
-from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.next_step import plan_next_range
-from pgcdc_dagster.engine.pipeline import (
+from pgcdc_dagster.engine.control.next_step import plan_next_range
+from pgcdc_dagster.engine.control.pipeline import (
     RangeOrderError,
     check_range_order,
     expected_origin_progress,
 )
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store import output_store as store_module
+from pgcdc_dagster.engine.store.output_store import OutputStore
+from pgcdc_dagster.engine.target.apply import ApplyGapError, check_no_gap
 from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
 

@@ -18,7 +18,7 @@ from psycopg import sql
 from pgcdc_dagster.demo.local_cluster import temporary_cluster
 from pgcdc_dagster.engine.connect import connect
 from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.preflight import PreflightError, check_source, user_tables
+from pgcdc_dagster.engine.source.preflight import PreflightError, check_source, user_tables
 
 ORDERS = TableName("public", "orders")
 EVENTS = TableName("public", "events")

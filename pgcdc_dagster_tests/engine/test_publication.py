@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.publication import (
+from pgcdc_dagster.engine.source.publication import (
     PublicationError,
     ensure_publication,
     publication_tables,

@@ -12,13 +12,13 @@ import sys
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import pipeline
-from pgcdc_dagster.engine.apply import SchemaDriftError
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
-from pgcdc_dagster.engine.origin import progress_of
-from pgcdc_dagster.engine.published import PublishedShape
+from pgcdc_dagster.engine.published_columns import PublishedShape
 from pgcdc_dagster.engine.snapshot import SnapshotError
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.output_store import OutputStore
+from pgcdc_dagster.engine.target.apply import SchemaDriftError
+from pgcdc_dagster.engine.target.origin import progress_of
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 SCHEMA = """
@@ -220,7 +220,7 @@ def test_a_table_published_otherwise_midstream_is_named_with_its_fix_and_a_resyn
     verify and the ``replicated_tables`` check name the change and the fix; the fix (``pgcdc
     resync``) copies them as now published and records that."""
     from pgcdc_dagster.defs.checks import replicated_tables_result
-    from pgcdc_dagster.engine.pipeline import Reshaped
+    from pgcdc_dagster.engine.control.pipeline import Reshaped
 
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)

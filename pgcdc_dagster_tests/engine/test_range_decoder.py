@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from pgcdc_dagster.engine.decode.range_decoder import RangeDecoder
 from pgcdc_dagster.engine.lsn import LsnRange
-from pgcdc_dagster.engine.range_decoder import RangeDecoder
-from pgcdc_dagster.engine.store import EndposOutcome
+from pgcdc_dagster.engine.store.output_store import EndposOutcome
 
 RELID = 16400
 TS = 800_000_000_000_000  # microseconds since 2000-01-01, as pgoutput sends them

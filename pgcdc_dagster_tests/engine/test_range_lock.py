@@ -1,5 +1,5 @@
-"""The range lock (engine/range_lock.py) on a real target: who holds it is named, and a holder
-whose session is ending is not taken for another catch-up."""
+"""The range lock (engine/control/range_lock.py) on a real target: who holds it is named, and a
+holder whose session is ending is not taken for another catch-up."""
 
 from __future__ import annotations
 
@@ -11,8 +11,13 @@ import time
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import range_lock as range_lock_module
-from pgcdc_dagster.engine.range_lock import LockHolder, RangeBusyError, lock_holders, range_lock
+from pgcdc_dagster.engine.control import range_lock as range_lock_module
+from pgcdc_dagster.engine.control.range_lock import (
+    LockHolder,
+    RangeBusyError,
+    lock_holders,
+    range_lock,
+)
 from pgcdc_dagster_tests.locks import holder_session, take_lock
 
 

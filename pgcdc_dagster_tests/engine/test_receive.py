@@ -12,12 +12,9 @@ import pyarrow.compute as pc
 import pytest
 
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.receive import (
-    ReceiveError,
-    receive,
-)
-from pgcdc_dagster.engine.slot import read_slot
-from pgcdc_dagster.engine.store import EndposOutcome, OutputStore
+from pgcdc_dagster.engine.source.peek import ReceiveError, receive
+from pgcdc_dagster.engine.source.slot import read_slot
+from pgcdc_dagster.engine.store.output_store import EndposOutcome, OutputStore
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 
 SLOT = "recv_slot"
@@ -410,7 +407,7 @@ def test_slot_never_moves_past_a_stored_commit_under_concurrent_writes(source):
 
 
 def test_missing_publication_and_missing_slot_name_the_fix(source):
-    from pgcdc_dagster.engine.slot import SlotError
+    from pgcdc_dagster.engine.source.slot import SlotError
 
     with pytest.raises(ReceiveError, match="create the publication"):
         receive(source.dsn, SLOT, "no_such_pub", source.store, source.start, source.flush_lsn())

@@ -13,20 +13,26 @@ import uuid
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine import pipeline, retention
-from pgcdc_dagster.engine.apply import check_no_gap
-from pgcdc_dagster.engine.follow import Follower
+from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.control.next_step import (
+    ApplyStored,
+    CatchUpStateError,
+    ReceiveNext,
+    decide,
+)
+from pgcdc_dagster.engine.control.pipeline import RangeOrderError, check_range_order
+from pgcdc_dagster.engine.follow.follower import Follower
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.next_step import ApplyStored, CatchUpStateError, ReceiveNext, decide
-from pgcdc_dagster.engine.pipeline import RangeOrderError, check_range_order
-from pgcdc_dagster.engine.retention import (
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.store import retention
+from pgcdc_dagster.engine.store.output_store import MANIFEST, OutputStore
+from pgcdc_dagster.engine.store.retention import (
     prune,
     prune_if_due,
     prune_interval,
     retention_status,
 )
-from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store import MANIFEST, OutputStore
+from pgcdc_dagster.engine.target.apply import check_no_gap
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk, store_ranges
 
@@ -175,8 +181,8 @@ def test_a_dry_run_removes_nothing(tmp_path):
 _KILLED_PRUNE = """
 import sys
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.retention import prune
-from pgcdc_dagster.engine.store import OutputStore
+from pgcdc_dagster.engine.store.retention import prune
+from pgcdc_dagster.engine.store.output_store import OutputStore
 prune(OutputStore(sys.argv[1]), Lsn(sys.argv[2]), 3600.0)
 """
 
@@ -218,7 +224,7 @@ def test_a_snapshot_beginning_waits_for_a_prune_holding_the_chain(tmp_path):
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from pgcdc_dagster.engine.store import OutputStore\n"
+            "from pgcdc_dagster.engine.store.output_store import OutputStore\n"
             "with OutputStore(sys.argv[1]).chain_lock():\n"
             "    print('held', flush=True)\n"
             "    time.sleep(1.5)\n",

@@ -21,8 +21,8 @@ from pgcdc_dagster.engine import progress
 from pgcdc_dagster.engine.connect import connect
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.publication import ensure_publication
-from pgcdc_dagster.engine.slot import (
+from pgcdc_dagster.engine.source.publication import ensure_publication
+from pgcdc_dagster.engine.source.slot import (
     _CREATE_SLOT_SYNTAXES,
     SlotError,
     _create_slot,
@@ -32,7 +32,7 @@ from pgcdc_dagster.engine.slot import (
     read_slot,
     released,
 )
-from pgcdc_dagster.engine.slot_stream import Keepalive, SlotStream
+from pgcdc_dagster.engine.source.walsender import Keepalive, SlotStream
 
 ORDERS = TableName("public", "orders")
 

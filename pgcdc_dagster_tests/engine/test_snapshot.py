@@ -17,8 +17,6 @@ import pytest
 from pgcdc_dagster.engine.connect import libpq_tool_environment
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.sequences import sync_sequences
-from pgcdc_dagster.engine.slot import create_slot_with_snapshot
 from pgcdc_dagster.engine.snapshot import (
     SnapshotError,
     TableRange,
@@ -31,6 +29,8 @@ from pgcdc_dagster.engine.snapshot import (
     snapshot_export_path,
     take_base_snapshot,
 )
+from pgcdc_dagster.engine.source.slot import create_slot_with_snapshot
+from pgcdc_dagster.engine.target.sequences import sync_sequences
 from pgcdc_dagster_tests.procs import descendants
 
 ODD = TableName("Odd Schema", "Mixed Case")

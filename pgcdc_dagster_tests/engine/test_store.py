@@ -8,11 +8,16 @@ import time
 
 import pytest
 
-from pgcdc_dagster.engine import store as store_module
+from pgcdc_dagster.engine.control.next_step import (
+    ApplyStored,
+    CatchUpStateError,
+    ReceiveNext,
+    decide,
+)
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
-from pgcdc_dagster.engine.next_step import ApplyStored, CatchUpStateError, ReceiveNext, decide
-from pgcdc_dagster.engine.retention import prune, retention_status
-from pgcdc_dagster.engine.store import MANIFEST, OutputStore
+from pgcdc_dagster.engine.store import output_store as store_module
+from pgcdc_dagster.engine.store.output_store import MANIFEST, OutputStore
+from pgcdc_dagster.engine.store.retention import prune, retention_status
 from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import on_disk, range_manifest, store_ranges
 
@@ -145,7 +150,7 @@ def test_a_prune_reads_what_it_removes_and_a_range_more(tmp_path, monkeypatch):
     """Every 10 minutes of a follow, a prune finds a few thousand ranges old enough in a week
     of them: it walks from the store's first range and stops at the first it keeps, for an
     earlier chain's ranges (by age) as for the current chain's (by age and the origin)."""
-    from pgcdc_dagster.engine import retention
+    from pgcdc_dagster.engine.store import retention
 
     earlier = spread(40, first=0x1_0000_0000)
     ranges = spread(60, first=0x2_0000_0000)

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from ..identifiers import TableName
 from ..settings import DEFAULT_SPARK_MIN_CHANGES
-from ..store import StoredRange
+from ..store.output_store import StoredRange
 from .kernel import (
     KERNEL_COLUMNS,
     CompactionError,
@@ -27,7 +27,6 @@ from .kernel import (
     encode_keys,
     relations_of,
 )
-from .spark import compact_with_spark
 
 
 @dataclass
@@ -60,7 +59,7 @@ def compact_range(
     own copy holds them), and the rows of the relation versions ``held_back`` (tables being
     added, absent from ``relations``; Spark's compaction leaves out every version
     ``relations`` lacks). (Ranges past :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and
-    staged by Spark's workers instead: :mod:`..spark_staging`.)"""
+    staged by Spark's workers instead: :mod:`..target.spark_staging`.)"""
     started = time.perf_counter()
     changes = stored.read_table(KERNEL_COLUMNS)
     if held_back and changes.num_rows:
@@ -110,7 +109,7 @@ def compact_in_commit_order(
     """``table``'s changes of a stored range in commit order (``ordered``), not collapsed by
     its identity: for an apply whose net rows the target's other unique keys refused, as the
     source's own order of statements never did (a swap of two rows' unique values through a
-    third, say; see :func:`~..apply.apply_range`)."""
+    third, say; see :func:`~..target.apply.apply_range`)."""
     relation = relations[table].with_identity(())
     changes = stored.read_table(KERNEL_COLUMNS)
     versions = pa.array(list(relation.versions), pa.int32())
@@ -121,7 +120,7 @@ def compact_in_commit_order(
 class HeldBack:
     """The changes of tables being added (which the applies held back) committed in
     ``(since, through]``, gathered from consecutive stored ranges to be compacted and applied
-    as one (:func:`~..apply.apply_added_changes`).
+    as one (:func:`~..target.apply.apply_added_changes`).
 
     Why gathered: an add's copy of a big table lasts as long as it takes, and a follow stores a
     range every few hundred milliseconds meanwhile; one transaction per range cost about 25 ms
@@ -242,7 +241,6 @@ __all__ = [
     "compact_in_commit_order",
     "compact_range",
     "compact_table",
-    "compact_with_spark",
     "encode_keys",
     "relations_of",
 ]

@@ -3,7 +3,7 @@
 Applying a range change by change would replay every intermediate state; what the target needs
 is only each row's state at the range's end. This module computes it, once, as a vectorised
 pure function over Arrow (:func:`compact_table`), and runs that same function either in this
-process or per key-hash partition on Spark (:func:`compact_with_spark`).
+process or per key-hash partition on Spark (:func:`~.spark.route_changes`).
 
 Input and output::
 
@@ -118,12 +118,12 @@ class TableRelation:
     versions: Mapping[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     relid: int = 0
     """The table's oid on the source (0 in a manifest that did not record it): it survives
-    renames of the table and its columns, so :mod:`..ddl` finds the table in the source's
+    renames of the table and its columns, so :mod:`..target.ddl` finds the table in the source's
     catalog by it."""
     fills: Mapping[str, str | None] = field(default_factory=dict)
     """Per column the range adds, the value the source gave the rows that existed when it was
     added (``ALTER TABLE ... ADD COLUMN ... DEFAULT``'s ``attmissingval``, or NULL; see
-    :mod:`..ddl`): the rows of versions without it take that value, written, instead of
+    :mod:`..target.ddl`): the rows of versions without it take that value, written, instead of
     keeping the target's, so a row inserted before the column was added is inserted too."""
 
     @property
@@ -244,7 +244,7 @@ def compact_table(changes: pa.Table, relation: TableRelation) -> NetChanges:
 
     Pure and deterministic: the same changes give the same net rows whatever order or chunking
     they arrive in, which is what lets Spark run it per partition (see
-    :func:`compact_with_spark`). Vectorised throughout: Arrow and NumPy calls per column or
+    :func:`~.spark.route_changes`). Vectorised throughout: Arrow and NumPy calls per column or
     per chain depth of identity moves, never per row.
     """
     changes = changes.select(

@@ -7,7 +7,8 @@ snapshot of a temporary slot created now, whose consistent point ``X`` splits th
 history. Its changes committed at or before ``X`` are in the copy; those after ``X`` arrive
 through the chain's own slot, since the table is in the publication before the temporary slot
 exists. The copy runs without the range: the applies hold the table's changes back meanwhile,
-and the caller (:func:`~..pipeline.add_tables`) then applies those past ``X`` with the range.
+and the caller (:func:`~..control.pipeline.add_tables`) then applies those past ``X`` with the
+range.
 
 Foreign keys from or to the added tables are created ``NOT VALID``: the copy stands at ``X``,
 the target's other tables at its origin (see :mod:`.foreign_keys`); the cutover validates them.
@@ -34,8 +35,8 @@ from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..progress import CopyWatcher
-from ..published import PublishedShape
-from ..sequences import sync_sequences
+from ..published_columns import PublishedShape
+from ..target.sequences import sync_sequences
 from .base import copy_published, populated_tables, start_spark_if_needed
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
@@ -50,7 +51,7 @@ from .schema import copy_schema_post_data
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from ..spark_executors import SparkApp
+    from ..spark.executors import SparkApp
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,9 @@ def add_tables(
     their rows on the target may be there, and each table is dropped and created again from
     the source's definition as of the new consistent point (the source's DDL it may not have
     followed included), its foreign keys from other tables too."""
-    from ..preflight import check_source
-    from ..publication import ensure_publication
-    from ..slot import create_slot_with_snapshot
+    from ..source.preflight import check_source
+    from ..source.publication import ensure_publication
+    from ..source.slot import create_slot_with_snapshot
 
     started = time.perf_counter()
     with connect(source_dsn, role="source", autocommit=True) as src:

@@ -19,21 +19,15 @@ from psycopg import errors, sql
 from ..connect import (
     connect,
 )
-from ..ddl import record_copied
 from ..errors import server_message
 from ..failpoints import armed, failpoint
-from ..identifiers import TableName
-from ..origin import (
-    check_origin_rights,
-    check_room_for,
-    drop_origin,
-    origin_name,
-    set_origin,
-)
+from ..identifiers import TableName, origin_name
 from ..progress import CopyWatcher
-from ..published import PublishedShape, published_shapes
-from ..sequences import sync_sequences
-from ..spark_executors import check_executors
+from ..published_columns import PublishedShape, published_shapes
+from ..spark.executors import check_executors
+from ..target.ddl import record_copied
+from ..target.origin import check_origin_rights, check_room_for, drop_origin, set_origin
+from ..target.sequences import sync_sequences
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
@@ -208,7 +202,7 @@ def _record_columns(
     source_dsn: str, target_dsn: str, tables: Sequence[TableName], snapshot_name: str
 ) -> None:
     """Record on the target which source column each of ``tables``' columns is, as of the
-    exported snapshot (:func:`~..ddl.record_copied`): later DDL is followed by it."""
+    exported snapshot (:func:`~..target.ddl.record_copied`): later DDL is followed by it."""
     with (
         connect(source_dsn, role="source", autocommit=True) as src,
         snapshot_transaction(src, snapshot_name),
@@ -276,7 +270,7 @@ def start_spark_if_needed(
 ) -> SparkSession | Callable[[], SparkSession]:
     """When ``spark`` is a callable and some table is too big for the driver, call it now on a
     background thread, and check its executors against ``servers`` there too
-    (:func:`~..spark_executors.check_executors`); return what :func:`copy_tables` should call
+    (:func:`~..spark.executors.check_executors`); return what :func:`copy_tables` should call
     for the session. Both overlap the slot's creation and the schema's."""
     if not callable(spark):
         return spark
@@ -327,9 +321,9 @@ def take_base_snapshot(
     ``begin`` is called once the guards passed and before anything changes (the
     pipeline records there that a snapshot is under way, see :func:`pipeline.take_snapshot`).
     """
-    from ..preflight import check_source
-    from ..publication import ensure_publication
-    from ..slot import create_slot_with_snapshot, drop_slot
+    from ..source.preflight import check_source
+    from ..source.publication import ensure_publication
+    from ..source.slot import create_slot_with_snapshot, drop_slot
 
     started = time.perf_counter()
     origin = origin_name(slot_name)

@@ -22,9 +22,9 @@ from ..connect import (
 from ..errors import PgcdcError, server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
-from ..published import PublishedShape
+from ..published_columns import PublishedShape
 from ..settings import SPARK_TABLE_ROWS
-from ..spark_executors import SparkApp
+from ..spark.executors import SparkApp
 
 DEFAULT_ROWS_PER_TASK = 500_000
 """About one to two seconds of COPY per task: big enough that task start-up (two connections, a
@@ -64,7 +64,7 @@ class TableRange:
     end_block: int | None
     estimated_rows: int
     row_filter: str | None = None
-    """The publication's row filter of ``table`` (:class:`~..publication.PublishedShape`):
+    """The publication's row filter of ``table`` (:class:`~..source.publication.PublishedShape`):
     only the rows it passes are copied, as only their changes are streamed."""
 
 

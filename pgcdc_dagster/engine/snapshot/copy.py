@@ -26,8 +26,8 @@ from ..connect import (
 )
 from ..errors import server_reason
 from ..identifiers import TableName
-from ..published import PublishedShape, row_filter_sql
-from ..spark_executors import task_log
+from ..published_columns import PublishedShape, row_filter_sql
+from ..spark.executors import task_log
 from .common import (
     COLUMNS,
     DEFAULT_ROWS_PER_TASK,
@@ -75,7 +75,7 @@ def plan_table_ranges(
     tile ``[0, ∞)`` without gap or overlap, so every row visible in the snapshot is copied once.
     A partitioned table is planned leaf by leaf. Generated columns are left out of ``columns``
     (the target computes them). ``shapes``: what the publication sends of the tables it
-    narrows (:func:`~..publication.published_shapes`): only those columns, and only the rows
+    narrows (:func:`~..source.publication.published_shapes`): only those columns, and only the rows
     its filter passes (a leaf by its root's filter, as the stream sends them through the root).
     ``conn`` must not be inside a transaction.
     """

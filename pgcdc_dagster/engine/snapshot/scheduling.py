@@ -22,14 +22,8 @@ from ..connect import connect
 from ..errors import PgcdcError
 from ..identifiers import TableName
 from ..lsn import Lsn
-from ..published import PublishedShape
-from ..spark_executors import (
-    SparkApp,
-    check_executors,
-    redact_all,
-    spark_app,
-    task_error_line,
-)
+from ..published_columns import PublishedShape
+from ..spark.executors import SparkApp, check_executors, redact_all, spark_app, task_error_line
 from .common import (
     COLUMNS,
     DEFAULT_DRIVER_MAX_ROWS,
@@ -102,7 +96,7 @@ def _groups(tasks: Sequence[CopyTask], parallelism: int | None) -> list[list[Cop
 def _run_on_spark(
     spark: SparkSession, groups: list[list[CopyTask]], scheduler: str
 ) -> list[RangeCopyResult]:
-    from ..spark_executors import is_connect_session
+    from ..spark.executors import is_connect_session
 
     use_rdd = scheduler == "rdd" or (scheduler == "auto" and not is_connect_session(spark))
     if use_rdd:
@@ -183,7 +177,7 @@ def copy_tables(
     process (threads, one task per ctid range, as many at once as ``parallelism`` or the CPU
     count; small whole tables in bundles, see :func:`~.copy.copy_bundle`), and the rest by
     Spark. When some table needs Spark, no copy starts before its session is up and its
-    executors passed :func:`~..spark_executors.check_executors` (``spark`` may be a callable
+    executors passed :func:`~..spark.executors.check_executors` (``spark`` may be a callable
     that returns the session: it is called only then, and the caller may have started it in
     the background); then the driver's copies run beside Spark's. Without any large table
     Spark is never asked for. ``spark=None`` copies everything from the driver.

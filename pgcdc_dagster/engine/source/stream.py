@@ -1,0 +1,144 @@
+"""Receive consecutive ranges from a slot stream, for a follow that keeps up with its source.
+
+The stream (:mod:`.walsender`) delivers a transaction a few milliseconds after its COMMIT is
+flushed, where a peek loop polls (every ``follow_cut_ms``) and then decodes again from the
+slot's restart point. Ranges are stored exactly as :mod:`.peek` stores them: the same
+decoder, the same writer, the same durable store; only where they end differs. A range ends at
+a point the stream vouched for (the furthest of the last COMMIT's ``end_lsn`` and the last
+keepalive's ``walEnd``, outside a transaction), so it never holds part of a transaction, its
+endpos outcome is ``at_commit_boundary`` or ``between_transactions`` (``empty`` on an idle
+source) and its safe point is its end. The slot is confirmed there, by the stream's status
+update, only once the range is stored: a process killed anywhere leaves the slot at or before
+the store's last range, the state every reader finishes first (``pipeline.confirm_stored``).
+
+When a range is cut
+    at the first point outside a transaction once ``cut_s`` went by since the last cut (so at
+    a low rate a COMMIT is stored as soon as it arrives), or once the range received ``cap``
+    bytes of messages; an empty range every ``idle_s``, or once ``idle_bytes`` of WAL went by,
+    so the slot keeps moving while the published tables are idle.
+When the stream is left
+    at a stop (a range whose transactions are all at hand is stored first; a transaction half
+    received is read again by whoever reads next), or when ``on_stored`` says so (the follower
+    does once the source's WAL is far ahead of the stream: a backlog, which peeks read three
+    times faster). While the taker has no room for a range, the stream waits: the source keeps
+    what is not read, and the walsender is told the session is alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Callable
+
+from ..decode.pgoutput_batch import KIND_BEGIN, KIND_COMMIT
+from ..decode.range_decoder import RangeDecoder
+from ..failpoints import failpoint
+from ..lsn import _MAX, Lsn, LsnRange
+from ..store.output_store import OutputStore, RangeResult
+from .peek import reading_errors
+from .walsender import Keepalive, Message, SlotStream
+
+POLL_S = 0.1
+"""The longest the stream waits for a message before it looks at the clock and the stop."""
+FEED_ROWS = 20_000
+"""Messages decoded at a time (as a peek's fetch)."""
+OPEN_END = Lsn(_MAX)
+"""The end of a range still being received (its writer's bound until it is cut)."""
+
+
+def receive_streaming(
+    dsn: str,
+    slot: str,
+    publication: str,
+    store: OutputStore,
+    start: Lsn,
+    *,
+    cut_s: float,
+    cap: int,
+    idle_s: float,
+    idle_bytes: int,
+    on_stored: Callable[[RangeResult], bool | None],
+    stop: threading.Event,
+    on_busy: Callable[[float, float], None] = lambda began, ended: None,
+    spill_rows: int = 100_000,
+) -> Lsn:
+    """Stream the slot from ``start`` (its confirmed position, where the store's chain ends)
+    and store ranges (see the module's docstring) until ``stop`` is set or ``on_stored``
+    returns ``False``. ``on_stored(result)`` hands each stored range on: ``True``, taken, go
+    on; ``False``, taken, leave the stream; ``None``, no room yet: it is called again (the
+    stream meanwhile tells the walsender it is alive, so a slow taker does not get the session
+    cut off by ``wal_sender_timeout``). ``on_busy(began, ended)`` gets each interval of work
+    (decoding, storing; not the waits for messages), in order. Returns where the last stored
+    range ends; the stream is closed."""
+    writer = store.writer(LsnRange(start, OPEN_END))
+    decoder = RangeDecoder(LsnRange(start, OPEN_END), writer, spill_rows)
+    rows: list[Message] = []
+    inside = False  # between a BEGIN and its COMMIT
+    boundary = int(start)  # the furthest point outside a transaction the stream vouched for
+    commits = received = 0
+    began = time.monotonic()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as receive's peek: many short-lived objects, no cycles
+    try:
+        with reading_errors(slot, publication), SlotStream(dsn, slot, publication, start) as stream:
+            while True:
+                deadline = began + cut_s
+                # Transactions at hand wait for the cut no longer than its deadline.
+                wait = POLL_S if inside or not commits else deadline - time.monotonic()
+                for item in stream.messages(min(POLL_S, max(0.0, wait))):
+                    if isinstance(item, Keepalive):
+                        if not inside:
+                            boundary = max(boundary, item.wal_end)
+                        continue
+                    rows.append(item)
+                    data = item[1]
+                    received += len(data)
+                    kind = data[0]
+                    if kind == KIND_BEGIN:
+                        inside = True
+                    elif kind == KIND_COMMIT:
+                        inside = False
+                        commits += 1
+                        boundary = max(boundary, item[0])
+                        if time.monotonic() >= deadline or received >= cap:
+                            break
+                    if len(rows) >= FEED_ROWS:
+                        fed = time.monotonic()
+                        decoder.feed(rows)
+                        rows = []
+                        on_busy(fed, time.monotonic())
+                if stop.is_set() and (inside or not commits):
+                    return start
+                now = time.monotonic()
+                due = commits and (now >= deadline or received >= cap or stop.is_set())
+                idle = (
+                    not commits
+                    and boundary > start
+                    and (now - began >= idle_s or boundary - start >= idle_bytes)
+                )
+                if inside or not (due or idle):
+                    stream.feedback(int(start))
+                    continue
+                if rows:
+                    decoder.feed(rows)
+                    rows = []
+                result = decoder.close_at(boundary, now - began)
+                stored = writer.commit(decoder.manifest(result))
+                on_busy(now, time.monotonic())
+                failpoint("receive.after_store")
+                start = Lsn(boundary)
+                stream.feedback(int(start))
+                while (go_on := on_stored(stored.manifest.result)) is None:
+                    stream.feedback(int(start), force=True)  # the walsender's timeout
+                if not go_on or stop.is_set():
+                    return start
+                writer = store.writer(LsnRange(start, OPEN_END))
+                decoder = decoder.successor(LsnRange(start, OPEN_END), writer)
+                commits = received = 0
+                began = time.monotonic()
+    finally:
+        if writer.tmp.exists():
+            writer.abort()
+        if gc_was_enabled:
+            gc.enable()
