@@ -31,7 +31,7 @@ from pgcdc_dagster.engine.follow.backlog import Backlog  # noqa: E402
 from pgcdc_dagster.engine.follow.follower import Followed  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
 from pgcdc_dagster.engine.store.output_store import EndposOutcome, RangeResult  # noqa: E402
-from pgcdc_dagster.engine.target.apply import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
+from pgcdc_dagster.engine.target.results import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
 
 TABLES = [f"public.{n}" for n in ("pgbench_accounts", "pgbench_branches", "pgbench_history")]
 TABLES += [f"public.{n}" for n in ("pgbench_tellers", "orders", "customers", "events", "notes")]

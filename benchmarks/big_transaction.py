@@ -59,11 +59,7 @@ from apply import CpuMeter
 from freshness import setup_native, tree_rss_mb
 
 import pgcdc_dagster
-from pgcdc_dagster.demo.run import (
-    SPARK_DEMO_ENV,
-    demo_environment,
-    start_clusters,
-)
+from pgcdc_dagster.demo.run import SPARK_DEMO_ENV, demo_environment, start_clusters
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.settings import ReplicationSettings
 

@@ -37,7 +37,7 @@ from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.target.apply import apply_added_changes
+from pgcdc_dagster.engine.target.held_back import apply_added_changes
 
 ADDED = TableName("public", "pgbench_accounts")
 

@@ -66,10 +66,7 @@ from pgcdc_dagster.demo.local_cluster import (
 )
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.identifiers import TableName, origin_name
-from pgcdc_dagster.engine.snapshot import (
-    DEFAULT_ROWS_PER_TASK,
-    take_base_snapshot,
-)
+from pgcdc_dagster.engine.snapshot import DEFAULT_ROWS_PER_TASK, take_base_snapshot
 from pgcdc_dagster.engine.spark.session import get_spark
 
 TABLES = [

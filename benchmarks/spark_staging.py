@@ -47,7 +47,8 @@ from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.spark.session import get_spark
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.apply import apply_added_changes, apply_range
+from pgcdc_dagster.engine.target.apply import apply_range
+from pgcdc_dagster.engine.target.held_back import apply_added_changes
 
 OTHER_ORIGIN = "pgcdc_bench_b"
 ADDED = TableName("public", "pgbench_accounts")

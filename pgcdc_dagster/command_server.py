@@ -51,8 +51,9 @@ PRELOAD = (
     "dagster_postgres",
     "sqlalchemy.dialects.postgresql.psycopg2",
     "psycopg2",
-    # what Dagster imports lazily on a command's path (instance, run, compute logs), about
-    # 0.1 s a command (measured: the modules a snapshot's child still imported)
+    # what Dagster imports lazily on a command's path (instance, run, compute logs): the
+    # modules a snapshot's child still imported (their cost: benchmarks/HISTORY.md, "Figures
+    # moved from docstrings")
     "dagster._core.instance.factory",
     "dagster._core.instance.runs.run_domain",
     "dagster._core.execution.execute_in_process",
@@ -72,7 +73,7 @@ PRELOAD = (
     "pgcdc_dagster.engine.source.preflight",
     "pgcdc_dagster.engine.source.publication",
     # what the engine's first Arrow calls import: pa.array() asks pandas whether its input is a
-    # pandas object, importing it (0.33 s) in the middle of a follow's first range
+    # pandas object, importing it in the middle of a follow's first range, which waits for it
     "pandas",
     "pyarrow.pandas_compat",
     "pyarrow.dataset",

@@ -44,12 +44,7 @@ from .defs.checks import (
     replicated_tables,
     store_retention,
 )
-from .defs.jobs import (
-    build_add_tables_job,
-    build_finish_job,
-    build_follow_job,
-    build_prune_job,
-)
+from .defs.jobs import build_add_tables_job, build_finish_job, build_follow_job, build_prune_job
 from .defs.metadata import database_of
 from .defs.resources import default_resources
 from .defs.runs import RANGE_LOCK_TAG
@@ -104,7 +99,7 @@ def resolve_columns(
 def range_run_max_runtime_s(range_max_bytes: int) -> int:
     """``dagster/max_runtime`` of a per-range run: run monitoring fails a range run that takes
     longer. Ten minutes of fixed allowance, plus the range cap at a pessimistic 256 KiB/s (a
-    256 MiB range: 1,624 s); measured ranges go at 20+ MB/s."""
+    256 MiB range: 1,624 s), far below what the benchmarks measure (``benchmarks/HISTORY.md``)."""
     return 600 + range_max_bytes // (256 * 1024)
 
 
@@ -196,9 +191,10 @@ def op_jobs(tables: list[TableName]) -> list[Any]:
 
 def op_job_definitions() -> Definitions:
     """The location's op jobs with its resources, and nothing else: for a command that runs
-    one of them in its own process. The asset graph's specs cost every ``pgcdc catchup``
-    0.3-0.7 s with 200 tables (three assets a table) and a query for the columns; the daemon's
-    runs load the whole location as the UI shows it."""
+    one of them in its own process. The asset graph's specs (three assets a table) and a query
+    for the columns cost every ``pgcdc catchup`` time that grows with the tables (see
+    ``benchmarks/HISTORY.md``, "Figures moved from docstrings"); the daemon's runs load the
+    whole location as the UI shows it."""
     tables, _ = resolve_tables(os.environ)
     settings = ReplicationSettings.from_env(require_servers=False)
     return Definitions(jobs=op_jobs(tables), resources=default_resources(settings))

@@ -1,11 +1,12 @@
 """The ``pgcdc`` command's entry point: hand the command to a warm command server when one is
 up, else run it in this process (and leave a server behind for the next command).
 
-Why: Dagster, its PostgreSQL storage and this project's definitions cost a fresh process about
-1.5 CPU-s of imports before a run can start, every command (measured on the 2-core reference
-machine: ``pgcdc snapshot`` of pgbench scale 10 took 2.7 s, of which 1.9 s is the engine's
-work alone in a fresh process). A command server (:mod:`.command_server`) pays that once: it
-imports everything, then forks one child per command. The child is a new process with the
+Why: a fresh process imports Dagster, its PostgreSQL storage and this project's definitions
+before a run can start, every command, and for a small snapshot or catch-up those imports are
+a large part of the whole (see ``benchmarks/HISTORY.md``, "Figures moved from the README", the
+warm command server; ``benchmarks/catchup_cli.py`` and ``benchmarks/snapshot.py`` compare
+cold and warm). A command server (:mod:`.command_server`) pays that once: it imports
+everything, then forks one child per command. The child is a new process with the
 modules already loaded that runs exactly :func:`pgcdc_dagster.cli.main`, with this command's
 arguments, environment, working directory, umask and standard streams (passed as file
 descriptors, so a terminal stays a terminal).
@@ -73,8 +74,8 @@ def _command_of(argv: list[str]) -> str | None:
 
 def entry() -> None:
     """The ``pgcdc`` command. After a command run here: leave without the interpreter's
-    teardown. Tearing down the modules Dagster, SQLAlchemy and PySpark load takes about a
-    second (measured: a caught-up ``pgcdc catchup`` 3.6 s with it, 2.6 s without) and has
+    teardown. Tearing down the modules Dagster, SQLAlchemy and PySpark load takes a large part
+    of a short command (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings") and has
     nothing left to do: every run record and every byte of the store was written and synced
     before ``main`` returned, a local Spark JVM exits when its parent goes, and a process
     killed at any instruction is the case the whole design already survives."""

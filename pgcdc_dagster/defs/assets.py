@@ -26,7 +26,7 @@ from ..engine.control import head_start, pipeline, verify
 from ..engine.control.range_lock import take_over
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
-from ..engine.target.apply import ApplyStatus
+from ..engine.target.results import ApplyStatus
 from .checks import consistency_result
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
@@ -117,7 +117,8 @@ def build_assets(
         settings = pgcdc.settings(spark)
         # The command that started this run may have started the snapshot already (its head
         # start, with the same options, under the lock it lends this run).
-        started = head_start.adopt("snapshot", settings.slot)
+        adopted = head_start.adopt("snapshot", settings.slot)
+        started = adopted if isinstance(adopted, head_start.Background) else None
         try:
             with logged(context):
                 holder = lock_holder_name(context.run.run_id)

@@ -9,8 +9,9 @@ The events are *recorded* as each range is applied (:func:`record`), in the run'
 under its step exactly as yielded events are, not yielded: a step keeps every event it yields
 until it ends (Dagster hands the list to the step's hooks), and an op's ``context.log_event``
 only reaches the event log when the op yields or returns. For a run that follows for days,
-the first grows without bound (measured under a follow at 1,000 tps: 40 KB a range, about
-17 GB a day at 5 ranges a second) and the second would record nothing until the end.
+the first grows the run's memory with every range, without bound (see
+``benchmarks/HISTORY.md``, ``benchmarks/freshness.py --extra-tables 100``, the memory of
+``pgcdc follow``), and the second would record nothing until the end.
 """
 
 from __future__ import annotations
@@ -309,15 +310,16 @@ class TableEvents:
 
     ``PGCDC_FOLLOW_TABLE_EVENTS=changed``: the tables the range changed. ``all`` (the default):
     every replicated table, as a per-range run does, as long as the run's events keep up with
-    the apply. Each materialisation is a Dagster event of about 5 ms, so with many tables
-    (measured: 108 at 1,000 tps, 110 events a range, a range every 200 ms) they cannot: the
-    events trailed the apply without bound, the run's stop took 119-130 s to record them, and
-    the UI showed the target minutes behind where it was. So while the events trail the apply
-    by more than :data:`TRAILING_S` (a range's ``applied_at`` against now), a range records
-    only the tables it changed, until they trail by less than :data:`CAUGHT_UP_S`: the UI stays
-    within seconds of the target, and no table a range changed is ever left out. The ranges
-    so recorded say so in their ``decoded_changes`` metadata (``table_events``) and, at most
-    once a minute, in the run's log."""
+    the apply. Each materialisation is a Dagster event of a few milliseconds, so with many
+    tables and a range every few hundred milliseconds they cannot: the events trail the apply
+    without bound, the run's stop takes minutes to record them, and the UI shows the target
+    minutes behind where it is (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py
+    --extra-tables 100``). So while the events trail the apply by more than :data:`TRAILING_S`
+    (a range's ``applied_at`` against now), a range records only the tables it changed, until
+    they trail by less than :data:`CAUGHT_UP_S`: the UI stays within seconds of the target, and
+    no table a range changed is ever left out. The ranges so recorded say so in their
+    ``decoded_changes`` metadata (``table_events``) and, at most once a minute, in the run's
+    log."""
 
     def __init__(
         self,

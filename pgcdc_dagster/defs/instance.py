@@ -66,10 +66,10 @@ def keep_storage_connections(instance: Any) -> None:
     connection for every read and write.
 
     Why: a ``follow`` run writes the events of every range it materialises, a range every
-    ``PGCDC_FOLLOW_CUT_MS`` while changes flow: measured at 300 tps with the storage on the
-    target server, 706 new server connections in 11 s (a backend started and ended for each
-    write), against 9 with this; the 2-core machine was busy 17.3-18.3 CPU-s of every 10 s
-    against 14.3-14.9. A ``pgcdc snapshot`` opened 56. Their commits do not wait for the disk
+    ``PGCDC_FOLLOW_CUT_MS`` while changes flow, and a new connection for each write starts and
+    ends a server backend every time, where kept connections are a few for the whole run; the
+    machine was noticeably less busy with them (see ``benchmarks/HISTORY.md``, "Figures moved
+    from the README" and "Figures moved from docstrings"). Their commits do not wait for the disk
     (:func:`_commit_asynchronously`).
 
     What must hold: a kept connection the server dropped while it sat in the pool (a restart,
@@ -103,11 +103,12 @@ def _listen_for_checkouts() -> None:
 def _commit_asynchronously(dbapi_connection: Any, record: Any) -> None:
     """``synchronous_commit = off`` on each storage connection this process opens: a commit
     returns before its WAL is flushed to disk. Dagster commits each event on its own (twice
-    for an asset event), so a follow waited for two disk flushes per event: measured on this
-    machine, 1,000 materialisations took 4.1-5.2 ms an event against 7.0-8.3 ms. What a crash
-    of the storage server can then lose is its last fraction of a second of events, never
-    progress: that lives in the slot, the store and the origin, and Dagster's records are a
-    view of them (the next range's events, or ``pgcdc status``, show where things stand)."""
+    for an asset event), so a follow would wait for two disk flushes per event; without them
+    an event is written clearly faster (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py
+    --extra-tables 100`` and "Figures moved from docstrings"). What a crash of the storage
+    server can then lose is its last fraction of a second of events, never progress: that
+    lives in the slot, the store and the origin, and Dagster's records are a view of them (the
+    next range's events, or ``pgcdc status``, show where things stand)."""
     del record
     if not type(dbapi_connection).__module__.startswith("psycopg2"):
         return  # Dagster's local SQLite storage

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..engine.spark.executors import SparkApp
     from ..engine.store.output_store import RangeResult
     from ..engine.store.retention import PruneResult
-    from ..engine.target.apply import ApplyResult
+    from ..engine.target.results import ApplyResult
 
 _INT32 = 2**31 - 1
 
@@ -151,8 +151,8 @@ def apply_metadata(
     Not what the range holds as a whole (its transactions, changes by kind, bytes, receive
     time, the source's lag): that is the ``decoded_changes`` partition's, said once. Every
     materialisation is serialised and written about three times by Dagster's storage, and a
-    range records one per replicated table (measured, 200 tables: 7.3-8.3 ms an event with
-    those fields, 5.8-6.2 ms without)."""
+    range records one per replicated table, so every field here costs each event time (see
+    ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``)."""
     counts = applied.tables.get(str(table))
     meta = {
         PARTITION_ROW_COUNT: number(counts.changes if counts else 0),

@@ -4,16 +4,18 @@ A range the store's retention removed (or that a dead run registered and never s
 from the ``lsn_ranges`` partitions, and on PostgreSQL storage its history goes too: the
 materialisations of its partition (``decoded_changes`` and every target table) and its
 ``no_gap`` evaluations. Without that, Dagster's storage would keep growing after the store
-stopped: measured in ``make demo`` (300 tps, 147 ranges), Dagster's event log took 3.3 MB
-with its indexes against the store's 2.9 MB, about 22 KB a range; a follow at 1,000 tps stores
-5 ranges a second, so about 10 GB a day of history nobody prunes.
+stopped: after ``make demo``, Dagster's event log held more than the store itself, and a follow
+at 1,000 tps, storing 5 ranges a second, would add gigabytes a day of history nobody prunes (see
+``benchmarks/HISTORY.md``, "``pgcdc prune`` after ``make demo``" and "Figures moved from the
+README").
 
 Dagster's public calls cannot do it: ``delete_dynamic_partition`` deletes one key per
-transaction (measured, 1.8 ms a key on PostgreSQL storage against 9 ms for a thousand in one
-statement), and ``wipe_asset_partitions`` is not implemented by its SQL storages. So the rows
-are deleted here, in one transaction per thousand keys, from the tables Dagster's own calls
-write, through its SQLAlchemy table definitions (``dagster._core.storage.event_log.schema``),
-and only rows of this project's assets (``decoded_changes`` and ``target/...``) for those keys.
+transaction, far slower than a thousand keys in one statement (see ``benchmarks/HISTORY.md``,
+``benchmarks/retention.py``), and ``wipe_asset_partitions`` is not implemented by its SQL
+storages. So the rows are deleted here, in one transaction per thousand keys, from the tables
+Dagster's own calls write, through its SQLAlchemy table definitions
+(``dagster._core.storage.event_log.schema``), and only rows of this project's assets
+(``decoded_changes`` and ``target/...``) for those keys.
 On another storage (Dagster's local SQLite keeps events in a file per run) only the partitions
 are deleted, through the public call; so it is when the table definitions cannot be imported.
 """

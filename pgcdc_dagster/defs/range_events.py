@@ -60,12 +60,13 @@ def register_range(
     ``partitions_kept``.
 
     That look lists every partition and looks each up in the store, which a follow (a range
-    every few hundred milliseconds, for as long as it runs) cannot afford per range: measured
-    with 100,000 partitions, 0.21-0.29 s for the listing alone. Nothing stale can appear at
-    the start of a range that begins where this process's last registered range ended, except
-    by another process, so a follow's ranges look once a minute (the partitions may then pass
-    the limit by a minute's ranges); any other registration (a sensor tick, a run's first
-    range) looks every time."""
+    every few hundred milliseconds, for as long as it runs) cannot afford per range: with a
+    long follow's partitions, the listing alone takes about as long as the time between two
+    ranges (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). Nothing stale can
+    appear at the start of a range that begins where this process's last registered range
+    ended, except by another process, so a follow's ranges look once a minute (the partitions
+    may then pass the limit by a minute's ranges); any other registration (a sensor tick, a
+    run's first range) looks every time."""
     if instance.has_dynamic_partition(LSN_RANGES, rng.partition_key):
         return
     now = time.monotonic()

@@ -21,7 +21,7 @@ from ..engine.catalog import count_rows
 from ..engine.connect import ConnectError, connect
 from ..engine.identifiers import TableName
 from ..engine.settings import ReplicationSettings
-from ..engine.target.apply import ApplyResult, ApplyStatus
+from ..engine.target.results import ApplyResult, ApplyStatus
 from .keys import target_key
 from .metadata import APPLIED_THROUGH, ROW_COUNT
 
@@ -74,8 +74,9 @@ class TargetRowCounts:
 
     def _recorded(self, tables: Sequence[TableName]) -> dict[TableName, tuple[int, str]]:
         """The counts in the tables' latest materialisations, with the progress each is exact
-        at; one read of Dagster's storage for all of them (measured through ``pgcdc catchup``
-        with 200 tables: a read per table took about 2 s of the first range's events)."""
+        at; one read of Dagster's storage for all of them: a read per table made the first
+        range's events slow with hundreds of tables (see ``benchmarks/HISTORY.md``,
+        ``benchmarks/many_tables.py`` and "Figures moved from docstrings")."""
         if not tables:
             return {}
         events = self.instance.get_latest_materialization_events([target_key(t) for t in tables])

@@ -1,11 +1,11 @@
 """Dagster's own storage going away: named in one line, and ridden through by a follow run.
 
 Why: Dagster's records are a view of the replication for people (progress lives in the slot,
-the store and the target's origin), but a follow run writes to them for every range. Measured
-before this module, through ``pgcdc follow`` with Dagster on PostgreSQL: dagster-postgres
-retries a connection five times over about 6 s, so a storage server down for 15 s (a restart, a
-failover) ended the follow with ``DagsterPostgresException: too many retries for DB
-connection``, a line that names neither the server nor the fix.
+the store and the target's origin), but a follow run writes to them for every range.
+dagster-postgres retries a connection five times over about 6 s, so a storage server down for
+longer (a restart, a failover) would end the follow with ``DagsterPostgresException: too many
+retries for DB connection``, a line that names neither the server nor the fix (see
+``benchmarks/HISTORY.md``, ``benchmarks/freshness.py --storage-outage 15``).
 
 What must hold:
 

@@ -133,7 +133,8 @@ NEWER_TIMEOUTS = ((140000, "idle_session_timeout"), (170000, "transaction_timeou
 """The timeouts of newer servers (the server version that has each), set to 0 as
 :data:`SESSION_DEFAULTS` are unless the connection's own options name them; by a ``SET`` after
 connecting, because a startup option a server does not know refuses the connection (a ``SET``
-costs 0.1-0.2 ms a connection; reading ``pg_settings`` for where each came from cost 1.5 ms).
+costs a connection less than reading ``pg_settings`` for where each came from; see
+``benchmarks/HISTORY.md``, ``benchmarks/catchup_cli.py``, and "Figures moved from docstrings").
 
 Why: ``idle_session_timeout`` (PostgreSQL 14) ends a session idle outside a transaction, as
 the range lock's is for as long as a snapshot or a follow runs, and the follower's target
@@ -151,8 +152,8 @@ CLIENT_ENCODING = "UTF8"
 Why: the engine handles text as UTF-8 bytes (pgoutput values go into Arrow strings, Arrow
 strings go into COPY and into inline literals, ``pg_restore --list`` names are matched with
 catalog names), and PostgreSQL converts between a session's client encoding and the database's
-both ways: pgoutput's values too, in the session that reads the slot (measured: ``café`` in a
-LATIN1 database peeks as ``636166e9`` under LATIN1 and ``636166c3a9`` under UTF8). Left to the
+both ways: pgoutput's values too, in the session that reads the slot (``café`` in a LATIN1
+database peeks as ``636166e9`` under LATIN1 and ``636166c3a9`` under UTF8). Left to the
 default (the database's own encoding), a LATIN1 source failed its snapshot on a table named
 ``größe`` (``pg_restore --list`` output read as UTF-8) and would have failed its first
 non-ASCII change. Native logical replication does the same: its subscriber asks the publisher
@@ -169,9 +170,9 @@ SESSION_SETTINGS = (
 * ``jit=off``: this project's own queries are catalog reads and set-based statements whose
   plans PostgreSQL's estimates can push past ``jit_above_cost`` (an ``unnest`` of the table
   oids is estimated at 100 rows, a set-returning function at 1,000) although they touch a few
-  hundred rows: measured with 200 published tables, the preflight's one query took 0.49 s, of
-  which 0.48 s was JIT compilation, and 0.01 s without it. Nothing here scans enough rows for
-  compiled expressions to pay back.
+  hundred rows: with hundreds of published tables, JIT compilation was nearly all of the
+  preflight's one query (see ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``). Nothing
+  here scans enough rows for compiled expressions to pay back.
 * The value formats, as native logical replication sets them on its walsender session: text
   values cross from the source's output functions to the target's input functions, and both
   follow the session's settings, the slot's decoded changes included. Left to a database's or
@@ -196,7 +197,7 @@ given, so that a DSN's own ``options`` or ``PGOPTIONS`` may still set them, but 
 or role's settings (``ALTER DATABASE ... SET``), which are meant for its applications.
 
 Why: a copy, a merge or a held snapshot of this project runs as long as the data needs, as
-pg_dump's and pg_restore's sessions do, which set the same three to 0. Measured with 500 ms of
+pg_dump's and pg_restore's sessions do, which set the same three to 0. Tried with 500 ms of
 each on the database: a source's ended the connection that exported the snapshot while the
 copies started ("invalid snapshot identifier"), and a target's cancelled the copy of a
 1.5M-row table. Only settings every supported server knows (9.6 and later) go here: an
@@ -250,7 +251,7 @@ def postgres_bindir() -> Path | None:
     """The PostgreSQL server installation's binaries: ``pg_config --bindir`` if it holds
     ``initdb``, else the newest ``/usr/lib/postgresql/*/bin`` (Debian keeps them off the PATH).
     The newest major is preferred: its pg_dump can dump every older server. Looked up once per
-    process: it runs ``pg_config`` (4.6 ms), and every tool a snapshot starts (``psql`` per
+    process: it runs ``pg_config``, and every tool a snapshot starts (``psql`` per
     range, ``pg_dump``, ``pg_restore``) asks."""
     candidates: list[Path] = []
     pg_config = shutil.which("pg_config")

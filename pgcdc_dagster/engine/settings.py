@@ -44,15 +44,13 @@ DEFAULT_SPARK_MIN_CHANGES = 2_000_000
 from this many on, Spark's workers compact them and stage the net rows on the target
 (:mod:`.target.spark_staging`).
 
-Measured on 2 shared cores, pgbench backlog of 320k changes (157k net rows): the Arrow kernel
-takes 0.14-0.23 s (0.3-0.5 s with the Parquet read); Spark local[2] takes 6 s warm (each
-crossing of 300k rows between the JVM and Python costs seconds), and the net rows come back to
-the driver for the COPY anyway. So on one machine Spark never wins; it is there for ranges
-whose changes would not fit the driver (about 155 bytes per change in Arrow, several times that
-while compacting: 2 M changes is about 0.3 GB in, 1.5 s) and for clusters with many cores.
-With executor-side staging (``benchmarks/spark_staging.py``, one range of 3.04M changes,
-1.01M net rows, 2 cores): Spark 25.1 s (plus 7.8 s to start it) against 15.9 s in process, but
-the driver's peak RSS is 286 MB against 3,038 MB: the threshold is about memory, not speed."""
+Why: on one machine Spark never wins. The Arrow kernel compacts a pgbench backlog in a
+fraction of a second, Spark pays seconds for each crossing of a few hundred thousand rows
+between the JVM and Python, and executor-side staging is slower than this process on the same
+cores. Spark is there for ranges whose changes would not fit the driver's memory (several
+hundred bytes per change while compacting) and for clusters with many cores: the threshold is
+about memory, not speed (``benchmarks/spark_staging.py``; figures in ``benchmarks/HISTORY.md``,
+"Figures moved from settings.py")."""
 MiB = 1024 * 1024
 DEFAULT_MEMORY_LIMIT = 1024 * MiB
 DEFAULT_DECODING_WORK_MEM = 0
@@ -104,8 +102,8 @@ class ReplicationSettings(BaseModel):
     range_max_bytes: PositiveInt = 256 * MiB
     """One range holds at most this much WAL, so one run stays a bounded amount of work."""
     snapshot_parquet: bool = False
-    """Also write the base snapshot as Parquet into the store (measured: +46 % to +93 % of the
-    copy time, so off unless asked for)."""
+    """Also write the base snapshot as Parquet into the store; off unless asked for, since it
+    adds about as much time again to the copy (``benchmarks/HISTORY.md``)."""
     snapshot_driver_rows: NonNegativeInt | None = None
     """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
     starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
@@ -204,10 +202,8 @@ class ReplicationSettings(BaseModel):
         """The snapshot's driver/Spark split. Unset, it depends on where Spark's executors run.
         On this machine's cores (local Spark, or the warm local server of ``pgcdc spark
         start``) they compete with the driver's copy processes, which move rows faster than
-        Spark's JDBC path on the same cores: measured on pgbench scale 50 (5M rows, 2 cores),
-        ``pgcdc snapshot`` took 24-28 s handing the big table to a cold local Spark and 13 s
-        copying everything from the driver; against a warm local Connect server, 11.3 s
-        against 6.7 s with the driver copying everything. So every table is the driver's then;
+        Spark's JDBC path on the same cores, cold or warm (``benchmarks/snapshot.py``; figures
+        in ``benchmarks/HISTORY.md``). So every table is the driver's then;
         with a Spark cluster (``spark_master`` not local, ``spark_remote``, or a recorded server
         on a cluster master), tables past :data:`SPARK_TABLE_ROWS` go to Spark."""
         if self.snapshot_driver_rows is not None:

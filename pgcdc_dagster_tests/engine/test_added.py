@@ -121,7 +121,7 @@ def _an_add_again_converges(settings: ReplicationSettings, spark, *, key: int, r
 
 
 ADD_IN_CHILD = (
-    "import sys; from pgcdc_dagster.engine import pipeline; "
+    "import sys; from pgcdc_dagster.engine.control import pipeline; "
     "from pgcdc_dagster.engine.identifiers import TableName; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
     "pipeline.add_tables(ReplicationSettings.model_validate_json(sys.argv[1]), "
@@ -165,10 +165,10 @@ def test_held_back_changes_of_many_ranges_are_applied_together_each_in_its_own_l
     into one list, so each row lands in its own layout and ``b`` gains the column), or, with
     the batch capped at one change, one transaction a range; ``b`` (no key: in commit order)
     ends equal to the source either way."""
-    from pgcdc_dagster.engine.target import apply
+    from pgcdc_dagster.engine.target import held_back
 
     if not batched:
-        monkeypatch.setattr(apply, "HELD_BACK_BATCH_CHANGES", 1)
+        monkeypatch.setattr(held_back, "HELD_BACK_BATCH_CHANGES", 1)
     settings = _started(source_dsn, target_dsn, tmp_path, spark)
     monkeypatch.setenv(failpoints.ENV, "add.after_copy=sleep(8)")
     monkeypatch.setattr(failpoints, "_armed", None)
@@ -727,7 +727,7 @@ def test_an_add_killed_after_creating_keys_to_its_table_is_redone(
 
 
 FOLLOW_IN_CHILD = (
-    "import sys; from pgcdc_dagster.engine import pipeline; "
+    "import sys; from pgcdc_dagster.engine.control import pipeline; "
     "from pgcdc_dagster.engine.follow.follower import Follower; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
     "s = ReplicationSettings.model_validate_json(sys.argv[1]); "

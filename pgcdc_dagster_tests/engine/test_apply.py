@@ -33,17 +33,12 @@ from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.source.peek import receive
 from pgcdc_dagster.engine.store.output_store import CHANGE_SCHEMA, OutputStore, StoredRange
-from pgcdc_dagster.engine.target import apply as apply_module
+from pgcdc_dagster.engine.target import merge as merge_module
 from pgcdc_dagster.engine.target import shared_staging, staging
-from pgcdc_dagster.engine.target.apply import (
-    ApplyError,
-    ApplyGapError,
-    ApplyResult,
-    ApplyStatus,
-    apply_range,
-)
+from pgcdc_dagster.engine.target.apply import ApplyError, apply_range
 from pgcdc_dagster.engine.target.ddl import SourceDdl, record_copied
 from pgcdc_dagster.engine.target.partitioned_staging import SCRATCH
+from pgcdc_dagster.engine.target.results import ApplyGapError, ApplyResult, ApplyStatus
 
 SLOT = "apply_slot"
 PUB = "apply_pub"
@@ -595,7 +590,7 @@ def _apply_in_child(
     """``apply_range`` of ``stored`` in a process of its own (to be killed), with the staging
     limit ``staged`` and ``env`` (a failpoint, say) in its environment."""
     script = (
-        "import sys; from pgcdc_dagster.engine import staging; "
+        "import sys; from pgcdc_dagster.engine.target import staging; "
         "from pgcdc_dagster.engine.target.apply import apply_range; "
         "from pgcdc_dagster.engine.store.output_store import OutputStore; "
         "from pgcdc_dagster.engine.lsn import LsnRange; "
@@ -928,7 +923,7 @@ def test_new_keys_are_inserted_apart_and_a_target_that_has_one_falls_back_to_the
 ):
     """Rows of keys the range inserted first go in by a plain INSERT; a target written by hand
     that holds such a key already takes the whole upsert instead, as before (nothing lost)."""
-    monkeypatch.setattr(apply_module, "NEW_ROWS_APART", 100)
+    monkeypatch.setattr(merge_module, "NEW_ROWS_APART", 100)
     replica = make_replica(ITEMS, ["items"])
     replica.source("INSERT INTO items (id, name) SELECT g, 'old' FROM generate_series(1, 50) g")
     replica.sync()
@@ -948,7 +943,7 @@ def test_new_keys_are_inserted_apart_and_a_target_that_has_one_falls_back_to_the
     kwargs = {"partition_changes": stored.changes // 2 + 1} if path == "partitioned" else {}
     inserted_apart: list[bool] = []  # in memory: one INSERT from the staged rows
     direct: list[int] = []  # by partitions: COPYed straight into the target, per partition
-    insert_new, copy_new = apply_module._insert_new, shared_staging._insert_new
+    insert_new, copy_new = merge_module.insert_new, shared_staging._insert_new
 
     def spied(*args, **kw):
         inserted_apart.append(insert_new(*args, **kw))
@@ -959,7 +954,7 @@ def test_new_keys_are_inserted_apart_and_a_target_that_has_one_falls_back_to_the
         direct.append(count)
         return left, count
 
-    monkeypatch.setattr(apply_module, "_insert_new", spied)
+    monkeypatch.setattr(merge_module, "insert_new", spied)
     monkeypatch.setattr(shared_staging, "_insert_new", spied_copy)
     result = replica.apply(stored, **kwargs)
     assert result.compaction_path == ("partitioned" if path == "partitioned" else "arrow")

@@ -352,7 +352,8 @@ def test_ranges_waiting_for_their_run_past_the_backlogs_memory_wait_on_disk_in_o
 
 _KILLED_FOLLOWER = """
 import sys
-from pgcdc_dagster.engine import follow, pipeline
+from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.follow import follower as follow
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 

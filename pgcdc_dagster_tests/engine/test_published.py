@@ -174,7 +174,7 @@ def test_a_column_list_without_a_key_column_is_refused_before_the_target_changes
 
 
 SNAPSHOT_IN_CHILD = (
-    "import sys; from pgcdc_dagster.engine import pipeline; "
+    "import sys; from pgcdc_dagster.engine.control import pipeline; "
     "from pgcdc_dagster.engine.settings import ReplicationSettings; "
     "pipeline.take_snapshot(ReplicationSettings.model_validate_json(sys.argv[1]), None)"
 )

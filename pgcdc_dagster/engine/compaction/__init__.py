@@ -123,9 +123,10 @@ class HeldBack:
     as one (:func:`~..target.apply.apply_added_changes`).
 
     Why gathered: an add's copy of a big table lasts as long as it takes, and a follow stores a
-    range every few hundred milliseconds meanwhile; one transaction per range cost about 25 ms
-    each (the target's catalog read, staging, the statements, the commit) for a few hundred
-    changes. Gathered, those costs are paid once per batch.
+    range every few hundred milliseconds meanwhile; one transaction per range pays the target's
+    catalog read, staging, the statements and the commit for a few hundred changes. Gathered,
+    those costs are paid once per batch (see ``benchmarks/held_back.py`` and
+    ``benchmarks/HISTORY.md``).
 
     What must hold: the rows stay in commit order (ranges are added in LSN order, each in its
     own order); each range's relation versions (indexes into its own manifest's ``relations``)

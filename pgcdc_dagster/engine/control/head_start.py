@@ -1,8 +1,8 @@
 """Work a command starts before its Dagster run exists, for the run to take over.
 
-Why: a ``pgcdc`` command pays about 2.5 s to import Dagster, open its instance and create the
-run before the run's first step (measured on the 2-core reference machine), and the work does
-not depend on any of it: progress lives in the slot, the store and the origin, and the run only
+Why: a ``pgcdc`` command pays seconds to import Dagster, open its instance and create the run
+before the run's first step (``benchmarks/catchup_cli.py``), and the work does not depend on
+any of it: progress lives in the slot, the store and the origin, and the run only
 records it. So the command takes the range lock at once, lends it to its run
 (:func:`~.range_lock.range_lock` with ``lend=True``), starts the work here, and the run's step
 :func:`adopt`\\ s it and reports it as its own. When the lock is taken elsewhere there is no
@@ -18,23 +18,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
-_started: dict[tuple[str, str], Any] = {}
+
+class HeadStart(Protocol):
+    """Work started for a run to take over: a follower, a :class:`Background` call. Whoever
+    started it closes it (waits for it to end) before the range lock goes, adopted or not."""
+
+    def close(self, reason: str) -> None: ...
+
+
+_started: dict[tuple[str, str], HeadStart] = {}
 _lock = threading.Lock()
 
 
-def offer(kind: str, slot: str, work: Any) -> None:
+def offer(kind: str, slot: str, work: HeadStart) -> None:
     """Make ``work`` (a started follower, a :class:`Background` call) adoptable by this
     process's run of ``kind`` for ``slot``."""
     with _lock:
         _started[(kind, slot)] = work
 
 
-def adopt(kind: str, slot: str) -> Any | None:
-    """The work :func:`offer`\\ ed for ``kind`` and ``slot``, once; ``None`` if there is none."""
+def adopt(kind: str, slot: str) -> HeadStart | None:
+    """The work :func:`offer`\\ ed for ``kind`` and ``slot``, once; ``None`` if there is none.
+    The run of that kind narrows it to what it knows how to take over."""
     with _lock:
         return _started.pop((kind, slot), None)
 

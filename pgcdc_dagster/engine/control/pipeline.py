@@ -5,6 +5,11 @@ a test) and finds its position in the three durable places that own progress: th
 (what has been stored), the output store (what each range holds, and where the current chain
 of ranges begins), the target's replication origin (what has been applied). Nothing here keeps
 state of its own, and nothing here knows Dagster.
+
+Why one module: it is the list of what a caller (an asset, the sensor, the CLI) can ask the
+engine to do, each step a short function over the modules that do the work; the add-table and
+resync steps call the apply of a range and are called by it (a killed resync is finished at the
+next apply), so they stay beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, Union
 
 from ..connect import connect, server_errors
 from ..errors import PgcdcError
@@ -48,12 +53,13 @@ if TYPE_CHECKING:
 
     from ..catalog import ColumnInfo
     from ..snapshot import AddedTablesResult, BaseSnapshotResult
-    from ..target.apply import ApplyResult
+    from ..target.results import ApplyResult
 
 
 T = TypeVar("T")
-SparkProvider = Any
-"""A SparkSession, a callable returning one (started lazily), or ``None`` (in-process only)."""
+SparkProvider: TypeAlias = Union["SparkSession", Callable[[], "SparkSession"], None]
+"""A SparkSession, a callable returning one (started lazily), or ``None`` (in-process only).
+(``Union``: the alias is evaluated when the module loads, before pyspark is imported.)"""
 
 
 __all__ = ["RangeBusyError", "plan_next_range"]
@@ -164,7 +170,7 @@ def add_tables(
     caller holds the range already (an apply that met DDL it cannot follow)."""
     from ..published_columns import unpublished_columns
     from ..snapshot import add_tables as copy_added
-    from ..target.apply import HeldBackApplied, apply_added_changes
+    from ..target.held_back import HeldBackApplied, apply_added_changes
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one

@@ -2,9 +2,10 @@
 
 :mod:`pgcdc_dagster.engine.decode.pgoutput` decodes one message at a time and is the reference; this
 module decodes the hot message kinds (Begin, Commit, Insert, Update, Delete) of a batch at once,
-because a per-message Python loop caps receive at a fraction of what the server sends
-(measured: ~2 µs per message per loop against ~1.4 µs per message for the server to decode and
-ship it). Rare kinds (Relation, Type, Truncate, Message, Origin) are left to the scalar
+because a per-message Python loop costs more per message than the server's decoding and
+sending of it, and so caps receive at a fraction of what the server sends (see
+``benchmarks/HISTORY.md``, "Figures moved from docstrings"; ``benchmarks/receive.py`` measures
+the receive). Rare kinds (Relation, Type, Truncate, Message, Origin) are left to the scalar
 decoder. Tests check both decoders agree.
 
 How: the batch's messages are concatenated into one byte buffer with per-message offsets. Every
@@ -249,8 +250,8 @@ def text_lists(
 
 def one_byte_strings(codes: np.ndarray) -> pa.Array:
     """A string array of one-character values from their bytes (the change kinds ``I``/``U``/
-    ``D``), built on those bytes directly: through NumPy's unicode arrays it took 0.05 s per
-    120k rows."""
+    ``D``), built on those bytes directly: NumPy's unicode arrays are slow for it (see
+    ``benchmarks/HISTORY.md``, "Figures moved from docstrings")."""
     offsets = np.arange(len(codes) + 1, dtype=np.int32)
     data = np.ascontiguousarray(codes, dtype=np.uint8)
     return pa.Array.from_buffers(

@@ -150,7 +150,7 @@ class RangeDecoder:
     def feed(self, rows: Sequence[tuple[int, bytes]]) -> None:
         failpoint("receive.fetching")
         # Column by column through C iterators: zip(*rows) and np.array of a tuple of ints cost
-        # six times as much (0.19 s against 0.03 s for an 80k-transaction backlog).
+        # several times as much (see benchmarks/HISTORY.md, "Figures moved from docstrings").
         lsns = np.fromiter(map(_first, rows), np.int64, len(rows))
         batch = MessageBatch.from_messages(list(map(_second, rows)))
         self.wire_bytes += int(batch.ends[-1]) if len(rows) else 0

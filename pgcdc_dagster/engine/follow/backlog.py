@@ -3,17 +3,17 @@ stays bounded however far the recording falls behind.
 
 Why: a follower never waits for its run's records (Dagster's storage going away is ridden
 through, see ``defs/storage_outage.py``), so the ranges it applies meanwhile wait in this queue.
-Each is about 2.5 KB in memory (its watermarks, counts and per-table apply figures; measured
-by ``benchmarks/backlog_memory.py``: 100,000 ranges of the demo's 8 tables held 242 MB in a
-plain queue), and with ``PGCDC_FOLLOW_RETRY=forever`` an outage of Dagster's storage has no
-end: a day of it at 5 ranges a second is 432,000 ranges, about 1 GB.
+Each holds its watermarks, counts and per-table apply figures, and with
+``PGCDC_FOLLOW_RETRY=forever`` an outage of Dagster's storage has no end: a day of it at
+5 ranges a second is 432,000 ranges, which a plain queue would hold in memory however many
+there are (see ``benchmarks/backlog_memory.py`` and its entry in ``benchmarks/HISTORY.md``).
 
 How: the first :data:`BACKLOG_KEPT` items wait in memory; past them, items are pickled to an
 unlinked temporary file and read back in order once the memory has room, so memory stays
-bounded (2.4 MB for those 100,000) and the disk holds each waiting item once (1.4 KB a range;
-pickling costs about 50 us a range, reading back 40 us). The file has no name: it is gone
-when the queue is closed or its process ends, however it ends (a crash loses nothing durable:
-the records are a view, and the next run records its own ranges).
+bounded and the disk holds each waiting item once, for the cost of pickling each and reading
+it back (the figures: ``benchmarks/backlog_memory.py`` in ``benchmarks/HISTORY.md``). The file
+has no name: it is gone when the queue is closed or its process ends, however it ends (a crash
+loses nothing durable: the records are a view, and the next run records its own ranges).
 
 What must hold: items come out in the order they went in (memory first, then the file, and
 nothing new overtakes the file while it holds items); items must pickle (a follow's finished
@@ -30,7 +30,8 @@ import threading
 from typing import IO, Any
 
 BACKLOG_KEPT = 1000
-"""Items a backlog keeps in memory (about 2.5 MB of a follow's ranges); the rest wait on disk."""
+"""Items a backlog keeps in memory, the rest waiting on disk: few enough that a follow's ranges
+take little memory (see ``benchmarks/backlog_memory.py``)."""
 
 
 class Backlog:

@@ -1,9 +1,9 @@
 """Busy seconds of two threads, and how long both were busy at once, in bounded memory.
 
 A follow reports how much its receiver and applier each worked and how much of that overlapped
-(the pipelining). It used to keep every busy interval of both sides until it ended: two
-intervals a range, so a follow that runs for days at 5 ranges a second kept about 900,000
-tuples a day. Here the intervals are folded into running totals as soon as nothing can
+(the pipelining). Keeping every busy interval of both sides until it ends would be two
+intervals a range, so a follow that runs for days at 5 ranges a second would keep about 900,000
+tuples a day. So the intervals are folded into running totals as soon as nothing can
 overlap them any more, which holds for the part of both lists before the earlier of the two
 sides' last ends: each side is one thread working one interval after the other, so every
 interval it adds starts at or after its last one ended.

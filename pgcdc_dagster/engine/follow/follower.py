@@ -27,12 +27,13 @@ resumed by anything that asks :mod:`..control.next_step` (another follower, a pe
 Reading by stream: a follow without an endpos that keeps up (not in a backlog, at most
 :data:`STREAM_WITHIN_BYTES` behind the source's flush) reads the slot by a ``START_REPLICATION``
 stream (:mod:`..source.stream`, ``follow_read``), which decodes each WAL record once where every
-peek decodes again from the slot's restart point (a 1M-row insert into an unpublished table
-kept a peek loop's freshness at 1.0-1.9 s for 25 s, the stream's at 0.04-0.25 s after one
-decode). Its ranges go through the same store and the same applier; the slot is confirmed by
-the stream's status update once a range is stored. Once the source's WAL runs more than
-``follow_range_bytes`` ahead of the stream, the stream ends and the peeks read the backlog,
-three times faster; the stream comes back once they have caught up.
+peek decodes again from the slot's restart point: after a big insert into an unpublished table,
+a peek loop stays seconds behind until the restart point passes it, the stream only for its one
+decode (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py``: the follow's stream against
+its peek loop). Its ranges go through the same store and the same applier; the slot is
+confirmed by the stream's status update once a range is stored. Once the source's WAL runs more
+than ``follow_range_bytes`` ahead of the stream, the stream ends and the peeks read the backlog,
+faster (``benchmarks/slot_reading.py``); the stream comes back once they have caught up.
 
 The receiver reads its own cuts only :data:`CUT_LOOKAHEAD_BYTES` past their end, the endpos
 range the full lookahead of :mod:`..source.peek` (a cut inside one peek looks at the rows after it,
@@ -71,6 +72,10 @@ endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the
 or SIGINT, a Dagster termination, the caller closing the generator). A stop lets the range being
 received be stored and every queued range be applied, then returns: nothing is left half done,
 and the position is wherever the last range ended.
+
+Why one module: :class:`Follower` is one state machine (its threads, the queue between them,
+peek or stream, the outage retries, the lock taken again, making way) whose parts share its
+stop, its sessions and its summary; cut apart, each part would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ from .busy_time import BusyTime
 from .outage import OutageClock
 
 if TYPE_CHECKING:
-    from ..target.apply import ApplyResult
+    from ..target.results import ApplyResult
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -135,8 +140,9 @@ POLL_S = 0.05
 QUEUE_RANGES = 2
 """Stored ranges waiting for the applier: the receiver is at most this far ahead."""
 FIRST_RANGE_BYTES = 4 * MiB
-"""The first range's WAL on a backlog of one to two ranges (then doubling): about a quarter of a
-second to receive, so the applier starts then instead of after a whole capped range."""
+"""The first range's WAL on a backlog of one to two ranges (then doubling): small enough to be
+received in a fraction of a second, so the applier starts then instead of after a whole capped
+range."""
 PEEK_MAX_RANGES = 4
 """The rest of a backlog, after its first range (its first two when they are cut small), is
 read by peeks of at most this many capped ranges' WAL, cut into ranges as they stream. A peek
@@ -148,14 +154,16 @@ applier works through the queue meanwhile), and the slot is advanced only at a p
 the source keeps that much more WAL."""
 STREAM_WITHIN_BYTES = 1 * MiB
 """A follow without an endpos reads by stream when at most this far behind the source's flush
-(and not in a backlog); further behind, by peeks, three times faster on a backlog."""
+(and not in a backlog); further behind, by peeks, faster on a backlog
+(``benchmarks/slot_reading.py``)."""
 STREAM_WAIT_S = 1.0
 """How long the stream waits at a time for the applier to take a range (then it tells the
 walsender it is alive and waits again)."""
 PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
-then it ends there (see :meth:`Follower._receive_rest`). An 80k-transaction backlog waits under
-a second at a time."""
+then it ends there (see :meth:`Follower._receive_rest`). On the backlog of
+``benchmarks/catchup_cli.py`` each wait is shorter than this (see ``benchmarks/HISTORY.md``,
+"Figures moved from docstrings")."""
 ASK_POLL_S = 1.0
 """How often a follower looks for a command asking for the range (one query on a target
 connection of its own) when no notification woke it first: the command waits about the range
@@ -173,9 +181,10 @@ The endpos range keeps :mod:`..source.peek`'s default: its outcome is what the u
 DECODED_AGAIN_BYTES = 256 * MiB
 """Past this much WAL decoded again before each peek, a peek spans at least as much (see
 :meth:`Follower._receive_rest`). Below it, the restart point's usual lag (it moves at
-running-xacts records, about every 15 s of WAL) leaves the spans as they are. Measured by
-``benchmarks/resync.py``'s widening step: a table rewrite's transaction of 1.8 GB of WAL,
-which fixed spans read again in each of their 17 ranges."""
+running-xacts records, about every 15 s of WAL) leaves the spans as they are. The case
+behind it is ``benchmarks/resync.py``'s widening step: a table rewrite in one big transaction,
+which fixed spans decoded again for each of their ranges (see ``benchmarks/HISTORY.md``,
+``benchmarks/resync.py``)."""
 
 
 def decoded_again(conn: psycopg.Connection[Any], slot: str, start: Lsn) -> int:
@@ -810,8 +819,9 @@ class Follower:
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
                     # before its first row comes, runs while the applier applies the range
-                    # before; after the first small range alone, the applier sat idle:
-                    # overlap 1.50-1.88 s against 1.83-2.12 s.)
+                    # before; after the first small range alone, the applier sat idle and
+                    # receive and apply overlapped less: see benchmarks/HISTORY.md,
+                    # benchmarks/catchup_cli.py.)
                     start, sized = self._receive_rest(conn, store, start, goal, previous, flush)
                     if start == self.endpos:
                         self._reached_endpos = True
@@ -930,10 +940,10 @@ class Follower:
 
         The peek's first range is ``previous`` again, not double: the source decodes the whole
         peek before its first row comes back, and the applier, done with the range before,
-        waits for that first range; the doubling goes on from the next. (Engine only, 80k
-        pgbench transactions, 12 pairs alternating with a doubled first range: median 2.81 s
-        against 3.48 s, faster in 11; in a calm pair the applier waited 0.24 s for it against
-        0.38 s.)"""
+        waits for that first range; the doubling goes on from the next. It was faster than a
+        doubled first range in alternating pairs, and the applier waited less (see
+        ``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures moved from
+        docstrings")."""
         cap = self.settings.follow_range_bytes
         span = self._peek_ranges or PEEK_MAX_RANGES
         again = decoded_again(conn, self.settings.slot, start)
@@ -1003,7 +1013,8 @@ class Follower:
 
     def _apply_loop(self) -> None:
         """Apply each range received, on one target connection for the whole follow (a new
-        one per range cost about 15 ms of the range's apply, and the server a backend)."""
+        one per range would add a connection's set-up to every apply, and cost the server a
+        backend; see ``benchmarks/HISTORY.md``, "Figures moved from the README")."""
         cpu = time.thread_time()
         target: psycopg.Connection[Any] | None = None
         try:

@@ -2,16 +2,15 @@
 follower in a process of its own while the command runs Dagster.
 
 Why: ``pgcdc catchup`` and ``follow`` start following at once (:mod:`..control.head_start`) while
-the command's main thread imports Dagster, its storage and the definitions (a fresh process: about
-2 CPU-s of pure Python), opens the instance, creates the run and records every range's events.
+the command's main thread imports Dagster, its storage and the definitions (a fresh process:
+seconds of pure Python), opens the instance, creates the run and records every range's events.
 On threads, the follower's receive and apply share one interpreter lock with all of that; in a
-forked process they do not. Measured on the 2-core reference machine, 80k pgbench transactions:
-cold, the engine's follow alone 4.1-4.3 s; beside an import of the same modules in another
-process 4.3-4.5 s for both; on threads of the cold command 5.1-5.6 s. Warm (the command
-server's child, Dagster already imported), with the backlog cut into growing ranges
-(:func:`~.follower.backlog_range_bytes`): in a process, median 3.27 s against 3.45 s for the
-code before, faster in 5 of 8 pairs (7 of 7 in a busier hour); on threads, the same ranges gained
-nothing (more run events on the same lock).
+forked process they do not. So a cold command's follow on threads is clearly slower than the
+engine's follow alone, and in a process of its own it comes close to it. Warm (the command
+server's child, Dagster already imported), the backlog cut into growing ranges
+(:func:`~.follower.backlog_range_bytes`) gained in a process and nothing on threads (more run
+events on the same lock). The figures: ``benchmarks/HISTORY.md``, "The follow's range shaping"
+and "Figures moved from docstrings".
 
 How: :class:`ProcessFollower` forks; the child runs an ordinary :class:`~.follower.Follower` and
 sends each range it applies, its progress reports and, at the end, its summary and error (if
@@ -283,5 +282,5 @@ def head_start(
 def adopt(slot: str) -> Following | None:
     """The follower :func:`head_start` started in this process for ``slot`` (a
     :class:`~.follower.Follower` or a :class:`ProcessFollower`), once."""
-    follower: Following | None = head_starts.adopt("follow", slot)
-    return follower
+    follower = head_starts.adopt("follow", slot)
+    return follower if isinstance(follower, Follower | ProcessFollower) else None

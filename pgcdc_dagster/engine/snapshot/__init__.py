@@ -40,9 +40,9 @@ Foreign keys whose referenced table is not on the target are skipped (and report
 ownership, privileges, tablespaces, security labels, publications and subscriptions are not
 copied.
 
-Throughput (2 cores, source, target and Spark on one machine, 1M rows, medians of 3): 1.2M
-rows/s for pgbench_accounts and 0.87M rows/s for a table of bigint/text/numeric/timestamptz/
-bool/jsonb, on par with ``psql -c 'COPY ... TO STDOUT' | psql -c 'COPY ... FROM STDIN'``.
+Throughput: on par with ``psql -c 'COPY ... TO STDOUT' | psql -c 'COPY ... FROM STDIN'``, for
+pgbench_accounts and for a table of mixed types (see ``benchmarks/snapshot.py`` and
+``benchmarks/HISTORY.md``).
 
 Credentials: pg_dump and psql receive the connection through ``PG*`` environment variables,
 never through their command line (visible in ``ps``), and their error output is redacted.

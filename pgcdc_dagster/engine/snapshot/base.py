@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors, sql
 
-from ..connect import (
-    connect,
-)
+from ..connect import connect
 from ..errors import server_message
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName, origin_name

@@ -13,12 +13,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import errors, sql
 
-from ..connect import (
-    ConnectError,
-    describe_dsn,
-    libpq_tool_environment,
-    redact,
-)
+from ..connect import ConnectError, describe_dsn, libpq_tool_environment, redact
 from ..errors import PgcdcError, server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
@@ -92,8 +87,8 @@ class CopyTask:
     truncate would otherwise take others' rows or fail. Why: the rows arrive frozen with their
     hint bits set and their pages all-visible, so the key builds after the copy read them
     without a commit-log lookup or a write-back of every page, and the target's first VACUUM
-    has nothing to do (measured on pgbench scale 50: the primary key 0.97 s against 1.10-1.21 s,
-    the VACUUM after it 0.01 s against 0.49 s). Rows loaded frozen are visible to snapshots
+    has nothing to do (see ``benchmarks/HISTORY.md``, ``benchmarks/snapshot.py --methods ...``,
+    the frozen load). Rows loaded frozen are visible to snapshots
     older than their load, which no one holds on a table the snapshot is creating."""
 
 

@@ -18,12 +18,7 @@ import psycopg
 from psycopg import errors, pq, sql
 
 from ..catalog import rows_per_block
-from ..connect import (
-    ConnectError,
-    connect,
-    libpq_tool,
-    libpq_tool_environment,
-)
+from ..connect import ConnectError, connect, libpq_tool, libpq_tool_environment
 from ..errors import server_reason
 from ..identifiers import TableName
 from ..published_columns import PublishedShape, row_filter_sql
@@ -134,8 +129,8 @@ def merge_ranges(ranges: Sequence[TableRange], rows_per_task: int) -> list[Table
     estimated rows: fewer, longer copies when there are fewer workers than ranges.
 
     Why: every range costs a pair of ``psql`` processes, two backends, a snapshot import and
-    the refill of the pipe; measured, pgbench_accounts at scale 50 (5M rows) copied by one
-    worker took 4.99 s as one range against 5.78 s as ten (medians of 5, same run). Joining
+    the refill of the pipe, so one worker copies a big table faster as one range than as ten
+    (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). Joining
     ``[a, b)`` and ``[b, c)`` gives ``[a, c)``, so the merged ranges still tile each relation
     without gap or overlap, and the last one stays open-ended.
     """
@@ -208,9 +203,10 @@ def _stream_copy_out(
     :data:`COPY_BATCH_BYTES`; returns the row count the server reports.
 
     This talks to libpq directly: psycopg's ``Copy`` reads one row message per Python-level
-    call, which made a 1M-row range take 1.5 s where ``psql | psql`` takes 0.63 s; with blocking
-    ``PQgetCopyData`` and batched writes it takes 0.65 s. If anything fails mid-stream the
-    connection is closed, since it is stuck in COPY state and holds nothing worth keeping.
+    call, much slower than ``psql | psql``; with blocking ``PQgetCopyData`` and batched writes
+    it is on par (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). If anything
+    fails mid-stream the connection is closed, since it is stuck in COPY state and holds
+    nothing worth keeping.
     """
     pgconn = conn.pgconn
     pgconn.send_query(statement.as_bytes(conn))
@@ -316,11 +312,11 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     then copies through libpq in this process, which also classifies any error.
 
     Why no byte goes through this process: the libpq path calls into Python once per row
-    (``PQgetCopyData`` returns one row), measured 7.9 CPU-seconds for pgbench scale 50 against
-    2.0 for ``psql | psql``; and a relay through a thread of this process waits for the GIL on
-    every read and write whenever another thread computes (the command loads Dagster while the
-    head start copies): measured, 1M rows took 17 s beside one busy Python thread instead of
-    1 s (pgbench scale 10, median of 4).
+    (``PQgetCopyData`` returns one row), far more CPU than ``psql | psql``; and a relay
+    through a thread of this process waits for the GIL on every read and write whenever
+    another thread computes (the command loads Dagster while the head start copies), which
+    slowed a copy many times over. The figures: ``benchmarks/HISTORY.md``, "Figures moved from
+    docstrings".
     """
     copied = _run_pair(
         [_select_statement(task, copy_format)],
@@ -441,8 +437,8 @@ def bundle_tasks(tasks: Sequence[CopyTask]) -> tuple[list[list[CopyTask]], list[
 
     A bundled table is not loaded frozen (:attr:`~.common.CopyTask.freeze`): the truncate that
     freezing needs costs a new file per table, and a small table gains nothing measurable from
-    it (measured: 200 tables of 200 rows in two bundles, 0.58-0.64 s frozen against
-    0.22-0.26 s not)."""
+    it: bundles of small tables loaded frozen were slower (see ``benchmarks/HISTORY.md``,
+    "Figures moved from docstrings")."""
     small = [
         t
         for t in tasks
@@ -497,9 +493,9 @@ def copy_bundle(tasks: Sequence[CopyTask]) -> list[RangeCopyResult]:
     after the other, each ended by :data:`_END_OF_DATA`.
 
     Why: a pair of its own costs a table two ``psql`` processes, two server connections and a
-    snapshot import, about 30 ms, which is the whole copy of a small table: measured through
-    ``pgcdc snapshot``, 200 tables of 200 rows took 7 s to copy one pair after the other, where
-    native logical replication's initial sync of the same tables took 3.6-4.4 s.
+    snapshot import, as much as the whole copy of a small table, so a pair per table makes a
+    snapshot of hundreds of small tables slower than native logical replication's initial
+    sync (see ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``).
 
     Rows are counted per table (each COPY's own count); bytes and seconds are not, since one
     stream carries all its tables (:attr:`RangeCopyResult.bytes`). Without ``psql``,

@@ -5,8 +5,8 @@ foreign keys between them valid. A table added later (:mod:`.added`) is copied a
 point ``X`` than the target's other tables, which stand at the replication origin: its rows may
 reference rows the target has yet to receive (a customer created since), and the target's rows
 may reference rows of it the source deleted meanwhile. A key created valid then fails, and
-before this module it failed the add, every time: the apply refuses while an add is unfinished,
-so the target never received the missing rows. So the add creates those keys, both ways,
+would fail the add every time: the apply refuses while an add is unfinished, so the target
+would never receive the missing rows. So the add creates those keys, both ways,
 ``NOT VALID`` (:func:`add_not_valid`): enforced for every new write, the old rows not checked.
 The apply is not slowed (it writes with ``session_replication_role = replica``, as for any key).
 

@@ -193,8 +193,8 @@ def copy_tables(
     :func:`snapshot_export_path`, stamped with ``consistent_point`` in ``_SNAPSHOT.json``
     (written last: a folder without it is incomplete). The copy then uses CSV on the wire so the
     same bytes feed the target and the Parquet writer; the folder must be reachable by every
-    Spark worker. It is off by default because it is not cheap: measured on 1M rows it added
-    46 % (pgbench_accounts) and 93 % (mixed types) to the copy time, against a 30 % budget.
+    Spark worker. It is off by default because it is not cheap: it adds more to the copy time
+    than its 30 % budget (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings").
 
     ``new_tables``: the tables this snapshot created on the target (empty, with no keys,
     foreign keys or triggers yet). A range that is the whole of such a plain table is loaded
@@ -342,8 +342,9 @@ def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:
 
 
 DRIVER_PROCESSES_MIN_ROWS = 2_000_000
-"""Below this many rows in all, the driver's copies run on threads; above, on processes
-(measured, pgbench scale 10, 1M rows: threads 1.9 s, two spawned processes 2.8 s)."""
+"""Below this many rows in all, the driver's copies run on threads; above, on processes: below
+it, starting the processes costs more than they gain (see ``benchmarks/HISTORY.md``, "Figures
+moved from docstrings")."""
 
 
 def _driver_workers(tasks: int, parallelism: int | None) -> int:
@@ -351,8 +352,9 @@ def _driver_workers(tasks: int, parallelism: int | None) -> int:
 
     With ``psql`` at hand (the usual case) a copy is two ``psql`` processes piped into each
     other (:func:`~.copy.copy_range`), as many at once as half the cores: each keeps two server
-    backends busy (measured, pgbench scale 50 on 2 cores: one stream is as fast as two, with
-    half the contention). Without it the copy calls into Python once per row, one per core."""
+    backends busy, so on 2 cores one stream is about as fast as two, with half the contention
+    (see ``benchmarks/HISTORY.md``, ``benchmarks/snapshot.py --methods ...``, one stream
+    against two). Without it the copy calls into Python once per row, one per core."""
     cores = os.cpu_count() or 1
     default = max(1, cores // 2) if piped_copy_available() else cores
     return max(1, min(tasks or 1, parallelism or default))
@@ -364,16 +366,17 @@ def _driver_pool(tasks: Sequence[CopyTask], workers: int) -> Executor:
 
     Without ``psql`` threads would share one core through the GIL (``PQgetCopyData`` returns
     one row at a time): past :data:`DRIVER_PROCESSES_MIN_ROWS` the tasks run on spawned
-    processes (this process may hold threads: no fork), for about 0.5 s of start-up (pgbench
-    scale 50, 5M rows: ``pgcdc snapshot`` 13 s with two processes).
+    processes (this process may hold threads: no fork), which cost their start-up (see
+    ``benchmarks/HISTORY.md``, "Figures moved from docstrings").
     """
     if piped_copy_available():
         return ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy")
     if sum(t.range.estimated_rows for t in tasks) < DRIVER_PROCESSES_MIN_ROWS:
         return ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy")
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-    # Start every worker now, before the copies compete with them for the CPU (measured: a
-    # worker spawned while the first copies run took 10 s to take its first task).
+    # Start every worker now, before the copies compete with them for the CPU: a worker
+    # spawned while the first copies run is slow to take its first task (see
+    # benchmarks/HISTORY.md, "Figures moved from docstrings").
     list(pool.map(time.sleep, [0.2] * workers))
     return pool
 

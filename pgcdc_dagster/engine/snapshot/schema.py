@@ -17,10 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..connect import (
-    connect,
-    libpq_tool,
-)
+from ..connect import connect, libpq_tool
 from ..identifiers import TableName
 from .common import (
     RESOLVE_TABLES,
@@ -359,9 +356,9 @@ def _present_all(
     the other.
 
     Why: a probe is three round trips, and the snapshot runs beside the command's import of
-    Dagster, so every round trip also waits for Python's GIL: measured through ``pgcdc
-    snapshot`` with 200 tables (400 probes for pre-data and post-data), the probes took more
-    of the command than the copy of the rows."""
+    Dagster, so every round trip also waits for Python's GIL: with hundreds of small tables,
+    one probe after the other took more of ``pgcdc snapshot`` than the copy of the rows (see
+    ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``)."""
     if not addresses:
         return {}
     listed = json.dumps([{"type": a.type, "names": a.names, "args": a.args} for a in addresses])

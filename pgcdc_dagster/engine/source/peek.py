@@ -176,10 +176,10 @@ def receive_in_cuts(
 
     Why one peek: every peek, and every slot advance, decodes the WAL again from the slot's
     restart point, which PostgreSQL 15 moves only at running-xacts records (about every 15 s of
-    the WAL's writing time), so N peeks over a backlog decode its head N times. Measured on the
-    source alone, 80k pgbench transactions (43.7 MB of WAL): six peeks and six advances
-    1.76-2.02 s and 1.56-1.87 CPU-s of the source's backend, one peek and one advance
-    1.15-1.33 s and 0.99-1.18 CPU-s.
+    the WAL's writing time), so N peeks over a backlog decode its head N times: one peek and
+    one advance cost the source's backend much less time and CPU than a peek and an advance
+    per range (see ``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures
+    moved from docstrings").
 
     ``next_bytes(remaining)`` sizes each range as it begins (``remaining``: WAL bytes from its
     start to ``goal``). A range is cut just after the first COMMIT that ends at or past its
@@ -446,7 +446,8 @@ def _overlap(
     """Fetch the next batch on a thread while this one is decoded.
 
     The fetch mostly waits on the socket (GIL released) and decoding is mostly NumPy/Arrow,
-    so the two overlap: measured ~0.55 of the raw read rate serial, see benchmarks/receive.py.
+    so the two overlap; serial, the receive fell well short of the raw read rate (see
+    ``benchmarks/receive.py`` and ``benchmarks/HISTORY.md``).
     Once ``halt`` is set the producer fetches no more (the consumer wants no more rows).
     """
     batches: queue.Queue[list[Any] | BaseException | None] = queue.Queue(maxsize=2)

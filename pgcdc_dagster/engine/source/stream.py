@@ -19,9 +19,9 @@ When a range is cut
 When the stream is left
     at a stop (a range whose transactions are all at hand is stored first; a transaction half
     received is read again by whoever reads next), or when ``on_stored`` says so (the follower
-    does once the source's WAL is far ahead of the stream: a backlog, which peeks read three
-    times faster). While the taker has no room for a range, the stream waits: the source keeps
-    what is not read, and the walsender is told the session is alive.
+    does once the source's WAL is far ahead of the stream: a backlog, which peeks read faster,
+    see ``benchmarks/slot_reading.py``). While the taker has no room for a range, the stream
+    waits: the source keeps what is not read, and the walsender is told the session is alive.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ Why a stream as well as the peek (:mod:`.peek`): every peek decodes the WAL agai
 slot's restart point, which PostgreSQL 15 moves only at running-xacts records (about every 15 s
 of the WAL's writing time). A follow that keeps up peeks five times a second, so a big
 transaction just behind the restart point is decoded again by every peek until the next
-running-xacts record: measured, 1.4-1.9 s of freshness for about 15 s after a 1M-row insert,
-even into a table that is not published. A walsender decodes each record once and sends a
-transaction as soon as its COMMIT is decoded. The peek stays for backlogs: psycopg 3 has no
-replication API above libpq, so each message costs a Python call here (80k pgbench
-transactions: 3.1 s by stream against 0.85 s by peek, ``benchmarks/slot_reading.py``).
+running-xacts record, which costs seconds of freshness after a big insert, even into a table
+that is not published (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py``: the follow's
+stream against its peek loop). A walsender decodes each record once and sends a transaction as
+soon as its COMMIT is decoded. The peek stays for backlogs: psycopg 3 has no replication API
+above libpq, so each message costs a Python call here, and a backlog is read faster by peek
+(see ``benchmarks/slot_reading.py``).
 
 What must hold for the positions this module reports (see :mod:`.peek` for the safe point):
 an XLogData message's ``dataStart`` is the LSN the peek shows for the same message (a COMMIT's

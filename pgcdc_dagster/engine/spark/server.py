@@ -1,8 +1,9 @@
 """A warm local Spark: one Spark Connect server that outlives the commands and runs using it.
 
-Why: a local SparkSession costs every process that starts one 7-10 s (JVM, Spark context,
-first job) on the 2-core reference machine; a Connect client attaches to a running server in
-under a second. ``pgcdc spark start`` starts the server that ships inside the pyspark wheel
+Why: every process that starts a local SparkSession waits for its JVM, Spark context and first
+job; a Connect client attaches to a running server much sooner (see ``benchmarks/HISTORY.md``,
+``benchmarks/spark_paths.py`` and "Figures moved from the README").
+``pgcdc spark start`` starts the server that ships inside the pyspark wheel
 (``sbin/start-connect-server.sh``) on a free loopback port and records where it listens in the
 output store (``<store>/spark-connect.json``), the one place every ``pgcdc`` command and every
 run of the daemon already shares. A command or run with no ``PGCDC_SPARK_MASTER`` /

@@ -9,12 +9,12 @@ Layout under the store root::
 
 ``<hi>/<mid>`` is the range's start LSN cut to 4 GiB and 16 MiB of WAL (``00000002/24`` for a
 range starting at ``2/24F7C000``): a follow stores a range every few hundred milliseconds, and
-a week of them is millions of folders. In one folder, every range written listed them all (to
-sweep a crashed write's leftovers: 0.24-0.42 s a range at 300,000 ranges) and every decision
-of what to do next listed and parsed them all (1.5-1.7 s at 300,000); in buckets, each walks
-only the buckets it needs (:meth:`OutputStore.walk`). Ranges stored directly under
-``changes/`` (the layout before buckets) are still read, and leave as the retention removes
-them.
+a week of them is millions of folders. In one folder, every range written would list them all
+(to sweep a crashed write's leftovers) and every decision of what to do next would list and
+parse them all, each slower as the store grows; in buckets, each walks only the buckets it
+needs (:meth:`OutputStore.walk`; see ``benchmarks/store_scale.py`` and
+``benchmarks/HISTORY.md``). Ranges stored directly under ``changes/`` (the layout before
+buckets) are still read, and leave as the retention removes them.
 
 The manifest is the store's single source of truth for "what each LSN range holds"; a range
 exists exactly when its folder (with manifest) exists. A range is written into a hidden
@@ -26,6 +26,10 @@ Row values are positional lists of the text the server sent (``new_row``, ``key`
 names, types and key flags of each list live in the manifest's ``relations``, indexed by the
 row's ``relation_version``. That keeps a range self-describing across DDL (a Relation message
 re-sent mid-range becomes a new version) without repeating names in every row.
+
+Why one module: it is the one owner of the store's layout on disk and of every manifest and
+chain write (the store's durable facts are written nowhere else), so the invariants above are
+kept in one place.
 """
 
 from __future__ import annotations
@@ -359,8 +363,8 @@ class StoredRange:
         """The range's changes (only ``columns``, when named), typed as :data:`CHANGE_SCHEMA`.
 
         Read file by file with :class:`pyarrow.parquet.ParquetFile`, not ``pq.read_table``: the
-        dataset layer behind the latter imports pandas the first time (0.25-0.3 s in a process
-        that had not, such as a cold command's follower) and adds nothing for files written
+        dataset layer behind the latter imports pandas the first time (a noticeable cost in a
+        process that had not, such as a cold command's follower) and adds nothing for files written
         whole with this schema."""
         schema = (
             CHANGE_SCHEMA
@@ -402,8 +406,9 @@ class StoredRange:
 MANIFESTS_KEPT = 256
 """Stored ranges an :class:`OutputStore` keeps read (the most recently used): a follow's
 receiver writes through one store for as long as it runs, and keeping every range it stored
-grew it by 1.6 KB per range of one table (measured over 12,000 ranges; more per table), about
-30 MB an hour at 5 ranges a second, without end. Bounded, 12,000 ranges grew it 3.1 MB in all."""
+would grow it with every range, without end; bounded, it stays small (see
+``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures moved from
+docstrings")."""
 ENDS_SEEN = 4096
 """Range ends a process remembers per store (the latest seen)."""
 
@@ -970,8 +975,8 @@ class RangeWriter:
     def space_checked(self) -> Iterator[None]:
         """Writes of this range's files: a full file system (``ENOSPC``, a quota) is named in
         one line, :class:`StoreFullError`, with the store's path and the fix, instead of the
-        file library's words (measured: pyarrow's ``OSError: [Errno 28] Error writing bytes
-        to file``)."""
+        file library's words (pyarrow's ``OSError: [Errno 28] Error writing bytes to
+        file``)."""
         try:
             yield
         except OSError as exc:

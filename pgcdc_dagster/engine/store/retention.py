@@ -182,8 +182,8 @@ def prune_if_due(
     is :func:`prune_interval` old and none runs in this process; returns that thread.
 
     Called after every apply: the apply's thread goes on at once. A prune walks, renames and
-    deletes per range (measured: 0.3 ms and 0.5 ms a range on this machine's disk, and a
-    follow storing 5 ranges a second has 3,000 for each 10-minute prune). The origin it is
+    deletes per range (a follow storing 5 ranges a second has 3,000 for each 10-minute prune;
+    the cost per range: ``benchmarks/retention.py`` in ``benchmarks/HISTORY.md``). The origin it is
     given only grows, so one read before the prune is conservative. The thread is not a
     daemon: a process ending normally finishes the prune first (a per-range run would
     otherwise never finish a long one); a process killed leaves what the module docstring

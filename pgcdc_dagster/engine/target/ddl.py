@@ -44,6 +44,9 @@ What is not (:class:`ResyncNeeded`)
 
 Crash anywhere: the steps, the record's update, the range's rows and the origin's progress
 commit together, so a kill leaves the target as it was and the next apply plans again.
+
+Why one module: planning a change by ``attnum``, carrying it out and recording the new shape
+are one transaction's work and one invariant (never a table silently different).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ class SharedStage:
     ordered: sql.Identifier | None = None
     upsert_rows: int = 0
     new_rows: int = 0
-    """Upserted rows of new keys (their ``n`` flag staged): see :func:`~.apply._insert_new`."""
+    """Upserted rows of new keys (their ``n`` flag staged): see :func:`~.merge.insert_new`."""
     direct: int = 0
     """Rows of new keys COPYed straight into the target (:func:`stage_partition`): inserted."""
     delete_rows: int = 0

@@ -6,9 +6,10 @@ identity), so the merge SQL of :mod:`.apply` reads any of them:
 
 * **inline** rows (:func:`inline_stage`): a subquery that unnests one text-array literal per
   column, for a table whose net rows are few (:data:`INLINE_MAX_VALUES`) and which the merge
-  only reads. A temporary table costs its catalog rows, a COPY and a drop at COMMIT, about
-  2 ms on the server and as much again in this process, whatever its size: with hundreds of
-  tables changed a little each, the staging of a range took 0.9-1.6 s for 200 tables;
+  only reads. A temporary table costs its catalog rows, a COPY and a drop at COMMIT, on the
+  server and in this process, whatever its size: with hundreds of tables changed a little
+  each, those fixed costs were most of a range's staging (see ``benchmarks/HISTORY.md``,
+  ``benchmarks/many_tables.py``);
 
 * **temporary** tables (``ON COMMIT DROP``) filled by the driver inside the apply transaction,
   for ranges compacted in this process: a table's net rows past that size, those the merge
@@ -48,11 +49,10 @@ _COPY_BATCH_ROWS = 65_536
 
 INLINE_MAX_VALUES = 2_000
 """Net rows of a table with at most this many values (rows times staged columns) are staged
-inline (:func:`inline_stage`) rather than in a temporary table. Measured on 10 tables of
-3 columns, staging plus merge per range: 100 rows a table 0.02-0.03 s inline against
-0.08-0.09 s, 300 rows 0.05-0.07 s against 0.09-0.10 s, 1,000 rows even (0.15-0.16 s against
-0.17-0.18 s), 4,000 rows 0.51-0.58 s against 0.45-0.52 s: past a few thousand values the
-server's parsing of the literals costs more than a COPY."""
+inline (:func:`inline_stage`) rather than in a temporary table. Inline wins for a table's few
+rows; past a few thousand values the server's parsing of the literals costs more than a COPY.
+The staging and merge times per table size are in ``benchmarks/HISTORY.md``,
+``benchmarks/many_tables.py`` (inline against temporary tables)."""
 
 
 def typed_as(rel: TableRelation, position: int, alias: str) -> sql.Composable:
