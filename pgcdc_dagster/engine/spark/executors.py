@@ -49,7 +49,7 @@ from . import probe as spark_probe
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-PACKAGE = Path(__file__).resolve().parents[1]
+PACKAGE = Path(__file__).resolve().parents[2]
 """The ``pgcdc_dagster`` package folder: what the zip holds."""
 TASK_MODULES = (
     "psycopg",
