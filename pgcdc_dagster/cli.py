@@ -3,6 +3,10 @@
 Every command that changes something launches a run of a job of
 ``pgcdc_dagster.definitions:defs`` against the Dagster instance of ``DAGSTER_HOME``, so each
 run shows in the UI beside the sensor's. Errors are one line (``--debug`` for the traceback).
+
+Why one module: each command is a short function over the engine and the runner, and the
+argument parser beside them is what the CLI reference is generated from
+(``docs/reference/cli.md``); the commands share its error and output conventions.
 """
 
 from __future__ import annotations
