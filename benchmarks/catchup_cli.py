@@ -63,7 +63,7 @@ from apply import (
     warm_command_server,
 )
 
-from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.spark.session import get_spark
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,9 +214,9 @@ class Timeline:
 
 
 def _wal_bytes(key: str) -> int:
-    """WAL a range spans, from its key (``start-end``, hex)."""
-    start, end = key.split("-")
-    return int(end, 16) - int(start, 16)
+    """WAL a range spans, from its partition key."""
+    rng = LsnRange.from_partition_key(key)
+    return int(rng.end) - int(rng.start)
 
 
 def range_events(target: Any, storage_db: str, timeline: Timeline) -> list[dict[str, Any]]:
