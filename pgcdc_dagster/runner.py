@@ -86,14 +86,14 @@ def _error_line(error: Any) -> str | None:
     names the problem and the fix), else Dagster's storage named when it could not be reached
     (a write of Dagster's own, outside what a follow rides through), else the deepest one's
     last line."""
-    problem = recorded_storage_problem(error)
-    if problem is not None and not _has_ours(error):
-        return unreachable_line(problem)
+    first = error
     ours, deepest = None, None
     while error is not None:
         if error.cls_name in _pgcdc_error_names():
             ours = error
         deepest, error = error, error.cause
+    if ours is None and (problem := recorded_storage_problem(first)) is not None:
+        return unreachable_line(problem)
     chosen = ours or deepest
     if chosen is None:
         return None
@@ -105,14 +105,6 @@ def _error_line(error: Any) -> str | None:
         return lines[-1] if lines else None
     head, sep, rest = text.partition(": ")
     return rest if sep and head.rsplit(".", 1)[-1] == chosen.cls_name else text
-
-
-def _has_ours(error: Any) -> bool:
-    while error is not None:
-        if error.cls_name in _pgcdc_error_names():
-            return True
-        error = error.cause
-    return False
 
 
 def _pgcdc_error_names() -> set[str]:

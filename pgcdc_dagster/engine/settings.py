@@ -2,8 +2,10 @@
 
 The CLI, the Dagster definitions (and through them every resource, sensor and check), the demo
 and the benchmarks all build a :class:`ReplicationSettings`; nothing else parses the
-environment. (``PGCDC_FAILPOINT`` is the exception by design: a test instrument read by
-:mod:`.failpoints` alone, absent in production.)
+environment. Two exceptions by design: ``PGCDC_FAILPOINT``, a test instrument read by
+:mod:`.failpoints` alone, absent in production; and ``PGCDC_SERVER*``, read by
+:mod:`pgcdc_dagster.server_client` before anything else is imported (the ``pgcdc`` entry
+point imports the standard library only, and validating here needs pydantic).
 
 Every field is the lower-case name of its variable without the prefix: ``PGCDC_RANGE_MAX_BYTES``
 is ``range_max_bytes``. Values are validated here, so a wrong one is one line naming the
