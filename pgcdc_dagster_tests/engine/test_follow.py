@@ -905,3 +905,135 @@ def test_a_publication_dropped_under_a_follow_ends_it_in_one_line_naming_it(sett
     assert settings.publication in message and "does not exist" in message
     assert "create the publication" in message and "\n" not in message
     assert count(settings.target_dsn, "log") == 1
+
+
+# -- Transactions streamed before their COMMIT (pgoutput protocol 2, `streaming`) -----------
+
+
+def streamed_settings(settings: ReplicationSettings) -> ReplicationSettings:
+    """The walsender streams any transaction past 64 kB of decoded changes (the least
+    ``logical_decoding_work_mem``), so a few thousand rows come before their COMMIT."""
+    return settings.model_copy(update={"decoding_work_mem": 64 * 1024})
+
+
+def streamed_transactions(settings: ReplicationSettings) -> int:
+    """Transactions the slot's walsenders streamed before their COMMIT, as the source counts
+    them (``pg_stat_replication_slots``, reported once a walsender's work is done)."""
+    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 10
+        while True:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(
+                "SELECT stream_txns FROM pg_stat_replication_slots WHERE slot_name = %s",
+                (settings.slot,),
+            ).fetchone()
+            if (row and row[0]) or time.monotonic() > deadline:
+                return row[0] if row else 0
+            time.sleep(0.2)
+
+
+def test_a_transaction_streamed_before_its_commit_enters_the_range_of_its_commit_whole(settings):
+    """A big transaction with savepoints, one rolled back, while small ones commit around it;
+    and a big one that rolls back. The walsender streams both before their end. Ranges cut
+    meanwhile report the open one as deferred (``mid_transaction``); it is stored whole in the
+    range of its COMMIT, after the small ones that committed first, without the rolled-back
+    savepoint's rows; the aborted one leaves nothing. The follow never leaves the stream, and
+    the target ends equal."""
+    settings = streamed_settings(settings)
+    follower = Follower(settings)
+    thread = threading.Thread(target=lambda: list(follower.run()))
+    with pipeline.range_lock(settings):
+        thread.start()
+        try:
+            time.sleep(0.5)
+            with (
+                psycopg.connect(settings.source_dsn) as big,
+                psycopg.connect(settings.source_dsn, autocommit=True) as small,
+            ):
+                xid = big.execute("SELECT txid_current()").fetchone()[0]
+                for part in range(4):
+                    big.execute(
+                        "INSERT INTO log SELECT g, repeat('s', 60) "
+                        "FROM generate_series(%s::int, %s::int) g",
+                        (part * 5000 + 1, part * 5000 + 5000),
+                    )
+                    small.execute(
+                        "UPDATE items SET name = %s WHERE id = %s", (f"p{part}", part + 1)
+                    )
+                    time.sleep(0.3)  # ranges are cut while the transaction is open
+                big.execute("SAVEPOINT a")
+                big.execute("INSERT INTO log SELECT -g, 'gone' FROM generate_series(1, 5000) g")
+                big.execute("ROLLBACK TO SAVEPOINT a")
+                big.execute("SAVEPOINT b")
+                big.execute("UPDATE items SET name = 'big' WHERE id <= 500")
+                big.execute("RELEASE SAVEPOINT b")
+                big.execute("DELETE FROM log WHERE n BETWEEN 1 AND 100")
+                big.commit()
+                big.execute("INSERT INTO log SELECT -g, 'aborted' FROM generate_series(1, 8000) g")
+                big.rollback()
+                small.execute("INSERT INTO log VALUES (0, 'after')")
+            expected = count(settings.source_dsn, "log")
+            deadline = time.monotonic() + 60
+            while count(settings.target_dsn, "log") != expected:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert streaming_sessions(settings.source_dsn) == 1
+        finally:
+            follower.stop("test")
+            thread.join()
+    assert follower.summary.streams == 1  # never left for a peek
+    assert streamed_transactions(settings) >= 2
+    assert equal(settings)
+    store = pipeline.store_of(settings)
+    results = [store.get(r).manifest.result for r in store.chain_ranges()]
+    deferring = [r for r in results if any(s["xid"] == xid for s in r.straddlers)]
+    assert deferring and all(r.endpos_outcome == EndposOutcome.MID_TRANSACTION for r in deferring)
+    holding = [r for r in results if r.changes >= 20_000]
+    assert len(holding) == 1 and results.index(holding[0]) > results.index(deferring[-1])
+    # The transaction's 20,000 inserts, 500 updates, 100 deletes (and the row after it, when
+    # its range was not cut between them): nothing of the savepoint rolled back.
+    assert holding[0].changes - (20_000 + 500 + 100) in (0, 1)
+    assert_chain_records(store, pipeline.origin_progress(settings))
+    assert not list(store.streaming_dir.glob("*"))
+
+
+def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once(settings):
+    """SIGKILL of a real follower process while it spools a transaction streamed before its
+    COMMIT (the slot confirmed past the transaction's start by ranges cut meanwhile). The
+    transaction commits after the kill; a new follow is sent it again, whole, and applies it
+    exactly once; what the killed process spooled is gone."""
+    settings = streamed_settings(settings)
+    opened = threading.Event()
+    done = threading.Event()
+
+    def write_big() -> None:
+        with psycopg.connect(settings.source_dsn) as big:
+            for part in range(8):
+                big.execute(
+                    "INSERT INTO log SELECT g, repeat('k', 60) "
+                    "FROM generate_series(%s::int, %s::int) g",
+                    (part * 4000 + 1, part * 4000 + 4000),
+                )
+                opened.set()
+                if done.wait(0.4):
+                    break
+            while not done.wait(0.1):
+                pass
+            big.commit()
+
+    writing = threading.Thread(target=write_big)
+    writing.start()
+    try:
+        opened.wait(10)
+        kill_follower(settings, None, "receive.streamed=kill@3")
+    finally:
+        done.set()
+        writing.join()
+    store = pipeline.store_of(settings)
+    assert read_slot_confirmed(settings) <= store.chain_end()
+    follower, _ = follow_to(settings, flush_lsn(settings.source_dsn))
+    assert follower.summary.stopped_by == "endpos"
+    assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
+    assert equal(settings)
+    assert not list(store.streaming_dir.glob("*"))
+    assert_chain_records(store, pipeline.origin_progress(settings))

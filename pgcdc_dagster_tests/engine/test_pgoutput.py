@@ -14,10 +14,15 @@ from pgcdc_dagster.engine.decode.pgoutput import (
     Origin,
     PgOutputError,
     Relation,
+    StreamAbort,
+    StreamCommit,
+    StreamStart,
+    StreamStop,
     Truncate,
     Type,
     Update,
     decode,
+    decode_stream_control,
 )
 
 
@@ -132,3 +137,16 @@ def test_origin_and_logical_message():
 def test_malformed_messages_raise_clear_errors(data, match):
     with pytest.raises(PgOutputError, match=match):
         decode(data)
+
+
+def test_stream_control_messages():
+    """Protocol 2's Stream Start, Stop, Commit and Abort (version 4's longer Abort too)."""
+    assert decode_stream_control(b"S" + struct.pack("!IB", 77, 1)) == StreamStart(77, True)
+    assert decode_stream_control(b"E") == StreamStop()
+    commit = b"c" + struct.pack("!IBQQq", 77, 0, 0x10, 0x28, 5)
+    assert decode_stream_control(commit) == StreamCommit(77, 0, 0x10, 0x28, 5 + PG_EPOCH_OFFSET_US)
+    assert decode_stream_control(b"A" + struct.pack("!II", 77, 78)) == StreamAbort(77, 78)
+    longer = b"A" + struct.pack("!IIQq", 77, 77, 0x30, 9)
+    assert decode_stream_control(longer) == StreamAbort(77, 77)
+    with pytest.raises(PgOutputError, match="truncated 'c'"):
+        decode_stream_control(commit[:-1])

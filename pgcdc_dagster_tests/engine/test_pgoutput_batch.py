@@ -23,6 +23,7 @@ from pgcdc_dagster.engine.decode.pgoutput_batch import (
     gather_values,
     one_byte_strings,
     text_lists,
+    without_stream_xids,
 )
 
 
@@ -177,3 +178,25 @@ def test_one_byte_strings_are_the_kinds_as_text_empty_included():
     empty = one_byte_strings(np.zeros(0, np.uint8))
     assert empty.type == pa.string() and len(empty) == 0
     empty.validate(full=True)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stream_block_messages_lose_their_xid_and_read_as_protocol_1(seed):
+    """Inside a stream block each change (and Relation, Type, Truncate, Message) carries its
+    (sub)transaction's xid after the kind byte; Origin does not. Without it, every message is
+    byte for byte the protocol 1 message, and the xids come out in order."""
+    rng = random.Random(seed)
+    plain = [m for m in random_messages(seed) if m[:1] in (b"I", b"U", b"D")]
+    plain.insert(3, b"O" + struct.pack("!Q", 7) + b"origin\x00")
+    plain.insert(5, b"R" + struct.pack("!I", 9) + b"public\x00t\x00d" + struct.pack("!H", 0))
+    xids = [-1 if m[:1] == b"O" else rng.randrange(2**32) for m in plain]
+    streamed = [
+        m if x < 0 else m[:1] + struct.pack("!I", x) + m[1:]
+        for m, x in zip(plain, xids, strict=True)
+    ]
+    batch, got = without_stream_xids(MessageBatch.from_messages(streamed))
+    assert got.tolist() == xids
+    assert [
+        batch.buf[s:e].tobytes() for s, e in zip(batch.starts, batch.ends, strict=True)
+    ] == plain
+    assert batch.kinds.tobytes() == b"".join(m[:1] for m in plain)

@@ -18,6 +18,14 @@ correctness:
   others are NULL) or ``O`` (the whole old row, REPLICA IDENTITY FULL), or none (an update that
   did not change the key).
 
+* Protocol version 2 with ``streaming`` adds what :func:`decode_stream_control` reads: a
+  transaction too big for the walsender's ``logical_decoding_work_mem`` is sent before its
+  COMMIT, in blocks between ``Stream Start`` and ``Stream Stop``, each change (and Relation,
+  Type, Truncate, Message) carrying its (sub)transaction's xid after the kind byte
+  (:func:`~.pgoutput_batch.without_stream_xids` takes it out), and ends with ``Stream Commit``
+  or ``Stream Abort`` (of the whole transaction, or of one subtransaction). Every other message
+  is as in version 1.
+
 Timestamps are microseconds since 2000-01-01 (PostgreSQL's epoch); :data:`PG_EPOCH_OFFSET_US`
 converts them to the Unix epoch.
 """
@@ -42,6 +50,9 @@ _U16 = Struct("!H")
 _Q = Struct("!Q")
 _RELATION_COLUMN_TAIL = Struct("!Ii")
 _MESSAGE_HEAD = Struct("!BQ")
+_STREAM_START = Struct("!IB")
+_STREAM_COMMIT = Struct("!IBQQq")
+_STREAM_ABORT = Struct("!II")
 
 
 class PgOutputError(ValueError):
@@ -152,6 +163,65 @@ class Message:
     lsn: int
     prefix: str
     content: bytes
+
+
+@dataclass(frozen=True)
+class StreamStart:
+    """A block of a transaction streamed before its COMMIT begins (``first``: its first)."""
+
+    xid: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class StreamStop:
+    """The block ends; messages outside blocks are whole transactions again."""
+
+
+@dataclass(frozen=True)
+class StreamCommit:
+    """A streamed transaction committed: the fields of its Commit, and its xid."""
+
+    xid: int
+    flags: int
+    commit_lsn: int
+    end_lsn: int
+    commit_ts_us: int
+    """Unix microseconds."""
+
+
+@dataclass(frozen=True)
+class StreamAbort:
+    """A streamed transaction aborted (``subxid == xid``), or one of its subtransactions."""
+
+    xid: int
+    subxid: int
+
+
+StreamControl = StreamStart | StreamStop | StreamCommit | StreamAbort
+
+KIND_STREAM_START, KIND_STREAM_STOP = ord("S"), ord("E")
+KIND_STREAM_COMMIT, KIND_STREAM_ABORT = ord("c"), ord("A")
+
+
+def decode_stream_control(data: bytes) -> StreamControl:
+    """Decode one of protocol version 2's stream control messages (Stream Start, Stop, Commit,
+    Abort). Version 4's longer Stream Abort (with the abort's LSN and time) reads the same."""
+    kind = data[0] if data else 0
+    try:
+        if kind == KIND_STREAM_START:
+            xid, first = _STREAM_START.unpack_from(data, 1)
+            return StreamStart(xid, bool(first))
+        if kind == KIND_STREAM_STOP:
+            return StreamStop()
+        if kind == KIND_STREAM_COMMIT:
+            xid, flags, commit_lsn, end_lsn, ts = _STREAM_COMMIT.unpack_from(data, 1)
+            return StreamCommit(xid, flags, commit_lsn, end_lsn, ts + PG_EPOCH_OFFSET_US)
+        if kind == KIND_STREAM_ABORT:
+            return StreamAbort(*_STREAM_ABORT.unpack_from(data, 1))
+    except StructError as exc:
+        raise PgOutputError(f"truncated {chr(kind)!r} stream message: {exc}") from exc
+    raise PgOutputError(f"not a stream control message: {chr(kind)!r} ({kind:#x})")
 
 
 PgOutputMessage = (

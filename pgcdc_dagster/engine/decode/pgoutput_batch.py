@@ -72,6 +72,28 @@ class MessageBatch:
         return (self.u32(pos) << 32) | self.u32(pos + 4)
 
 
+_WITH_STREAM_XID = np.array([ord(k) for k in "RYIUDTM"], np.uint8)
+"""The kinds that carry their (sub)transaction's xid after the kind byte inside a stream block
+(Origin does not)."""
+
+
+def without_stream_xids(batch: MessageBatch) -> tuple[MessageBatch, np.ndarray]:
+    """A stream block's messages (protocol 2, see :mod:`.pgoutput`) in protocol 1's layout,
+    which every decoder here reads, and the xid each carried (-1 for a kind without one). One
+    gather over the batch: per-message slicing in Python would cost more than the receive."""
+    starts, lengths = batch.starts, batch.ends - batch.starts
+    has = np.isin(batch.kinds, _WITH_STREAM_XID)
+    if (lengths[has] < 5).any():
+        raise PgOutputError("streamed message too short to carry its xid")
+    xids = np.full(len(starts), -1, np.int64)
+    xids[has] = batch.u32(starts[has] + 1)
+    keep = np.ones(len(batch.buf), bool)
+    keep[(starts[has][:, None] + np.arange(1, 5)).ravel()] = False
+    lengths = lengths - 4 * has
+    ends = np.cumsum(lengths)
+    return MessageBatch(batch.buf[keep], ends - lengths, ends, batch.kinds), xids
+
+
 @dataclass
 class TupleBlock:
     """Tuple data of ``m`` rows as ``m × width`` arrays of value starts, lengths and kinds."""

@@ -12,7 +12,7 @@ Which transactions a range holds, straddlers and the safe point are argued in :m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from operator import itemgetter
@@ -78,6 +78,8 @@ class Straddler:
     xid: int
     first_lsn: int
     commit_lsn: int
+    """Where its COMMIT record starts; for a transaction still being streamed at a stream's
+    cut, the cut itself (its COMMIT lies after it: no record straddles the cut)."""
 
 
 def classify_endpos(
@@ -161,6 +163,46 @@ class RangeDecoder:
         if truncates:
             table = _merge_in_order(table, truncates)
         self._assign_transactions(batch, lsns, table)
+
+    def feed_streamed(
+        self,
+        xid: int,
+        commit_lsn: int,
+        end_lsn: int,
+        commit_ts_us: int,
+        chunks: Iterable[tuple[np.ndarray, MessageBatch]],
+    ) -> None:
+        """A transaction received ahead of its COMMIT by pgoutput's streaming
+        (:mod:`..source.streamed`), now committed: its changes chunk by chunk, already in
+        protocol 1's layout, its Commit's fields known. Written straight to the sink, whole and
+        in commit order (every transaction fed before it is complete: a Stream Commit never
+        comes inside a transaction), so none of it is parked or spilled twice. Every chunk is
+        consumed (the spool deletes each as it is read)."""
+        if self.open is not None:
+            raise DecodeError(
+                f"streamed transaction {xid} committed inside transaction {self.open.xid}"
+            )
+        keep = self.range.holds_commit(end_lsn)
+        fields = np.array([[end_lsn, commit_lsn, xid, commit_ts_us]], np.int64)
+        seq = 0
+        for lsns, batch in chunks:
+            if not keep or not len(lsns):
+                continue
+            self.wire_bytes += int(batch.ends[-1])
+            changes = decode_changes(batch)
+            relver = np.zeros(len(changes.index), np.int32)
+            truncates = self._walk_rare_messages(batch, lsns, changes, relver)
+            table = self._change_rows(batch, lsns, changes, relver)
+            if truncates:
+                table = _merge_in_order(table, truncates)
+            n = table.num_rows
+            if n:
+                order = np.arange(seq, seq + n, dtype=np.int32)
+                self._write(self._with_transaction(table, order, np.broadcast_to(fields, (n, 4))))
+                seq += n
+        if keep:
+            self.transactions += 1
+            self.last_end, self.last_xid, self.last_ts = end_lsn, xid, commit_ts_us
 
     def _walk_rare_messages(
         self, batch: MessageBatch, lsns: np.ndarray, changes: ChangeBlock, relver: np.ndarray
@@ -518,14 +560,19 @@ class RangeDecoder:
             raise DecodeError(f"a range can only be cut just after a COMMIT ending at {end}")
         return self._end_at(end, straddlers, seconds)
 
-    def close_at(self, end: int, seconds: float) -> RangeResult:
+    def close_at(
+        self, end: int, seconds: float, streaming: Sequence[Straddler] = ()
+    ) -> RangeResult:
         """Finish the range at ``end``, a point a stream vouched for (:mod:`..source.walsender`): no
         transaction is open in the output, and every transaction whose COMMIT ends at or before
         ``end`` was fed. No record straddles it, so it is the safe point; without a
-        transaction it is an empty range that moves the slot on an idle source."""
+        transaction it is an empty range that moves the slot on an idle source.
+        ``streaming``: transactions begun before ``end`` and still being streamed (their
+        COMMIT lies after ``end``): the range's straddlers, deferred whole to the range of
+        their COMMIT."""
         if self.open is not None or max(self.last_end or 0, int(self.range.start)) > end:
             raise DecodeError(f"a range cannot end at {end} with a transaction open before it")
-        return self._end_at(end, [], seconds)
+        return self._end_at(end, [s for s in streaming if s.first_lsn < end], seconds)
 
     def _end_at(self, end: int, straddlers: list[Straddler], seconds: float) -> RangeResult:
         self.range = LsnRange(self.range.start, end)

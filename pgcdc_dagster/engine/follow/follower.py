@@ -887,14 +887,16 @@ class Follower:
         if released(conn, settings.slot).confirmed_flush_lsn != start:
             return None
 
-        def stored(result: RangeResult) -> bool | None:
+        def stored(result: RangeResult, holding: bool) -> bool | None:
             lag = max(0, int(current_flush_lsn(conn) - Lsn(result.endpos)))
             conn.commit()
             try:
                 self._to_apply.put((result, lag), timeout=STREAM_WAIT_S)
             except queue.Full:
                 return False if self._session_errors else None  # the applier failed: end
-            return lag <= settings.follow_range_bytes
+            # Behind by a transaction streamed ahead of its COMMIT, stay: a peek would decode
+            # it again from its start.
+            return lag <= settings.follow_range_bytes or holding
 
         self.summary.streams += 1
         try:
@@ -911,6 +913,7 @@ class Follower:
                 on_stored=stored,
                 stop=self._stop,
                 on_busy=lambda began, ended: self.summary.busy.add(RECEIVING, began, ended),
+                work_mem=settings.decoding_work_mem,
             )
         finally:
             released(conn, settings.slot)  # its walsender has let the slot go

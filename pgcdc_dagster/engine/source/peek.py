@@ -61,6 +61,7 @@ from ..failpoints import failpoint
 from ..lsn import Lsn, LsnRange
 from ..store.output_store import OutputStore, RangeResult
 from .slot import advance_slot, current_flush_lsn, released
+from .streamed import discard_left
 
 DEFAULT_LOOKAHEAD_BYTES = 16 * 1024 * 1024
 
@@ -134,6 +135,7 @@ def _receive(
         advance_slot(conn, slot_name, stored.safe_point)
         conn.commit()
         return dataclasses.replace(stored.manifest.result, already_stored=True)
+    discard_left(store.streaming_dir)
     upto = _peek_limit(conn, slot_name, publication, store, rng, lookahead_bytes)
     with store.writer(rng) as writer:
         decoder = RangeDecoder(rng, writer, spill_rows)
@@ -199,6 +201,7 @@ def receive_in_cuts(
     last stored range ends.
     """
     whole = LsnRange(range_start, goal)
+    discard_left(store.streaming_dir)
     upto = _peek_limit(conn, slot_name, publication, store, whole, lookahead_bytes)
     halt = threading.Event()
     cutter = _Cutter(store, whole, next_bytes, on_stored, stop, halt, fetch_rows, spill_rows)

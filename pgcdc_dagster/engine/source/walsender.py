@@ -62,25 +62,43 @@ class Keepalive(NamedTuple):
     wal_end: int
 
 
-class SlotStream:
-    """A ``START_REPLICATION`` stream of one logical slot with pgoutput protocol 1, from
-    ``start`` (the slot's confirmed position: the walsender skips every transaction whose COMMIT
-    starts before it, as the peek does). Close it (or leave the ``with``) to let the slot go."""
+STREAMING_SINCE = 140000
+"""The first server version whose pgoutput streams transactions before their COMMIT."""
 
-    def __init__(self, dsn: str, slot: str, publication: str, start: Lsn) -> None:
+
+class SlotStream:
+    """A ``START_REPLICATION`` stream of one logical slot, from ``start`` (the slot's confirmed
+    position: the walsender skips every transaction whose COMMIT starts before it, as the peek
+    does). Close it (or leave the ``with``) to let the slot go.
+
+    On PostgreSQL 14 and later, pgoutput protocol 2 with ``streaming`` (``self.streaming``): a
+    transaction bigger than the walsender's ``logical_decoding_work_mem`` comes in blocks while
+    it is written (:mod:`.streamed` holds them); on older servers, protocol 1."""
+
+    def __init__(
+        self, dsn: str, slot: str, publication: str, start: Lsn, work_mem: int = 0
+    ) -> None:
+        """``work_mem``: the session's ``logical_decoding_work_mem`` in bytes (0: the
+        server's), past which the walsender streams a transaction before its COMMIT."""
         self.conn = connect(dsn, role="source", replication=True, application_name=STREAMING)
         self.pg = self.conn.pgconn
         self.flushed = int(start)
         self._fed_back = 0.0
-        command = sql.SQL(
-            "START_REPLICATION SLOT {} LOGICAL {} (proto_version '1', publication_names {})"
-        ).format(
+        self.streaming = self.conn.info.server_version >= STREAMING_SINCE
+        protocol = "proto_version '2', streaming 'on'" if self.streaming else "proto_version '1'"
+        command = sql.SQL("START_REPLICATION SLOT {} LOGICAL {} ({}, publication_names {})").format(
             sql.Identifier(slot),
             sql.SQL(str(Lsn(start))),
+            sql.SQL(protocol),
             # pgoutput splits this option as a list of identifiers: quote the name.
             sql.Literal(str(sql.Identifier(publication).as_string(self.conn))),
         )
         try:
+            if work_mem:
+                setting = f"SET logical_decoding_work_mem = '{max(64, work_mem // 1024)}kB'"
+                done = self.pg.exec_(setting.encode())
+                if done.status != pq.ExecStatus.COMMAND_OK:
+                    self._raise(done)
             self.pg.send_query(command.as_bytes(self.conn))
             self._flush()
             while True:

@@ -446,6 +446,9 @@ class OutputStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self.changes_dir = self.root / "changes"
+        self.streaming_dir = self.root / "streaming"
+        """Where a stream session holds transactions received ahead of their COMMIT
+        (:mod:`..source.streamed`): scratch of the one receiver, never a range."""
         self._manifests: OrderedDict[LsnRange, StoredRange] = OrderedDict()
         self._seen = _SEEN.setdefault(self.changes_dir.absolute(), _Seen())
 
