@@ -115,13 +115,14 @@ class ReplicationSettings(BaseModel):
     net rows on the target themselves; smaller ones in this process. Unset: see
     :attr:`spark_range_changes`."""
     decoding_work_mem: NonNegativeInt = DEFAULT_DECODING_WORK_MEM
-    """``logical_decoding_work_mem`` of the session that reads the slot, on the source
+    """``logical_decoding_work_mem`` of the sessions that read the slot, on the source
     (``PGCDC_DECODING_WORK_MEM``: a size; 0, the default, keeps the server's): how much of the
-    transactions being decoded the source holds in memory before it spills them to disk. The
-    source's memory, one session's, only while it decodes. Not raised by default: through
-    ``pgcdc follow`` a big transaction was received no faster with more than the server's
-    default (``benchmarks/HISTORY.md``, big_transaction), although a lone peek on a loaded
-    machine decoded it faster."""
+    transactions being decoded the source holds in memory before it spills them to disk (a
+    peek), or sends them before their COMMIT (a follow's stream, PostgreSQL 14 and later:
+    :mod:`.source.streamed`). The source's memory, one session's, only while it decodes. Not
+    raised by default: through ``pgcdc follow`` a big transaction was received no faster with
+    more than the server's default (``benchmarks/HISTORY.md``, big_transaction), although a
+    lone peek on a loaded machine decoded it faster."""
     memory_limit: PositiveInt = DEFAULT_MEMORY_LIMIT
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
     or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is

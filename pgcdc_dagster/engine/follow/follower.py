@@ -33,7 +33,10 @@ decode (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py``: the follow's
 its peek loop). Its ranges go through the same store and the same applier; the slot is
 confirmed by the stream's status update once a range is stored. Once the source's WAL runs more
 than ``follow_range_bytes`` ahead of the stream, the stream ends and the peeks read the backlog,
-faster (``benchmarks/slot_reading.py``); the stream comes back once they have caught up.
+faster (``benchmarks/slot_reading.py``); the stream comes back once they have caught up. Not
+when the range behind holds no transaction, or the stream holds one sent before its COMMIT
+(:mod:`..source.streamed`): the walsender is then busy with a transaction still open (or WAL
+the publication does not hold), which every peek would decode again from its start.
 
 The receiver reads its own cuts only :data:`CUT_LOOKAHEAD_BYTES` past their end, the endpos
 range the full lookahead of :mod:`..source.peek` (a cut inside one peek looks at the rows after it,
@@ -878,11 +881,12 @@ class Follower:
 
     def _stream(self, conn: psycopg.Connection[Any], store: OutputStore, start: Lsn) -> Lsn | None:
         """Receive by stream (:mod:`..source.stream`) until a stop, or until the source's WAL
-        is more than ``follow_range_bytes`` ahead of the last range stored (a backlog: the
-        peeks take it from there). A range the applier has no room for waits, as the peeks'
-        do. Returns where the last stored range ends; ``None``: not streamed, the slot's
-        confirmed position is not where the store's chain ends (a crash between a store and
-        its confirmation: the next peek finishes it first)."""
+        is more than ``follow_range_bytes`` ahead of a range stored with transactions (a
+        backlog: the peeks take it from there; see the module's docstring for when it stays).
+        A range the applier has no room for waits, as the peeks' do. Returns where the last
+        stored range ends; ``None``: not streamed, the slot's confirmed position is not where
+        the store's chain ends (a crash between a store and its confirmation: the next peek
+        finishes it first)."""
         settings = self.settings
         if released(conn, settings.slot).confirmed_flush_lsn != start:
             return None
@@ -894,9 +898,10 @@ class Follower:
                 self._to_apply.put((result, lag), timeout=STREAM_WAIT_S)
             except queue.Full:
                 return False if self._session_errors else None  # the applier failed: end
-            # Behind by a transaction streamed ahead of its COMMIT, stay: a peek would decode
-            # it again from its start.
-            return lag <= settings.follow_range_bytes or holding
+            # Behind with no transaction to show for it (the walsender is decoding one still
+            # open, or WAL the publication does not hold), or holding one streamed ahead of
+            # its COMMIT: stay. A peek would decode the same WAL, and again at every peek.
+            return lag <= settings.follow_range_bytes or holding or not result.transactions
 
         self.summary.streams += 1
         try:
