@@ -25,6 +25,7 @@ from dagster import (
     define_asset_job,
     definitions,
     in_process_executor,
+    map_asset_specs,
 )
 from dagster._core.definitions.definitions_load_context import (
     DefinitionsLoadContext,
@@ -113,6 +114,10 @@ def build_definitions(
     slot_health = build_slot_health(settings.retained_wal_limit)
     databases = (database_of(settings.source_dsn), database_of(settings.target_dsn))
     assets = build_assets(tables, load_error, columns, databases)
+    if settings.owners:
+        assets = list(
+            map_asset_specs(lambda spec: spec.replace_attributes(owners=settings.owners), assets)
+        )
     consistency = build_consistency_check(tables) if tables else None
     catchup_selection = AssetSelection.assets(DECODED_CHANGES_KEY) | AssetSelection.assets(
         *[target_key(t) for t in tables]

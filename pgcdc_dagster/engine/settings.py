@@ -92,6 +92,9 @@ class ReplicationSettings(BaseModel):
     """``None``: every user table of the source. From a comma list of ``schema.table``."""
     store: str = ".pgcdc/store"
     """Where the output store (decoded ranges, the chain record) lives."""
+    owners: tuple[str, ...] = ()
+    """Who answers for this replication, shown as the owners of every asset in the Dagster UI
+    (``PGCDC_OWNERS``: a comma list, each an email address or ``team:name``)."""
     spark_master: str | None = None
     """Spark master URL (``local[*]`` when neither this nor ``spark_remote`` is set)."""
     spark_remote: str | None = None
@@ -220,6 +223,20 @@ class ReplicationSettings(BaseModel):
     @classmethod
     def _parse_tables(cls, value: Any) -> Any:
         return parse_tables(value) if isinstance(value, str) else value
+
+    @field_validator("owners", mode="before")
+    @classmethod
+    def _parse_owners(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = tuple(part.strip() for part in value.split(",") if part.strip())
+        for owner in value:
+            name = owner.removeprefix("team:")
+            if not name or (name == owner and "@" not in owner):
+                raise ValueError(
+                    f"owner {owner!r} is neither an email address nor team:name "
+                    "(for example team:data-platform,alice@example.com)"
+                )
+        return value
 
     @field_validator("spark_conf", mode="before")
     @classmethod

@@ -153,3 +153,21 @@ def test_every_setting_reaches_the_runs_through_the_resources():
     for name in ReplicationSettings.model_fields:
         if name not in definitions_time | secrets:
             assert getattr(rebuilt, name) == getattr(changed, name), name
+
+
+def test_owners_are_on_every_asset_and_a_wrong_one_is_named():
+    """``PGCDC_OWNERS`` puts the same owners on every asset, as Dagster shows them; an owner
+    that is neither an email address nor ``team:name`` is refused in one line naming it."""
+    import pytest
+
+    from pgcdc_dagster.engine.settings import ReplicationSettings, SettingsError
+
+    settings = ReplicationSettings.from_env(
+        {"PGCDC_OWNERS": "team:data-platform, alice@example.com"}, require_servers=False
+    )
+    graph = build_definitions(TABLES, None, settings=settings).resolve_asset_graph()
+    owners = {key.to_user_string(): graph.get(key).owners for key in graph.get_all_asset_keys()}
+    assert len(owners) == 8
+    assert set(map(tuple, owners.values())) == {("team:data-platform", "alice@example.com")}
+    with pytest.raises(SettingsError, match=r"PGCDC_OWNERS='alice': .* nor team:name"):
+        ReplicationSettings.from_env({"PGCDC_OWNERS": "alice"}, require_servers=False)
