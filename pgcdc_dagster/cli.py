@@ -345,7 +345,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
     """Not-finished range-lock runs as ``run id (job): verdict``; empty without an instance;
     a line saying why when Dagster's storage cannot be reached."""
-    from .defs.runs import judge, pgcdc_runs_not_finished
+    from .defs.run_liveness import judge, pgcdc_runs_not_finished
     from .defs.storage_outage import (
         storage_name,
         storage_problem,

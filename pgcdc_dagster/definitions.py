@@ -48,7 +48,7 @@ from .defs.checks import (
 from .defs.jobs import build_add_tables_job, build_finish_job, build_follow_job, build_prune_job
 from .defs.metadata import database_of
 from .defs.resources import default_resources
-from .defs.runs import RANGE_LOCK_TAG
+from .defs.run_liveness import RANGE_LOCK_TAG
 from .defs.sensors import CATCHUP_JOB, build_slot_sensor
 from .engine.catalog import ColumnInfo, table_columns
 from .engine.connect import ConnectError, connect

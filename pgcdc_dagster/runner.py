@@ -51,7 +51,7 @@ def run_job(
     """Execute a job of the code location in this process, recorded in the instance and tagged
     with this process's identity (so that, if this process dies, the next command sees at once
     that the run is dead)."""
-    from .defs.runs import PROCESS_TAG
+    from .defs.run_liveness import PROCESS_TAG
     from .engine import processes
 
     job = _definitions_of(name).resolve_job_def(name)
@@ -136,7 +136,7 @@ def clear_the_way(
     :func:`~pgcdc_dagster.engine.control.range_lock.range_lock_or_way`)."""
     from dagster import DagsterRunStatus
 
-    from .defs.runs import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
+    from .defs.run_liveness import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
     from .engine.control.range_lock import lock_holders
 
     grace = settings.dead_run_grace

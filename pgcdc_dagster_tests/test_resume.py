@@ -34,7 +34,7 @@ from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
 from psycopg import sql
 
 from pgcdc_dagster.defs.partitions import LSN_RANGES
-from pgcdc_dagster.defs.runs import PROCESS_TAG
+from pgcdc_dagster.defs.run_liveness import PROCESS_TAG
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,

@@ -51,7 +51,7 @@ from .progress_log import logged
 from .range_events import NO_GAP, no_gap
 from .resources import PgcdcResource, RangeLockResource, SparkResource
 from .row_counts import TargetRowCounts
-from .runs import lock_holder_name
+from .run_liveness import lock_holder_name
 
 REPLICATION_GROUP = "replication"
 

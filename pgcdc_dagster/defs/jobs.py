@@ -42,7 +42,7 @@ from .metadata import added_metadata, finish_metadata, prune_metadata
 from .progress_log import logged
 from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
-from .runs import RANGE_LOCK_TAG, lock_holder_name
+from .run_liveness import RANGE_LOCK_TAG, lock_holder_name
 
 FOLLOW_JOB = "follow"
 PRUNE_JOB = "prune"

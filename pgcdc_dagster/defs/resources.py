@@ -134,7 +134,7 @@ class RangeLockResource(ConfigurableResource):
     Required by every asset and op that receives, applies or snapshots; the jobs that run them
     execute in one process, so the lock is taken once per run. The run is also tagged with its
     process identity, so a dead worker is recognised at once on this host
-    (:mod:`pgcdc_dagster.defs.runs`).
+    (:mod:`pgcdc_dagster.defs.run_liveness`).
     """
 
     pgcdc: PgcdcResource
@@ -144,7 +144,7 @@ class RangeLockResource(ConfigurableResource):
     def yield_for_execution(self, context: InitResourceContext) -> Iterator["RangeLockResource"]:
         from ..engine import processes
         from ..engine.control.range_lock import range_lock, range_lock_or_way, take_over
-        from .runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
+        from .run_liveness import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
 
         settings = self.pgcdc.settings()
         run = context.run

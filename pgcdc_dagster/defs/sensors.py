@@ -5,9 +5,9 @@ Each tick (every query has a 3 s timeout):
 1. read the slot and the source's flushed WAL position; report an observation of the slot
    asset with the lag and the retained WAL (at most once a minute, see
    :func:`slot_observation`);
-2. judge the not-finished runs that hold the range lock (:mod:`.runs`): a run whose worker is
-   gone is marked failed, with the reason, and no longer counts; a live or queued one means
-   wait (ranges run one at a time);
+2. judge the not-finished runs that hold the range lock (:mod:`.run_liveness`): a run whose
+   worker is gone is marked failed, with the reason, and no longer counts; a live or queued
+   one means wait (ranges run one at a time);
 3. ask the engine for the next step (:func:`pipeline.next_step`, the durable facts only) towards
    the flushed WAL position: a stored range not yet applied, the next range to receive (capped
    in bytes), or nothing;
@@ -59,7 +59,7 @@ from .keys import SLOT_KEY, source_key
 from .metadata import number, text
 from .range_events import register_range
 from .resources import PgcdcResource
-from .runs import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
+from .run_liveness import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_finished
 
 CATCHUP_JOB = "catchup"
 

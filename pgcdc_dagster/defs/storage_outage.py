@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from ..engine.errors import PgcdcError
-from ..engine.follow.outage import OutageClock
+from ..engine.follow.outage_clock import OutageClock
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from psycopg import sql
 
 from pgcdc_dagster.definitions import build_definitions, resolve_tables
 from pgcdc_dagster.defs.partitions import LSN_RANGES
-from pgcdc_dagster.defs.runs import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
+from pgcdc_dagster.defs.run_liveness import PROCESS_TAG, RANGE_LOCK_TAG, lock_holder_name
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,

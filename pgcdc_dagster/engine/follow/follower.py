@@ -131,7 +131,7 @@ from ..spark.executors import SparkApp
 from ..store.output_store import OutputStore, RangeResult
 from .backlog import Backlog
 from .busy_time import BusyTime
-from .outage import OutageClock
+from .outage_clock import OutageClock
 
 if TYPE_CHECKING:
     from ..target.results import ApplyResult
