@@ -156,13 +156,16 @@ class RangeDecoder:
         lsns = np.fromiter(map(_first, rows), np.int64, len(rows))
         batch = MessageBatch.from_messages(list(map(_second, rows)))
         self.wire_bytes += int(batch.ends[-1]) if len(rows) else 0
+        self._assign_transactions(batch, lsns, self._decoded(batch, lsns))
+
+    def _decoded(self, batch: MessageBatch, lsns: np.ndarray) -> pa.Table:
+        """The batch's change rows (TRUNCATEs among them, in order), relations and types
+        taken in on the way; no transaction fields yet."""
         changes = decode_changes(batch)
         relver = np.zeros(len(changes.index), np.int32)
         truncates = self._walk_rare_messages(batch, lsns, changes, relver)
         table = self._change_rows(batch, lsns, changes, relver)
-        if truncates:
-            table = _merge_in_order(table, truncates)
-        self._assign_transactions(batch, lsns, table)
+        return _merge_in_order(table, truncates) if truncates else table
 
     def feed_streamed(
         self,
@@ -189,12 +192,7 @@ class RangeDecoder:
             if not keep or not len(lsns):
                 continue
             self.wire_bytes += int(batch.ends[-1])
-            changes = decode_changes(batch)
-            relver = np.zeros(len(changes.index), np.int32)
-            truncates = self._walk_rare_messages(batch, lsns, changes, relver)
-            table = self._change_rows(batch, lsns, changes, relver)
-            if truncates:
-                table = _merge_in_order(table, truncates)
+            table = self._decoded(batch, lsns)
             n = table.num_rows
             if n:
                 order = np.arange(seq, seq + n, dtype=np.int32)
