@@ -357,6 +357,12 @@ def parse_bytes(text: str) -> int:
     return int(match.group(1)) * _BYTE_UNITS[match.group(2)]
 
 
+def work_mem_setting(size: int) -> str:
+    """``logical_decoding_work_mem`` as the server takes it, from bytes (``decoding_work_mem``),
+    never below the server's minimum (64 kB)."""
+    return f"{max(64, size // 1024)}kB"
+
+
 def parse_tables(text: str | None) -> tuple[TableName, ...] | None:
     """``PGCDC_TABLES``: a comma list of ``schema.table`` (quoted parts may hold commas)."""
     if not text or not text.strip():

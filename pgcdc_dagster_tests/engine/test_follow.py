@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -11,7 +12,7 @@ import threading
 import time
 import tracemalloc
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pyarrow as pa
@@ -679,6 +680,22 @@ def test_a_head_start_works_before_its_consumer_exists_and_hands_over_lock_and_r
 # -- reading by stream once the follow keeps up --------------------------------------------------
 
 
+@contextlib.contextmanager
+def following(settings: ReplicationSettings) -> Iterator[Follower]:
+    """A follower without an endpos, running in a thread under the range lock, half a second
+    in (its stream or first peek under way); stopped and joined on the way out."""
+    follower = Follower(settings)
+    thread = threading.Thread(target=lambda: list(follower.run()))
+    with pipeline.range_lock(settings):
+        thread.start()
+        try:
+            time.sleep(0.5)
+            yield follower
+        finally:
+            follower.stop("test")
+            thread.join()
+
+
 def streaming_sessions(dsn: str) -> int:
     """The follower's walsender sessions on the source (``START_REPLICATION`` under way)."""
     with psycopg.connect(dsn) as conn:
@@ -732,22 +749,14 @@ def test_an_idle_follow_moves_the_slot_by_either_reader(settings, follow_read):
     """Both readers keep the slot moving while WAL moves elsewhere, by empty ranges now and
     then (the stream by its keepalives' positions)."""
     settings = settings.model_copy(update={"follow_read": follow_read})
-    follower = Follower(settings)
-    thread = threading.Thread(target=lambda: list(follower.run()))
-    with pipeline.range_lock(settings):
-        thread.start()
-        try:
-            time.sleep(0.5)
-            assert streaming_sessions(settings.source_dsn) == (follow_read == "stream")
-            run_sql(settings.source_dsn, "INSERT INTO unpublished (payload) VALUES ('w')")
-            moved_to = flush_lsn(settings.source_dsn)
-            deadline = time.monotonic() + 10
-            while read_slot_confirmed(settings) < moved_to and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert read_slot_confirmed(settings) >= moved_to
-        finally:
-            follower.stop("test")
-            thread.join()
+    with following(settings) as follower:
+        assert streaming_sessions(settings.source_dsn) == (follow_read == "stream")
+        run_sql(settings.source_dsn, "INSERT INTO unpublished (payload) VALUES ('w')")
+        moved_to = flush_lsn(settings.source_dsn)
+        deadline = time.monotonic() + 10
+        while read_slot_confirmed(settings) < moved_to and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert read_slot_confirmed(settings) >= moved_to
     assert follower.summary.transactions == 0 and follower.summary.ranges >= 1
     assert (follower.summary.streams >= 1) == (follow_read == "stream")
 
@@ -755,27 +764,19 @@ def test_an_idle_follow_moves_the_slot_by_either_reader(settings, follow_read):
 def test_a_200k_row_transaction_read_by_stream_is_stored_whole_in_bounded_memory(settings):
     """A big transaction reaches a follow that streams: it is decoded in batches and spilled
     (as by a peek), stored whole in one range, and the follow goes on streaming."""
-    follower = Follower(settings)
-    thread = threading.Thread(target=lambda: list(follower.run()))
     tracemalloc.start()
     try:
-        with pipeline.range_lock(settings):
-            thread.start()
-            try:
-                time.sleep(0.5)
-                run_sql(
-                    settings.source_dsn,
-                    "INSERT INTO log SELECT g, repeat('z', 40) FROM generate_series(1, 200000) g",
-                )
-                run_sql(settings.source_dsn, "INSERT INTO log VALUES (0, 'after')")
-                deadline = time.monotonic() + 60
-                while count(settings.target_dsn, "log") < 200_001:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.2)
-                assert streaming_sessions(settings.source_dsn) == 1
-            finally:
-                follower.stop("test")
-                thread.join()
+        with following(settings) as follower:
+            run_sql(
+                settings.source_dsn,
+                "INSERT INTO log SELECT g, repeat('z', 40) FROM generate_series(1, 200000) g",
+            )
+            run_sql(settings.source_dsn, "INSERT INTO log VALUES (0, 'after')")
+            deadline = time.monotonic() + 60
+            while count(settings.target_dsn, "log") < 200_001:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert streaming_sessions(settings.source_dsn) == 1
         _, python_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -940,47 +941,37 @@ def test_a_transaction_streamed_before_its_commit_enters_the_range_of_its_commit
     savepoint's rows; the aborted one leaves nothing. The follow never leaves the stream, and
     the target ends equal."""
     settings = streamed_settings(settings)
-    follower = Follower(settings)
-    thread = threading.Thread(target=lambda: list(follower.run()))
-    with pipeline.range_lock(settings):
-        thread.start()
-        try:
-            time.sleep(0.5)
-            with (
-                psycopg.connect(settings.source_dsn) as big,
-                psycopg.connect(settings.source_dsn, autocommit=True) as small,
-            ):
-                xid = big.execute("SELECT txid_current()").fetchone()[0]
-                for part in range(4):
-                    big.execute(
-                        "INSERT INTO log SELECT g, repeat('s', 60) "
-                        "FROM generate_series(%s::int, %s::int) g",
-                        (part * 5000 + 1, part * 5000 + 5000),
-                    )
-                    small.execute(
-                        "UPDATE items SET name = %s WHERE id = %s", (f"p{part}", part + 1)
-                    )
-                    time.sleep(0.3)  # ranges are cut while the transaction is open
-                big.execute("SAVEPOINT a")
-                big.execute("INSERT INTO log SELECT -g, 'gone' FROM generate_series(1, 5000) g")
-                big.execute("ROLLBACK TO SAVEPOINT a")
-                big.execute("SAVEPOINT b")
-                big.execute("UPDATE items SET name = 'big' WHERE id <= 500")
-                big.execute("RELEASE SAVEPOINT b")
-                big.execute("DELETE FROM log WHERE n BETWEEN 1 AND 100")
-                big.commit()
-                big.execute("INSERT INTO log SELECT -g, 'aborted' FROM generate_series(1, 8000) g")
-                big.rollback()
-                small.execute("INSERT INTO log VALUES (0, 'after')")
-            expected = count(settings.source_dsn, "log")
-            deadline = time.monotonic() + 60
-            while count(settings.target_dsn, "log") != expected:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
-            assert streaming_sessions(settings.source_dsn) == 1
-        finally:
-            follower.stop("test")
-            thread.join()
+    with following(settings) as follower:
+        with (
+            psycopg.connect(settings.source_dsn) as big,
+            psycopg.connect(settings.source_dsn, autocommit=True) as small,
+        ):
+            xid = big.execute("SELECT txid_current()").fetchone()[0]
+            for part in range(4):
+                big.execute(
+                    "INSERT INTO log SELECT g, repeat('s', 60) "
+                    "FROM generate_series(%s::int, %s::int) g",
+                    (part * 5000 + 1, part * 5000 + 5000),
+                )
+                small.execute("UPDATE items SET name = %s WHERE id = %s", (f"p{part}", part + 1))
+                time.sleep(0.3)  # ranges are cut while the transaction is open
+            big.execute("SAVEPOINT a")
+            big.execute("INSERT INTO log SELECT -g, 'gone' FROM generate_series(1, 5000) g")
+            big.execute("ROLLBACK TO SAVEPOINT a")
+            big.execute("SAVEPOINT b")
+            big.execute("UPDATE items SET name = 'big' WHERE id <= 500")
+            big.execute("RELEASE SAVEPOINT b")
+            big.execute("DELETE FROM log WHERE n BETWEEN 1 AND 100")
+            big.commit()
+            big.execute("INSERT INTO log SELECT -g, 'aborted' FROM generate_series(1, 8000) g")
+            big.rollback()
+            small.execute("INSERT INTO log VALUES (0, 'after')")
+        expected = count(settings.source_dsn, "log")
+        deadline = time.monotonic() + 60
+        while count(settings.target_dsn, "log") != expected:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert streaming_sessions(settings.source_dsn) == 1
     assert follower.summary.streams == 1  # never left for a peek
     assert streamed_transactions(settings) >= 2
     assert equal(settings)
@@ -997,11 +988,23 @@ def test_a_transaction_streamed_before_its_commit_enters_the_range_of_its_commit
     assert not list(store.streaming_dir.glob("*"))
 
 
-def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once(settings):
-    """SIGKILL of a real follower process while it spools a transaction streamed before its
-    COMMIT (the slot confirmed past the transaction's start by ranges cut meanwhile). The
-    transaction commits after the kill; a new follow is sent it again, whole, and applies it
-    exactly once; what the killed process spooled is gone."""
+@pytest.mark.parametrize(
+    ("point", "commit_first"),
+    [
+        # While a block is spooled; the transaction commits after the kill.
+        ("receive.streamed=kill@3", False),
+        # Once it committed, while its spool is written into its range.
+        ("receive.streamed_commit=kill@1", True),
+    ],
+)
+def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once(
+    settings, point, commit_first
+):
+    """SIGKILL of a real follower process holding a transaction streamed before its COMMIT
+    (the slot confirmed past the transaction's start by ranges cut meanwhile): while it spools
+    a block, or once the transaction committed, while it is written into its range. A new
+    follow is sent the transaction again, whole, and applies it exactly once; what the killed
+    process spooled is gone."""
     settings = streamed_settings(settings)
     opened = threading.Event()
     done = threading.Event()
@@ -1017,7 +1020,7 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
                 opened.set()
                 if done.wait(0.4):
                     break
-            while not done.wait(0.1):
+            while not commit_first and not done.wait(0.1):
                 pass
             big.commit()
 
@@ -1025,7 +1028,7 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
     writing.start()
     try:
         opened.wait(10)
-        kill_follower(settings, None, "receive.streamed=kill@3")
+        kill_follower(settings, None, point)
     finally:
         done.set()
         writing.join()
@@ -1036,4 +1039,5 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
     assert count(settings.target_dsn, "log") == count(settings.source_dsn, "log") > 0
     assert equal(settings)
     assert not list(store.streaming_dir.glob("*"))
+    assert not [n for n in on_disk(store) if n.startswith(".tmp-")]
     assert_chain_records(store, pipeline.origin_progress(settings))

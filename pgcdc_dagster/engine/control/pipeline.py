@@ -27,7 +27,7 @@ from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn, LsnRange
 from ..progress import SnapshotProgress, active, publish
-from ..settings import ReplicationSettings
+from ..settings import ReplicationSettings, work_mem_setting
 from ..source.peek import receive
 from ..source.slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
 from ..store.output_store import Chain, OutputStore, RangeResult, StoredRange, StoreError
@@ -429,7 +429,7 @@ def decoding_session(settings: ReplicationSettings) -> psycopg.Connection[Any]:
     if settings.decoding_work_mem:
         conn.execute(
             "SELECT set_config('logical_decoding_work_mem', %s, false)",
-            (f"{max(64, settings.decoding_work_mem // 1024)}kB",),
+            (work_mem_setting(settings.decoding_work_mem),),
         )
         conn.commit()
     return conn

@@ -86,7 +86,8 @@ class StreamedTransactions:
     def begin(self, xid: int, first_lsn: int) -> None:
         """A block of ``xid`` starts at ``first_lsn`` (its first block: the transaction's
         first LSN)."""
-        self._open.setdefault(xid, _Spooled(first_lsn))
+        if xid not in self._open:
+            self._open[xid] = _Spooled(first_lsn)
 
     def add(self, xid: int, rows: Sequence[tuple[int, bytes]]) -> None:
         """Spool a block's ``(lsn, message)`` rows, as the stream received them."""
@@ -146,6 +147,7 @@ class StreamedTransactions:
         spooled = self._open.pop(xid, None)
         if spooled is None:
             return
+        failpoint("receive.streamed_commit")
         try:
             for chunk in spooled.chunks:
                 yield _read(chunk.path)

@@ -37,6 +37,7 @@ from psycopg import pq, sql
 from ..connect import connect
 from ..decode.pgoutput import PG_EPOCH_OFFSET_US
 from ..lsn import Lsn
+from ..settings import work_mem_setting
 
 _XLOG_DATA_SIZE = struct.calcsize(">cQQq")  # 'w', dataStart, walEnd, sendTime; the message
 _unpack_lsn = struct.Struct(">Q").unpack_from  # an XLogData's dataStart, at offset 1
@@ -95,7 +96,7 @@ class SlotStream:
         )
         try:
             if work_mem:
-                setting = f"SET logical_decoding_work_mem = '{max(64, work_mem // 1024)}kB'"
+                setting = f"SET logical_decoding_work_mem = '{work_mem_setting(work_mem)}'"
                 done = self.pg.exec_(setting.encode())
                 if done.status != pq.ExecStatus.COMMAND_OK:
                     self._raise(done)
