@@ -40,8 +40,8 @@ from apply import bench_clusters, warm_command_server
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
-from pgcdc_dagster.engine.connect import libpq_tool
 from pgcdc_dagster.engine.lsn import Lsn
+from pgcdc_dagster.engine.postgres_installs import libpq_tool
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

@@ -72,9 +72,14 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         )
         result = run_job("snapshot", run_config=config)
     meta = materialization_metadata(result, "base_snapshot")
+    if args.json:
+        plain = {k: v for k, v in meta.items() if isinstance(v, str | int | float | bool)}
+        print(json.dumps(plain, indent=2))
+        return 0
     print(
         f"base snapshot taken: consistent point {meta.get('consistent_point')}, "
-        f"{meta.get('rows')} rows, {meta.get('seconds')} s{_on_spark(meta, 'copied tables')}"
+        f"{meta.get('rows')} rows, {meta.get('seconds')} s{_on_spark(meta, 'copied tables')}; "
+        f"PostgreSQL {meta.get('source_version')} to {meta.get('target_version')}"
     )
     return 0
 
@@ -316,8 +321,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     except PgcdcError as exc:
         next_step = f"blocked: {exc}"
     agreement = pipeline.tables_agreement(settings)
+    versions = pipeline.server_versions(settings)
     status = {
         "slot": settings.slot,
+        "source_version": versions["source"],
+        "target_version": versions["target"],
         "confirmed_flush_lsn": str(positions.slot.confirmed_flush_lsn),
         "restart_lsn": str(positions.slot.restart_lsn),
         "wal_status": positions.slot.wal_status,
@@ -669,6 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("snapshot", help="materialise base_snapshot (the initial copy)")
     p.add_argument("--resnapshot", action="store_true", help="re-copy a populated target")
+    p.add_argument("--json", action="store_true", help="the snapshot's metadata, as JSON")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for a run in flight")
     p.set_defaults(func=cmd_snapshot)
     p = sub.add_parser("catchup", help="receive and apply up to endpos (follow with an endpos)")

@@ -9,6 +9,9 @@ imported: a command that runs no job does not pay for them.
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 import sys
 import time
 from typing import Any
@@ -50,7 +53,9 @@ def run_job(
 ) -> Any:
     """Execute a job of the code location in this process, recorded in the instance and tagged
     with this process's identity (so that, if this process dies, the next command sees at once
-    that the run is dead)."""
+    that the run is dead), and with who launched it: ``dagster/user`` is the tag Dagster's Runs
+    list shows as "Launched by" (else it reads "Manually launched"); here it is the OS account
+    and host of the command, ``user@host``."""
     from .defs.run_liveness import PROCESS_TAG
     from .engine import processes
 
@@ -59,12 +64,24 @@ def run_job(
         instance=dagster_instance(),
         partition_key=partition_key,
         run_config={**QUIET, **(run_config or {})},
-        tags={PROCESS_TAG: processes.identity()},
+        tags={PROCESS_TAG: processes.identity(), LAUNCHED_BY_TAG: launched_by()},
         raise_on_error=False,
     )
     if not result.success and not allow_failure:
         raise RunFailedError(f"{name} run {result.run_id} failed: {failure_text(result)}")
     return result
+
+
+LAUNCHED_BY_TAG = "dagster/user"
+
+
+def launched_by() -> str:
+    """``user@host`` of this command, for the Runs list's "Launched by"."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
 
 
 def failure_text(result: Any) -> str:

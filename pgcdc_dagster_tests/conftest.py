@@ -50,9 +50,7 @@ def target_cluster() -> Iterator[LocalCluster]:
     cluster.destroy()
 
 
-def _fresh_database(
-    cluster: LocalCluster, label: str, encoding: str | None = None
-) -> Iterator[str]:
+def fresh_database(cluster: LocalCluster, label: str, encoding: str | None = None) -> Iterator[str]:
     """A database of its own on ``cluster`` (in ``encoding``, from template0, when given),
     dropped with its slots afterwards."""
     name = f"{label}_{uuid.uuid4().hex[:10]}"
@@ -88,13 +86,13 @@ def _fresh_database(
 @pytest.fixture
 def source_dsn(source_cluster: LocalCluster) -> Iterator[str]:
     """A fresh database on the logical source cluster."""
-    yield from _fresh_database(source_cluster, "src")
+    yield from fresh_database(source_cluster, "src")
 
 
 @pytest.fixture
 def target_dsn(target_cluster: LocalCluster) -> Iterator[str]:
     """A fresh database on the target cluster."""
-    yield from _fresh_database(target_cluster, "tgt")
+    yield from fresh_database(target_cluster, "tgt")
 
 
 @pytest.fixture
@@ -105,7 +103,7 @@ def encoded_databases(source_cluster, target_cluster) -> Iterator[Callable[[str,
 
         def make(side: str, encoding: str) -> str:
             cluster = source_cluster if side == "source" else target_cluster
-            made = _fresh_database(cluster, side[:3], encoding)
+            made = fresh_database(cluster, side[:3], encoding)
             stack.callback(made.close)
             return next(made)
 

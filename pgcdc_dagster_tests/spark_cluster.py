@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from pgcdc_dagster.engine.spark.java import NoJavaError, ensure_java
 from pgcdc_dagster.engine.spark.server import free_port
 
 WORKERS = 2
@@ -60,11 +60,10 @@ def spark_home() -> Path:
             f"{home} has no bin/spark-class or jars/spark-core*.jar: the pyspark wheel is "
             "incomplete; reinstall pyspark"
         )
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        raise SparkClusterError(
-            "no java on PATH and no JAVA_HOME: a Spark standalone cluster needs a JRE "
-            "(apt-get install openjdk-17-jre-headless)"
-        )
+    try:
+        ensure_java()
+    except NoJavaError as exc:
+        raise SparkClusterError(str(exc)) from None
     return home
 
 

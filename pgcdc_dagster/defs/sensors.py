@@ -26,6 +26,7 @@ the ``slot_health`` and the ``store_retention`` checks, recording each when its 
 import json
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -64,13 +65,19 @@ from .run_liveness import ALIVE, QUEUED, fail_dead_runs, judge, pgcdc_runs_not_f
 CATCHUP_JOB = "catchup"
 
 
+DAEMON_TICK_FLOOR_S = 5
+"""Dagster's sensor daemon evaluates a sensor at most this often, whatever the sensor asks
+(``MIN_INTERVAL_LOOP_TIME``, no setting): a shorter interval would only make the UI's
+"Frequency" line promise ticks that never come."""
+
+
 def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # type: ignore[no-untyped-def]
     follow = mode == "follow"
 
     @sensor(
         name="slot_progress_sensor",
         job_name=FOLLOW_JOB if follow else CATCHUP_JOB,
-        minimum_interval_seconds=interval_s,
+        minimum_interval_seconds=max(interval_s, DAEMON_TICK_FLOOR_S),
         default_status=DefaultSensorStatus.RUNNING,
         description="Keeps catch-up going: a follow run alive (follow mode) or the next "
         "per-range catch-up run (range mode); fails runs whose worker died; reports the slot's "
@@ -98,7 +105,9 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
 
         def result(**outcome: Any) -> SensorResult:
             return SensorResult(
-                asset_events=[*events, *checked], cursor=json.dumps(cursor), **outcome
+                asset_events=[*events, *checked],
+                cursor=json.dumps(cursor, sort_keys=True),
+                **outcome,
             )
 
         try:
@@ -111,8 +120,8 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
             live = [v for v in verdicts if v.state in (ALIVE, QUEUED)]
             if live:
                 return result(
-                    skip_reason=f"a catch-up run is in flight: {live[0].run.run_id} "
-                    f"({live[0].reason})",
+                    skip_reason=f"a {live[0].run.job_name} run is in flight: "
+                    f"{live[0].run.run_id} ({live[0].reason})",
                 )
             if holders:
                 return result(skip_reason=f"the range lock is held by {holders[0].holder}")
@@ -144,6 +153,23 @@ def _parse(cursor: str | None) -> dict[str, Any]:
     return last if isinstance(last, dict) else {}
 
 
+def _stamp(at: float) -> str:
+    """A cursor's time as people read it on the sensor's page: UTC, to the second."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _since(stamp: Any, now: float) -> float:
+    """Seconds from a cursor's time (:func:`_stamp`; an epoch number from an older cursor) to
+    ``now``; anything unreadable counts as long ago, which only makes the next record due."""
+    if isinstance(stamp, int | float):
+        return now - float(stamp)
+    try:
+        at = datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return float("inf")
+    return now - at.timestamp()
+
+
 CHECKED_EVERY_S = 60.0
 """The slot sensor evaluates each of the replication's checks (:data:`SENSOR_CHECKS`) at most
 this often (a query of the source's publication or of the target's origin, and of the store)."""
@@ -170,13 +196,13 @@ def check_evaluation(
     due, and its part of the next cursor (``last``: the part before)."""
     last = last if isinstance(last, dict) else {}
     now = time.time()
-    if now - float(last.get("checked_at", 0)) < CHECKED_EVERY_S:
+    if _since(last.get("checked_at"), now) < CHECKED_EVERY_S:
         return [], last
     name, evaluate = SENSOR_CHECKS[part]
     result = evaluate(settings)
     said = [result.passed, result.description]
-    state = {**last, "checked_at": now}
-    if said == last.get("said") and now - float(last.get("recorded_at", 0)) < RECORDED_EVERY_S:
+    state = {**last, "checked_at": _stamp(now)}
+    if said == last.get("said") and _since(last.get("recorded_at"), now) < RECORDED_EVERY_S:
         return [], state
     evaluation = AssetCheckEvaluation(
         asset_key=SLOT_KEY,
@@ -186,7 +212,7 @@ def check_evaluation(
         severity=result.severity,
         description=result.description,
     )
-    return [evaluation], {**state, "said": said, "recorded_at": now}
+    return [evaluation], {**state, "said": said, "recorded_at": _stamp(now)}
 
 
 SOURCES_OBSERVED_EVERY_S = 3600.0
@@ -203,7 +229,7 @@ def source_observations(
     part of the next cursor (``last``: the part before)."""
     last = last if isinstance(last, dict) else {}
     now = time.time()
-    if now - float(last.get("observed_at", 0)) < SOURCES_OBSERVED_EVERY_S:
+    if _since(last.get("observed_at"), now) < SOURCES_OBSERVED_EVERY_S:
         return [], last
     try:
         estimates = pipeline.source_row_estimates(settings, timeout_s=3)
@@ -216,7 +242,7 @@ def source_observations(
         )
         for table, rows in estimates.items()
     ]
-    return observations, {"observed_at": now}
+    return observations, {"observed_at": _stamp(now)}
 
 
 def slot_observation(
@@ -234,10 +260,7 @@ def slot_observation(
     slot = positions.slot
     state = {"wal_status": str(slot.wal_status), "active": str(slot.active)}
     now = time.time()
-    if (
-        now - float(last.get("observed_at", 0)) < SLOT_OBSERVED_EVERY_S
-        and last.get("state") == state
-    ):
+    if _since(last.get("observed_at"), now) < SLOT_OBSERVED_EVERY_S and last.get("state") == state:
         return [], dict(last)
     observation = AssetObservation(
         SLOT_KEY,
@@ -251,4 +274,4 @@ def slot_observation(
             "active": text(slot.active),
         },
     )
-    return [observation], {**last, "observed_at": now, "state": state}
+    return [observation], {**last, "observed_at": _stamp(now), "state": state}

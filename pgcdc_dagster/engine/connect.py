@@ -6,14 +6,9 @@ names the server by host, port, database and user only; the conninfo itself is n
 
 from __future__ import annotations
 
-import functools
-import glob
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -243,47 +238,7 @@ def server_errors(role: str, dsn: str) -> Iterator[None]:
         ) from exc
 
 
-# -- libpq command-line tools (pg_dump, psql, pgbench) ---------------------------------------
-
-
-@functools.cache
-def postgres_bindir() -> Path | None:
-    """The PostgreSQL server installation's binaries: ``pg_config --bindir`` if it holds
-    ``initdb``, else the newest ``/usr/lib/postgresql/*/bin`` (Debian keeps them off the PATH).
-    The newest major is preferred: its pg_dump can dump every older server. Looked up once per
-    process: it runs ``pg_config``, and every tool a snapshot starts (``psql`` per
-    range, ``pg_dump``, ``pg_restore``) asks."""
-    candidates: list[Path] = []
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, check=False)
-        if out.returncode == 0:
-            candidates.append(Path(out.stdout.strip()))
-    versions = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin"),
-        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
-        reverse=True,
-    )
-    candidates += [Path(p) for p in versions]
-    for bindir in candidates:
-        if (bindir / "initdb").exists() and (bindir / "pg_ctl").exists():
-            return bindir
-    return None
-
-
-def libpq_tool(name: str) -> str:
-    """``pg_dump``/``pg_restore``/``psql``/``pgbench``: next to the server binaries, else on
-    the PATH."""
-    bindir = postgres_bindir()
-    if bindir is not None and (bindir / name).exists():
-        return str(bindir / name)
-    found = shutil.which(name)
-    if found is None:
-        raise ConnectError(
-            f"{name} not found next to the PostgreSQL server binaries nor on the PATH: "
-            "install the PostgreSQL client (apt-get install postgresql-client-15)"
-        )
-    return found
+# -- libpq command-line tools (pg_dump, psql, pgbench; found by .postgres_installs) ----------
 
 
 _LIBPQ_ENVIRONMENT = {

@@ -39,7 +39,8 @@ POINTS: dict[str, str] = {
     "receive.fetching": "a range's changes are being read from the slot",
     "receive.streamed": "a block of a transaction streamed before its COMMIT is being spooled",
     "receive.streamed_commit": "a streamed transaction committed; its spool is being written "
-    "into its range (not stored yet), the slot not confirmed past it",
+    "into its range, a chunk at a time (hit before each; not stored yet), the slot not confirmed "
+    "past it",
     "catchup.before_apply": "the slot is advanced past a stored range; nothing applied yet",
     "apply.staging": "a partition of a big range is staged (a Spark worker committed its part "
     "of the shared staging tables, or this process staged one inside the apply transaction)",

@@ -13,6 +13,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -224,9 +225,10 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
     assert quiet.asset_events == [] and quiet.cursor == tick.cursor
     assert [q.partition_key for q in quiet.run_requests] == [first.partition_key]
     aged = json.loads(tick.cursor)
-    aged["observed_at"] -= 61
+    observed = aged["observed_at"]
+    aged["observed_at"] = _older(observed, 61)
     assert len(r.sensor(cursor=json.dumps(aged)).asset_events) == 1
-    aged["observed_at"] += 61
+    aged["observed_at"] = observed
     aged["state"]["active"] = "True" if aged["state"]["active"] == "False" else "False"
     assert len(r.sensor(cursor=json.dumps(aged)).asset_events) == 1
 
@@ -387,11 +389,17 @@ def _tables_check(tick) -> list[AssetCheckEvaluation]:
     ]
 
 
+def _older(stamp: str, seconds: float) -> str:
+    """A sensor cursor's time (UTC, to the second) moved ``seconds`` back."""
+    at = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    return (at - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _aged(cursor: str) -> str:
     """``cursor`` as if the sensor's last look at its checks were a minute older."""
     aged = json.loads(cursor)
     for part in ("health", "tables", "retention"):
-        aged[part]["checked_at"] -= 61
+        aged[part]["checked_at"] = _older(aged[part]["checked_at"], 61)
     return json.dumps(aged)
 
 

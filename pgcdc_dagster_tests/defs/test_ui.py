@@ -54,6 +54,7 @@ query {
         runId
         pipelineName
         repositoryOrigin { repositoryLocationName repositoryName }
+        tags { key value }
       }
     }
   }
@@ -80,6 +81,7 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
     from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import LOCATION_NAME, REPOSITORY_NAME, dagster_instance
     from pgcdc_dagster.defs.partitions import LSN_RANGES
+    from pgcdc_dagster.runner import launched_by as launched_by_here
     from pgcdc_dagster.runner import run_job
 
     monkeypatch.setattr(instance_module, "_instance", None)
@@ -151,6 +153,9 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
             == {"repositoryLocationName": LOCATION_NAME, "repositoryName": REPOSITORY_NAME}
             for r in runs
         ), [r["pipelineName"] for r in runs if not r["repositoryOrigin"]]
+        # Each says who launched it (the Runs list's "Launched by"), not "Manually launched".
+        launched_by = [{t["key"]: t["value"] for t in r["tags"]}.get("dagster/user") for r in runs]
+        assert set(launched_by) == {launched_by_here()}, launched_by
 
     # Partition keys are the X/Y form every other screen shows (a search for an LSN finds
     # them), listed in LSN order, each range starting where the one before ended.

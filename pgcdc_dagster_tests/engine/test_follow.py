@@ -31,7 +31,7 @@ from pgcdc_dagster.engine.source import walsender as slot_stream
 from pgcdc_dagster.engine.source.peek import receive_in_cuts
 from pgcdc_dagster.engine.source.slot import read_slot
 from pgcdc_dagster.engine.store.output_store import EndposOutcome
-from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+from pgcdc_dagster_tests.pg import flush_lsn, run_sql, set_for_database
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
 
 SCHEMA = """
@@ -986,6 +986,38 @@ def test_a_transaction_streamed_before_its_commit_enters_the_range_of_its_commit
     assert holding[0].changes - (20_000 + 500 + 100) in (0, 1)
     assert_chain_records(store, pipeline.origin_progress(settings))
     assert not list(store.streaming_dir.glob("*"))
+
+
+def test_a_streamed_transaction_written_into_its_range_for_longer_than_the_walsender_timeout(
+    settings, monkeypatch
+):
+    """Writing a streamed transaction into its range reads nothing from the stream for as
+    long as it takes (minutes for 50M rows). With the source's ``wal_sender_timeout`` at 2 s
+    and each of its chunks taking 60 ms more, the walsender is told between chunks that the
+    session is alive: no cut, no outage, the transaction sent once."""
+    settings = streamed_settings(settings)
+    set_for_database(settings.source_dsn, wal_sender_timeout="2s")
+    monkeypatch.setenv(failpoints.ENV, "receive.streamed_commit=sleep(0.06)")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
+    with following(settings) as follower:
+        with psycopg.connect(settings.source_dsn) as big:
+            for part in range(6):
+                big.execute(
+                    "INSERT INTO log SELECT g, repeat('w', 60) "
+                    "FROM generate_series(%s::int, %s::int) g",
+                    (part * 4000 + 1, part * 4000 + 4000),
+                )
+        expected = count(settings.source_dsn, "log")
+        deadline = time.monotonic() + 60
+        while count(settings.target_dsn, "log") != expected:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    # Dozens of chunks (a stream block of 64 kB is one): over 3 s without reading the stream.
+    assert failpoints._hits.get("receive.streamed_commit", 0) >= 50
+    assert follower.summary.outages == 0 and follower.summary.streams == 1
+    assert streamed_transactions(settings) >= 1
+    assert equal(settings)
 
 
 @pytest.mark.parametrize(

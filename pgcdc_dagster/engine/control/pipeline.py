@@ -634,6 +634,17 @@ def _apply_stored(
     return applied
 
 
+def server_versions(settings: ReplicationSettings) -> dict[str, str]:
+    """Both servers' releases (``15.20``), by role: a replication may cross majors."""
+    from ..postgres_installs import release
+
+    versions = {}
+    for role, dsn in (("source", settings.source_dsn), ("target", settings.target_dsn)):
+        with connect(dsn, role=role, autocommit=True) as conn:
+            versions[role] = release(conn.info.server_version)
+    return versions
+
+
 def origin_progress(settings: ReplicationSettings) -> Lsn | None:
     """What the target has applied: the replication origin's durable progress."""
     return progress_of(settings.target_dsn, settings.origin)

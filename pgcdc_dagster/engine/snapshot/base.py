@@ -20,6 +20,7 @@ from ..connect import connect
 from ..errors import server_message
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName, origin_name
+from ..postgres_installs import release
 from ..progress import CopyWatcher
 from ..published_columns import PublishedShape, published_shapes
 from ..spark.executors import check_executors
@@ -333,7 +334,9 @@ def take_base_snapshot(
             is not None
         )
         resolved = check_source(src, tables, free_slots_needed=0 if slot_exists else 1)
+        source_version = release(src.info.server_version)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
+        target_version = release(tgt.info.server_version)
         existing, populated = populated_tables(tgt, resolved)
         check_origin_rights(tgt)
         check_room_for(tgt, origin)
@@ -426,4 +429,6 @@ def take_base_snapshot(
         export_path=None if export_store is None else str(Path(export_store) / "snapshot"),
         shapes=schema.shapes,
         not_null_dropped=schema.not_null_dropped,
+        source_version=source_version,
+        target_version=target_version,
     )

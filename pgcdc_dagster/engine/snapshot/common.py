@@ -162,6 +162,9 @@ class SchemaRestoreResult:
     skipped: tuple[str, ...]
     """Objects deliberately not created, with the reason (a foreign key to a missing table)."""
     seconds: float
+    tools: str = ""
+    """The ``pg_dump`` that wrote the section, with its version and where it was found (see
+    :mod:`~pgcdc_dagster.engine.postgres_installs`)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,9 @@ class BaseSnapshotResult:
     not_null_dropped: tuple[str, ...] = ()
     """``table.column``: columns left out by a column list whose ``NOT NULL`` (without a
     default) was dropped on the target, which could otherwise store no row."""
+    source_version: str = ""
+    target_version: str = ""
+    """The servers' releases (``15.20``): a snapshot may cross majors, either way."""
 
     @property
     def rows(self) -> int:

@@ -18,9 +18,10 @@ import psycopg
 from psycopg import errors, pq, sql
 
 from ..catalog import rows_per_block
-from ..connect import ConnectError, connect, libpq_tool, libpq_tool_environment
+from ..connect import connect, libpq_tool_environment
 from ..errors import server_reason
 from ..identifiers import TableName
+from ..postgres_installs import ToolsError, libpq_tool
 from ..published_columns import PublishedShape, row_filter_sql
 from ..spark.executors import task_log
 from .common import (
@@ -277,7 +278,7 @@ def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearr
 def _psql() -> str | None:
     try:
         return libpq_tool("psql")
-    except ConnectError:
+    except ToolsError:
         return None
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..connect import connect, libpq_tool
+from ..connect import connect
 from ..identifiers import TableName
+from ..postgres_installs import Installation, tools_for
 from .common import (
     RESOLVE_TABLES,
     SchemaRestoreResult,
@@ -121,9 +122,9 @@ class _Address:
     identity: str
 
 
-def _read_toc(archive: Path, dsn: str) -> list[_TocEntry]:
+def _read_toc(archive: Path, dsn: str, tools: Installation) -> list[_TocEntry]:
     listing = run_tool(
-        [libpq_tool("pg_restore"), "--list", str(archive)],
+        [tools.tool("pg_restore"), "--list", str(archive)],
         dsn,
         role="source",
         what="pg_restore --list",
@@ -168,10 +169,15 @@ def _present_on_target(conn: psycopg.Connection[Any], address: _Address) -> bool
 
 
 def _dump_archive(
-    source_dsn: str, archive: Path, section: str, snapshot_name: str | None, selection: list[str]
+    source_dsn: str,
+    archive: Path,
+    section: str,
+    snapshot_name: str | None,
+    selection: list[str],
+    tools: Installation,
 ) -> None:
     argv = [
-        libpq_tool("pg_dump"),
+        tools.tool("pg_dump"),
         "--format=custom",
         "--schema-only",
         f"--section={section}",
@@ -191,7 +197,11 @@ def _dump_archive(
 
 
 def _restore_entries(
-    archive: Path, entries: Sequence[_TocEntry], source_dsn: str, target_dsn: str
+    archive: Path,
+    entries: Sequence[_TocEntry],
+    source_dsn: str,
+    target_dsn: str,
+    tools: Installation,
 ) -> None:
     """Replay ``entries`` of ``archive`` on the target in one transaction (psql, because
     pg_restore's scripts may hold psql meta-commands such as ``\\restrict``)."""
@@ -202,7 +212,7 @@ def _restore_entries(
     script = archive.with_suffix(".sql")
     run_tool(
         [
-            libpq_tool("pg_restore"),
+            tools.tool("pg_restore"),
             f"--use-list={listfile}",
             "--no-owner",
             "--no-privileges",
@@ -218,19 +228,89 @@ def _restore_entries(
         role="source",
         what="pg_restore",
     )
-    run_tool(
-        [
-            libpq_tool("psql"),
-            "--no-psqlrc",
-            "--quiet",
-            "--set=ON_ERROR_STOP=1",
-            "--single-transaction",
-            f"--file={script}",
-        ],
-        target_dsn,
-        role="target",
-        what="psql (restoring the schema)",
-    )
+    _drop_unknown_settings(script, target_dsn)
+    try:
+        run_tool(
+            [
+                tools.tool("psql"),
+                "--no-psqlrc",
+                "--quiet",
+                "--set=ON_ERROR_STOP=1",
+                "--single-transaction",
+                f"--file={script}",
+            ],
+            target_dsn,
+            role="target",
+            what="psql (restoring the schema)",
+        )
+    except SnapshotError as exc:
+        refused = _refused_entry(script, str(exc))
+        if refused is None:
+            raise
+        what, error = refused
+        raise SnapshotError(
+            f"the target refused {what} as pg_dump {tools.version} wrote it from the source: "
+            f"{error}; create it on the target in a form the target accepts (what the target "
+            "already has is kept), then run the snapshot again"
+        ) from None
+
+
+_SCRIPT_SETTING = re.compile(r"^SET (\w+) = .*;$")
+
+
+def _drop_unknown_settings(script: Path, target_dsn: str) -> None:
+    """Comment out the script's ``SET name = value;`` lines for settings the target does not
+    know. pg_restore writes its session settings for the source's major (PostgreSQL 17 and
+    later: ``SET transaction_timeout = 0``), and an older target refuses the whole script for
+    one unknown setting. A setting the target lacks cannot matter there."""
+    with connect(target_dsn, role="target", autocommit=True) as tgt:
+        known = {name for (name,) in tgt.execute("SELECT name FROM pg_settings").fetchall()}
+    text = script.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    changed = False
+    for i, line in enumerate(lines):
+        match = _SCRIPT_SETTING.match(line)
+        if match and match.group(1) not in known:
+            lines[i] = "-- not known to the target: " + line
+            changed = True
+    if changed:
+        script.write_text("".join(lines), encoding="utf-8")
+
+
+_PSQL_ERROR = re.compile(r"psql:[^\n]*?:(\d+): ERROR:\s*([^\n]*)")
+_ENTRY_HEADER = re.compile(r"^-- Name: (.*?); Type: (.*?); Schema: (.*?);")
+_VIRTUAL_COLUMN = re.compile(r"GENERATED ALWAYS AS \(.*\)(?!\s*STORED)\s*(,|$)", re.MULTILINE)
+
+
+def _refused_entry(script: Path, failure: str) -> tuple[str, str] | None:
+    """The object whose statement the target refused (``TABLE public.orders``), from the
+    entry header pg_restore writes above each object's statements, and the server's error
+    with a hint where the cause is known; ``None`` when psql's message names no line of
+    ``script``. Why: a target older than the source may refuse syntax a newer pg_dump writes,
+    and the user must know which object to create by hand, and how."""
+    match = _PSQL_ERROR.search(failure)
+    if match is None:
+        return None
+    failed_line, error = int(match.group(1)), match.group(2).strip()
+    what: str | None = None
+    statement: list[str] = []
+    with script.open(encoding="utf-8", errors="replace") as lines:
+        for number, line in enumerate(lines, start=1):
+            if number > failed_line:
+                break
+            if header := _ENTRY_HEADER.match(line):
+                name, kind, schema = header.groups()
+                what = f"{kind} {name}" if schema == "-" else f"{kind} {schema}.{name}"
+                statement = []
+            statement.append(line)
+    if what is None:
+        return None
+    if _VIRTUAL_COLUMN.search("".join(statement)):
+        error += (
+            " (a virtual generated column, new in PostgreSQL 18: on an older target, declare "
+            "it STORED, which replicates the same)"
+        )
+    return what, error
 
 
 def copy_schema_pre_data(
@@ -251,6 +331,7 @@ def copy_schema_pre_data(
         connect(source_dsn, role="source", autocommit=True) as src,
         snapshot_transaction(src, snapshot_name),
     ):
+        tools = tools_for(src.info.server_version)
         oids = resolve_oids(src, tables)
         closure_rows = src.execute(_CLOSURE, (list(oids.values()),)).fetchall()
         closure = {(int(c), int(o)) for c, o, _, _ in closure_rows}
@@ -263,8 +344,8 @@ def copy_schema_pre_data(
             archive = Path(tmp) / "pre-data.dump"
             selection = [f"--schema={dump_pattern(s)}" for s in schemas]
             selection += [f"--extension={dump_pattern(e)}" for e in extensions]
-            _dump_archive(source_dsn, archive, "pre-data", snapshot_name, selection)
-            toc = _read_toc(archive, source_dsn)
+            _dump_archive(source_dsn, archive, "pre-data", snapshot_name, selection, tools)
+            toc = _read_toc(archive, source_dsn, tools)
             wanted = [e for e in toc if (e.classid, e.objid) in closure]
             addresses = _addresses(src, [(e.classid, e.objid) for e in wanted])
             with connect(target_dsn, role="target", autocommit=True) as tgt:
@@ -280,13 +361,14 @@ def copy_schema_pre_data(
                 for e in toc
                 if (e.classid, e.objid) in kept_ids or (e.classid == 0 and e.rest in companions)
             ]
-            _restore_entries(archive, selected, source_dsn, target_dsn)
+            _restore_entries(archive, selected, source_dsn, target_dsn, tools)
     return SchemaRestoreResult(
         section="pre-data",
         created=tuple(_identity(addresses, e) for e in created),
         already_present=tuple(_identity(addresses, e) for e in present),
         skipped=(),
         seconds=time.perf_counter() - started,
+        tools=tools.describe(),
     )
 
 
@@ -410,6 +492,7 @@ def copy_schema_post_data(
         connect(target_dsn, role="target", autocommit=True) as tgt,
         tempfile.TemporaryDirectory(prefix="pgcdc-postdata-") as tmp,
     ):
+        tools = tools_for(src.info.server_version)
         existing = _on_target(tgt, tables)
         absent = [str(t) for t in tables if t not in existing]
         if absent:
@@ -425,8 +508,8 @@ def copy_schema_post_data(
             "--strict-names",
             *(f"--table={dump_pattern(t.schema, t.name)}" for t in (*tables, *partitions)),
         ]
-        _dump_archive(source_dsn, archive, "post-data", snapshot_name, selection)
-        listed = _read_toc(archive, source_dsn)
+        _dump_archive(source_dsn, archive, "post-data", snapshot_name, selection, tools)
+        listed = _read_toc(archive, source_dsn, tools)
         toc = [e for e in listed if e.classid != 0]
         addresses = _addresses(src, [(e.classid, e.objid) for e in toc])
         references = {
@@ -459,13 +542,14 @@ def copy_schema_post_data(
             for e in listed
             if (e.classid, e.objid) in kept or (e.classid == 0 and e.rest in attaches)
         ]
-        _restore_entries(archive, selected, source_dsn, target_dsn)
+        _restore_entries(archive, selected, source_dsn, target_dsn, tools)
     return SchemaRestoreResult(
         section="post-data",
         created=tuple(_identity(addresses, e) for e in selected),
         already_present=tuple(_identity(addresses, e) for e in present),
         skipped=tuple(skipped),
         seconds=time.perf_counter() - started,
+        tools=tools.describe(),
     )
 
 

@@ -150,7 +150,7 @@ def receive_streaming(
                                 control.commit_lsn,
                                 control.end_lsn,
                                 control.commit_ts_us,
-                                streamed.commit(control.xid),
+                                stream.alive_through(streamed.commit(control.xid)),
                             )
                             on_busy(fed, time.monotonic())
                             commits += 1

@@ -147,9 +147,9 @@ class StreamedTransactions:
         spooled = self._open.pop(xid, None)
         if spooled is None:
             return
-        failpoint("receive.streamed_commit")
         try:
             for chunk in spooled.chunks:
+                failpoint("receive.streamed_commit")
                 yield _read(chunk.path)
                 chunk.path.unlink()
         finally:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import select
 import struct
 import time
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple, TypeVar
 
 import psycopg
 from psycopg import pq, sql
@@ -39,6 +39,8 @@ from ..decode.pgoutput import PG_EPOCH_OFFSET_US
 from ..lsn import Lsn
 from ..settings import work_mem_setting
 
+T = TypeVar("T")
+
 _XLOG_DATA_SIZE = struct.calcsize(">cQQq")  # 'w', dataStart, walEnd, sendTime; the message
 _unpack_lsn = struct.Struct(">Q").unpack_from  # an XLogData's dataStart, at offset 1
 _KEEPALIVE = struct.Struct(">cQqB")  # 'k', walEnd, sendTime, replyRequested
@@ -46,7 +48,8 @@ _STATUS = struct.Struct(">cQQQqB")  # 'r', written, flushed, applied, sendTime, 
 
 FEEDBACK_S = 5.0
 """How often the stream tells the walsender where the store is, even with nothing new: well
-inside the default ``wal_sender_timeout`` (60 s), after which a silent client is cut off."""
+inside the default ``wal_sender_timeout`` (60 s), after which a silent client is cut off; a
+quarter of the session's ``wal_sender_timeout`` when that is shorter."""
 
 
 class Message(NamedTuple):
@@ -100,6 +103,7 @@ class SlotStream:
                 done = self.pg.exec_(setting.encode())
                 if done.status != pq.ExecStatus.COMMAND_OK:
                     self._raise(done)
+            self.feedback_s = self._feedback_interval()
             self.pg.send_query(command.as_bytes(self.conn))
             self._flush()
             while True:
@@ -114,11 +118,31 @@ class SlotStream:
             self.conn.close()  # no ``with`` holds it yet
             raise
 
+    def _feedback_interval(self) -> float:
+        """:data:`FEEDBACK_S`, or a quarter of this session's ``wal_sender_timeout`` (in ms;
+        0: none) when that is shorter: a role or database may set it low."""
+        done = self.pg.exec_(b"SELECT setting FROM pg_settings WHERE name = 'wal_sender_timeout'")
+        if done.status != pq.ExecStatus.TUPLES_OK:
+            self._raise(done)
+        value = done.get_value(0, 0)
+        timeout_ms = int(value) if value is not None else 0
+        return FEEDBACK_S if timeout_ms <= 0 else min(FEEDBACK_S, timeout_ms / 4000)
+
     def __enter__(self) -> SlotStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def alive_through(self, chunks: Iterable[T]) -> Iterator[T]:
+        """``chunks``, telling the walsender this session is alive between them: work between
+        two reads of the stream can last minutes (a transaction of 50M rows written into its
+        range), longer than ``wal_sender_timeout``, past which the walsender cuts the session
+        off and the transaction is sent again."""
+        for chunk in chunks:
+            self.feedback(self.flushed)
+            yield chunk
+        self.feedback(self.flushed)
 
     def close(self) -> None:
         """Close the session: its walsender lets the slot go once it sees the socket closed
@@ -152,9 +176,10 @@ class SlotStream:
 
     def feedback(self, flushed: int, *, force: bool = False) -> None:
         """Tell the walsender that everything before ``flushed`` is stored (the slot's confirmed
-        position moves there); sent at once when it moved, else every :data:`FEEDBACK_S`."""
+        position moves there); sent at once when it moved, else every :attr:`feedback_s`. Between
+        reads too: the walsender takes it whether or not what it sent was read."""
         now = time.monotonic()
-        if flushed == self.flushed and not force and now - self._fed_back < FEEDBACK_S:
+        if flushed == self.flushed and not force and now - self._fed_back < self.feedback_s:
             return
         self.flushed = max(self.flushed, flushed)
         sent = int(time.time() * 1_000_000) - PG_EPOCH_OFFSET_US

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..errors import PgcdcError
 from ..processes import pid_running
+from .java import ensure_java
 
 RECORD = "spark-connect.json"
 START_TIMEOUT_S = 120.0
@@ -99,6 +100,7 @@ def start(store: Path, master: str = "local[*]") -> tuple[SparkServer, bool]:
         return found, False
     import pyspark
 
+    ensure_java()
     home = Path(pyspark.__file__).parent
     work = store / "spark-connect"
     work.mkdir(parents=True, exist_ok=True)
@@ -130,7 +132,7 @@ def start(store: Path, master: str = "local[*]") -> tuple[SparkServer, bool]:
     if done.returncode != 0:
         raise SparkServerError(
             f"start-connect-server.sh failed ({done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[-300:]}; is Java 17 installed?"
+            f"{(done.stderr or done.stdout).strip()[-300:]}"
         )
     pid_files = list(work.glob(f"*pgcdc-{port}*.pid"))
     pid = int(pid_files[0].read_text().strip()) if pid_files else 0

@@ -37,6 +37,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from .executors import ship_code
+from .java import ensure_java
 
 DEFAULT_MASTER = "local[*]"
 LOCAL_SHUFFLE_PARTITIONS = 4
@@ -61,6 +62,7 @@ def get_spark(
         return connect_session
 
     master = master or DEFAULT_MASTER
+    ensure_java()
     if master.startswith("local"):
         # Only here: on a cluster the executors connect back to the driver, so it must not
         # bind loopback.
