@@ -8,9 +8,14 @@ cutover (the sequences); the target equals the source, and the versions are repo
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -215,3 +220,41 @@ def test_an_object_an_older_target_cannot_create_is_named_with_the_fix(across, c
     assert code == 0, err
     with psycopg.connect(target_dsn) as conn:
         assert conn.execute("SELECT sum(scaled), count(*) FROM gauges").fetchone() == (4750, 30)
+
+
+@pytest.mark.parametrize("across", ["older_to_newer"], indirect=True)
+def test_a_catchup_killed_at_its_commit_leaves_a_newer_targets_origin_where_it_was(across):
+    """On a PostgreSQL 18 target, a transaction marked with the origin's new progress that
+    aborts moves the origin too (15 does not). ``pgcdc catchup`` SIGKILLed inside its apply
+    transaction, rows written, just before its COMMIT: the origin stays where it was, and a
+    plain catchup then applies the range, exactly once."""
+    source_dsn, target_dsn = across["PGCDC_SOURCE_DSN"], across["PGCDC_TARGET_DSN"]
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(SCHEMA)
+    pgcdc = str(Path(sys.executable).parent / "pgcdc")
+    env = {**os.environ, "PGCDC_SERVER": "off"}
+    taken = subprocess.run([pgcdc, "snapshot"], env=env, capture_output=True, text=True)
+    assert taken.returncode == 0, taken.stderr
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(WRITES)
+
+    def progress() -> str:
+        with psycopg.connect(target_dsn) as conn:
+            row = conn.execute("SELECT remote_lsn::text FROM pg_replication_origin_status")
+            return row.fetchone()[0]
+
+    before = progress()
+    killed = subprocess.run(
+        [pgcdc, "catchup"],
+        env={**env, "PGCDC_FAILPOINT": "apply.in_transaction=kill"},
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert progress() == before
+    done = subprocess.run([pgcdc, "catchup"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert progress() != before
+    verified = subprocess.run([pgcdc, "verify", "--json"], env=env, capture_output=True, text=True)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert all(t["equal"] for t in json.loads(verified.stdout)["tables"])

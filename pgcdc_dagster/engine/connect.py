@@ -124,7 +124,11 @@ def connect(
     return conn
 
 
-NEWER_TIMEOUTS = ((140000, "idle_session_timeout"), (170000, "transaction_timeout"))
+NEWER_TIMEOUTS = (
+    (140000, "idle_session_timeout"),
+    (140000, "client_connection_check_interval"),
+    (170000, "transaction_timeout"),
+)
 """The timeouts of newer servers (the server version that has each), set to 0 as
 :data:`SESSION_DEFAULTS` are unless the connection's own options name them; by a ``SET`` after
 connecting, because a startup option a server does not know refuses the connection (a ``SET``
@@ -136,8 +140,10 @@ the range lock's is for as long as a snapshot or a follow runs, and the follower
 session between ranges of an idle source: with 1 s of it on the target, ``pgcdc snapshot``
 failed ("terminating connection due to idle-session timeout"), and so would a snapshot longer
 than a production setting of minutes. ``transaction_timeout`` (17) would end a copy's or a
-range's transaction the same way; there is no PostgreSQL 17 on the reference machine, so that
-one is untested. The libpq tools (``pg_dump``, the ``psql`` copy pairs) are not covered: they
+range's transaction the same way (tested on 18). ``client_connection_check_interval`` (14)
+would abort a statement whose client it finds gone: the apply's final message, the origin's
+mark with its COMMIT (:func:`~.target.origin.marked_commit`), must run whole once sent. The
+libpq tools (``pg_dump``, the ``psql`` copy pairs) are not covered: they
 never idle outside a transaction, and on 17 a long copy would meet ``transaction_timeout``."""
 
 

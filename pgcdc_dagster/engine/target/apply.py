@@ -17,8 +17,8 @@ Data flow::
                                            UPDATE for rows with unsent TOAST values,
                                            or an ordered replay (no identity)
                                 DROP shared staging tables      (Spark path)
-                                pg_replication_origin_xact_setup(transform_lsn, commit time)
-                                COMMIT
+                                pg_replication_origin_xact_setup(transform_lsn, commit time);
+                                COMMIT                          (one message: origin.marked_commit)
 
     A range of ``spark_min_changes`` or more (with a SparkSession): before BEGIN, Spark's
     workers compact it and COPY the net rows into shared staging tables (:mod:`.spark_staging`);
@@ -31,10 +31,11 @@ Why this is exactly once
     The target's replication origin (``pgcdc_<slot>``, created at the slot's consistent point
     by the base snapshot) is the one durable record of what has been applied. This module
     advances it only inside the transaction that writes the range's rows, through the
-    session's origin (``pg_replication_origin_session_setup``, then ``xact_setup`` before
-    COMMIT): the commit record carries the new progress, so rows and progress become durable
-    together or not at all. A crash or kill at any moment therefore leaves the target at a
-    previous range boundary, and running the same range again converges. Holding the session
+    session's origin (``pg_replication_origin_session_setup``, then ``xact_setup`` sent with
+    the COMMIT in one message, since on newer servers an aborted marked transaction moves the
+    origin too): the commit record carries the new progress, so rows and progress become
+    durable together or not at all. A crash or kill at any moment therefore leaves the target
+    at a previous range boundary, and running the same range again converges. Holding the session
     origin also excludes a second apply of the same origin while this one runs.
 
 What the origin's progress P says about range ``(start, end]`` with last commit T
@@ -112,7 +113,7 @@ from .merge import (
     stage_all,
     truncate_tables,
 )
-from .origin import mark_transaction, require_progress, reset_session, setup_session
+from .origin import require_progress, reset_session, setup_session
 from .partitioned_staging import Routed, partitions_for, route_range, stage_routed
 from .results import ApplyGapError, ApplyResult, ApplyStatus
 from .shared_staging import SharedStage
@@ -239,7 +240,7 @@ def apply_range(
             nonlocal targets, shared
             setup_session(conn, origin_name, origin_wait_seconds)
             try:
-                with apply_transaction(conn):
+                with apply_transaction(conn) as transaction:
                     again = require_progress(conn, origin_name)
                     if again != progress:
                         raise ApplyError(
@@ -279,8 +280,8 @@ def apply_range(
                         # next apply that stages in them before it does (no catalog query on
                         # the in-memory path).
                         drop_shared(conn, origin_name)
-                    mark_transaction(
-                        conn, transform, _commit_time(stored.manifest.result.last_commit_ts_us)
+                    transaction.mark(
+                        transform, _commit_time(stored.manifest.result.last_commit_ts_us)
                     )
                     failpoint("apply.in_transaction")
                     commit_started = time.perf_counter()

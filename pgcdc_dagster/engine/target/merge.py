@@ -11,6 +11,7 @@ apply, and what must hold, is described in :mod:`.apply`.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from psycopg import sql
 from ..compaction import NetChanges, TableRelation
 from ..errors import ApplyError, server_reason
 from ..identifiers import TableName
+from ..lsn import Lsn
+from .origin import marked_commit
 from .results import ApplyResult, TableApplyCounts
 from .shared_staging import SharedStage
 from .staging import (
@@ -152,16 +155,46 @@ class RefusedNetRows(Exception):
         self.error = error
 
 
+@dataclass
+class ApplyTransaction:
+    """What the body of :func:`apply_transaction` decides about its end."""
+
+    progress: tuple[Lsn, dt.datetime] | None = None
+
+    def mark(self, lsn: Lsn, commit_time: dt.datetime) -> None:
+        """Let the COMMIT move the session's replication origin to ``lsn``
+        (:func:`~.origin.marked_commit`: the mark is sent with the COMMIT, never before)."""
+        self.progress = (lsn, commit_time)
+
+
 @contextlib.contextmanager
-def apply_transaction(conn: psycopg.Connection[Any]) -> Iterator[None]:
+def apply_transaction(conn: psycopg.Connection[Any]) -> Iterator[ApplyTransaction]:
     """The one transaction every apply runs its writes in: a range's, an add's batch of held
     back changes, the merge of what Spark's workers staged. The target's triggers and foreign
     keys stay quiet as for PostgreSQL's own apply (``session_replication_role = replica``,
-    for this transaction only); the caller writes the rows, the DDL and the origin's progress
-    inside it, so a crash leaves all of them or none."""
-    with conn.transaction():
+    for this transaction only); the caller writes the rows and the DDL inside it, and marks
+    the origin's progress (:meth:`ApplyTransaction.mark`), so a crash leaves all of them or
+    none. ``conn`` is in autocommit: the transaction's BEGIN and COMMIT are ours, since the
+    COMMIT of a marked transaction goes with the mark (:func:`~.origin.marked_commit`)."""
+    if not conn.autocommit:
+        raise ApplyError("the apply's target connection must be in autocommit mode")
+    tx = ApplyTransaction()
+    conn.execute("BEGIN")
+    try:
         conn.execute("SET LOCAL session_replication_role = replica")
-        yield
+        yield tx
+    except BaseException:
+        if not (conn.closed or conn.broken):
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        raise
+    try:
+        conn.execute(sql.SQL("COMMIT") if tx.progress is None else marked_commit(*tx.progress))
+    except BaseException:
+        if not (conn.closed or conn.broken):
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        raise
 
 
 def replaying_refused(

@@ -2,9 +2,10 @@
 
 Origin ``pgcdc_<slot>`` is created by the base snapshot at the slot's consistent point and
 advanced only inside the transaction that writes a range's rows (:mod:`.apply`), through the
-session origin: ``pg_replication_origin_session_setup`` before, ``xact_setup(lsn, ts)`` before
-COMMIT. The commit record then carries the new progress, so rows and progress become durable
-together or not at all. Every other module asks this one where the target stands.
+session origin: ``pg_replication_origin_session_setup`` before, ``xact_setup(lsn, ts)`` and
+COMMIT in one message at its end (:func:`marked_commit`). The commit record then carries the
+new progress, so rows and progress become durable together or not at all. Every other module
+asks this one where the target stands.
 
 Invariants kept here:
 
@@ -202,16 +203,24 @@ def reset_session(conn: psycopg.Connection[Any]) -> None:
         conn.execute("SELECT pg_replication_origin_session_reset()")
 
 
-def mark_transaction(conn: psycopg.Connection[Any], lsn: Lsn, commit_time: dt.datetime) -> None:
-    """Inside the apply transaction: its COMMIT moves the session origin to ``lsn``.
+def marked_commit(lsn: Lsn, commit_time: dt.datetime) -> sql.Composed:
+    """The statement that ends the apply transaction: it marks the transaction as replaying
+    the source's commit at ``lsn`` and commits it, **in one message**, so the session origin
+    moves to ``lsn`` with the COMMIT record and never without it.
 
-    The transaction is given a transaction id here (``pg_current_xact_id``): the origin moves
-    with the COMMIT record, and a transaction that wrote nothing has none. A range whose
-    changes net to nothing on the target (a row inserted and deleted inside it, a job queue's
-    whole life; or a table's changes its own copy already holds) then left the origin where
-    it was: the next range found a gap, and every re-run applied the same range again and
-    stopped at the same place."""
-    conn.execute(
-        "SELECT pg_replication_origin_xact_setup(%s::pg_lsn, %s), pg_current_xact_id()",
-        (str(lsn), commit_time),
-    )
+    Why one message: on newer servers (PostgreSQL 18 does, 15 does not), a transaction marked by
+    ``pg_replication_origin_xact_setup`` that *aborts* moves the origin too, to the marked
+    LSN (the abort record carries it). A client killed between the mark and its COMMIT made
+    the server abort the transaction, and the origin then claimed a range whose rows were
+    never written: the next run skipped them. Sent as one simple query, the mark and the
+    COMMIT run together once the server has the message, whatever becomes of the client.
+
+    The transaction is given a transaction id (``pg_current_xact_id``): the origin moves with
+    the COMMIT record, and a transaction that wrote nothing has none. A range whose changes
+    net to nothing on the target (a row inserted and deleted inside it, a job queue's whole
+    life; or a table's changes its own copy already holds) then left the origin where it was:
+    the next range found a gap, and every re-run applied the same range again."""
+    return sql.SQL(
+        "SELECT pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz), "
+        "pg_current_xact_id(); COMMIT"
+    ).format(sql.Literal(str(lsn)), sql.Literal(commit_time))
