@@ -21,6 +21,7 @@ from psycopg import sql
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,
+    origin_room,
     temporary_cluster,
 )
 
@@ -43,8 +44,8 @@ def source_cluster() -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def target_cluster() -> Iterator[LocalCluster]:
     # Every test's snapshot leaves a replication origin with progress on this shared cluster;
-    # each takes one of max_replication_slots' origin state slots (default 10).
-    cluster = temporary_cluster({"max_replication_slots": "100"}, prefix="pgcdc-test-target-")
+    # each takes one of the origin state slots (default 10).
+    cluster = temporary_cluster(origin_room(100), prefix="pgcdc-test-target-")
     with cluster:
         yield cluster
     cluster.destroy()

@@ -24,6 +24,7 @@ from psycopg import sql
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,
+    origin_room,
     temporary_cluster,
 )
 from pgcdc_dagster.engine.postgres_installs import server_installation, server_majors
@@ -81,7 +82,7 @@ def other_cluster() -> Iterator[LocalCluster]:
     if not others:
         pytest.skip(f"only PostgreSQL {default} here: no other major to replicate to or from")
     cluster = temporary_cluster(
-        {**LOGICAL_SOURCE_SETTINGS, "max_replication_slots": "20"},
+        {**LOGICAL_SOURCE_SETTINGS, **origin_room(20, max(others))},
         prefix="pgcdc-test-other-",
         major=max(others),
     )

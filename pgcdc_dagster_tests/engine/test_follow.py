@@ -973,7 +973,9 @@ def test_a_transaction_streamed_before_its_commit_enters_the_range_of_its_commit
             time.sleep(0.2)
         assert streaming_sessions(settings.source_dsn) == 1
     assert follower.summary.streams == 1  # never left for a peek
-    assert streamed_transactions(settings) >= 2
+    # The committed one; PostgreSQL 15 streams the aborted one too, 18 drops it unsent once it
+    # sees its abort.
+    assert streamed_transactions(settings) >= 1
     assert equal(settings)
     store = pipeline.store_of(settings)
     results = [store.get(r).manifest.result for r in store.chain_ranges()]

@@ -61,6 +61,13 @@ def origin_progress(dsn: str, name: str) -> Lsn | None:
     return None if row is None or row[0] is None else Lsn(row[0])
 
 
+def loaded_frozen(frozen: int, pages: int) -> bool:
+    """Whether a table of ``pages`` pages with ``frozen`` all-frozen ones was loaded by COPY
+    FREEZE: every page on PostgreSQL 15; on 18 COPY FREEZE leaves a few to the next VACUUM
+    (seen: 30 of 360, 1 of 34), against none without FREEZE."""
+    return pages > 0 and frozen >= 0.9 * pages
+
+
 def frozen_pages(dsn: str, table: TableName) -> tuple[int, int]:
     """(pages marked all-frozen in the visibility map, pages of the table's heap)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -164,7 +171,7 @@ def test_odd_identifiers_types_and_toast_arrive_exactly(
     # first VACUUM and the key builds find every page all-visible, all-frozen.
     assert all(t.frozen and t.bundled_with == 0 for t in result.tables)
     frozen, pages = frozen_pages(target_dsn, ODD)
-    assert pages > 0 and frozen == pages
+    assert loaded_frozen(frozen, pages)
 
 
 def make_big_with_holes(
@@ -237,7 +244,7 @@ def test_driver_copies_in_as_many_ranges_as_it_has_workers(
     assert rows_of(target_dsn, BIG) == rows_of(source_dsn, BIG)
     frozen, pages = frozen_pages(target_dsn, BIG)
     assert results[0].frozen == (tasks == 1)
-    assert frozen == (pages if tasks == 1 else 0) and pages > 0
+    assert loaded_frozen(frozen, pages) if tasks == 1 else (frozen == 0 and pages > 0)
 
 
 def test_merged_ranges_tile_each_relation() -> None:
@@ -412,15 +419,18 @@ def test_populated_target_is_refused_and_resnapshot_starts_over(
 def test_a_target_without_room_for_the_origin_is_refused_before_anything_changes(
     source_dsn: str, target_dsn: str, spark: Any
 ) -> None:
-    """The origin is set only after the whole copy: a target whose ``max_replication_slots``
-    are all held by other origins must be refused up front, not after hours of copying."""
+    """The origin is set only after the whole copy: a target whose origin state slots
+    (``max_replication_slots``; ``max_active_replication_origins`` from PostgreSQL 18) are all
+    held by other origins must be refused up front, not after hours of copying."""
     from pgcdc_dagster.engine.errors import OriginError
+    from pgcdc_dagster.engine.target.origin import origin_slots_setting
 
     run(source_dsn, "CREATE TABLE big (id int PRIMARY KEY)", "INSERT INTO big VALUES (1)")
     with psycopg.connect(target_dsn, autocommit=True) as conn:
+        setting = origin_slots_setting(conn.info.server_version)
         row = conn.execute(
-            "SELECT count(*), current_setting('max_replication_slots')::int "
-            "FROM pg_replication_origin_status"
+            "SELECT count(*), current_setting(%s)::int FROM pg_replication_origin_status",
+            (setting,),
         ).fetchone()
         assert row is not None
         fillers = [f"filler_{i}" for i in range(row[1] - row[0])]
@@ -428,7 +438,7 @@ def test_a_target_without_room_for_the_origin_is_refused_before_anything_changes
             conn.execute("SELECT pg_replication_origin_create(%s)", (name,))
             conn.execute("SELECT pg_replication_origin_advance(%s, '0/1')", (name,))
     try:
-        with pytest.raises(OriginError, match=r"no room for replication origin.*max_replication"):
+        with pytest.raises(OriginError, match=rf"no room for replication origin.*{setting}"):
             take_base_snapshot(source_dsn, target_dsn, "snap_room", "pub_room", [BIG], spark=spark)
         with psycopg.connect(source_dsn) as conn:
             assert conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone() == (0,)
@@ -650,7 +660,7 @@ def test_the_in_process_copy_loads_a_new_table_frozen_too(source_dsn: str, targe
     assert rows == 2000
     assert rows_of(target_dsn, task.range.table) == rows_of(source_dsn, task.range.table)
     frozen, pages = frozen_pages(target_dsn, task.range.table)
-    assert pages > 0 and frozen == pages
+    assert loaded_frozen(frozen, pages)
 
 
 def test_progress_readings_do_not_wait_for_a_frozen_load(source_dsn: str, target_dsn: str):

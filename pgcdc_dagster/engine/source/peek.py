@@ -62,6 +62,7 @@ from ..lsn import Lsn, LsnRange
 from ..store.output_store import OutputStore, RangeResult
 from .slot import advance_slot, current_flush_lsn, released
 from .streamed import discard_left
+from .walsender import PublicationWatch
 
 DEFAULT_LOOKAHEAD_BYTES = 16 * 1024 * 1024
 
@@ -414,10 +415,17 @@ def _stream_peek(
     gc_was_enabled = gc.isenabled()
     gc.disable()  # millions of short-lived objects, no cycles: the collector only costs time
     try:
-        with conn.cursor(name="pgcdc_receive", binary=True) as cur:
+        watch = PublicationWatch(publication)
+        conn.add_notice_handler(watch.notice)
+        try:
+            with conn.cursor(name="pgcdc_receive", binary=True) as cur:
+                with reading_errors(slot, publication):
+                    cur.execute(_PEEK, params)
+                _overlap(lambda: cur.fetchmany(fetch_rows), consume, halt)
             with reading_errors(slot, publication):
-                cur.execute(_PEEK, params)
-            _overlap(lambda: cur.fetchmany(fetch_rows), consume, halt)
+                watch.refuse()
+        finally:
+            conn.remove_notice_handler(watch.notice)
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -66,6 +66,36 @@ class Keepalive(NamedTuple):
     wal_end: int
 
 
+SKIPPED_PUBLICATION = "skipped loading publication"
+"""How PostgreSQL 18's pgoutput begins the WARNING it sends for a publication of
+``publication_names`` that does not exist (older servers end the stream with an error)."""
+
+
+class PublicationWatch:
+    """Whether the server skipped our publication while decoding: PostgreSQL 18's pgoutput
+    sends a WARNING for a publication of ``publication_names`` that does not exist (dropped
+    under a stream or between a peek's check and the peek) and sends nothing of the changes it
+    skips, where older servers end the read with an error. The reader installs :meth:`notice`
+    on its connection and calls :meth:`refuse` before it stores or confirms anything read
+    after the warning; a range cut past the skipped changes would lose them."""
+
+    def __init__(self, publication: str) -> None:
+        self.publication = publication
+        self.skipped: str | None = None
+
+    def notice(self, diagnostic: psycopg.errors.Diagnostic) -> None:
+        primary = diagnostic.message_primary or ""
+        if primary.startswith(SKIPPED_PUBLICATION) and self.skipped is None:
+            self.skipped = primary
+
+    def refuse(self) -> None:
+        """Raise, when the publication was skipped, what an older server raises."""
+        if self.skipped is not None:
+            raise psycopg.errors.UndefinedObject(
+                f'publication "{self.publication}" does not exist (the source says: {self.skipped})'
+            )
+
+
 STREAMING_SINCE = 140000
 """The first server version whose pgoutput streams transactions before their COMMIT."""
 
@@ -86,6 +116,8 @@ class SlotStream:
         server's), past which the walsender streams a transaction before its COMMIT."""
         self.conn = connect(dsn, role="source", replication=True, application_name=STREAMING)
         self.pg = self.conn.pgconn
+        self.watch = PublicationWatch(publication)
+        self.conn.add_notice_handler(self.watch.notice)
         self.flushed = int(start)
         self._fed_back = 0.0
         self.streaming = self.conn.info.server_version >= STREAMING_SINCE
@@ -156,6 +188,8 @@ class SlotStream:
         waited = False
         while True:
             n, data = get(1)
+            if self.watch.skipped is not None:
+                self.watch.refuse()
             if n == 0:
                 if waited or not select.select([self.pg.socket], [], [], timeout)[0]:
                     return

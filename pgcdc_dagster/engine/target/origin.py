@@ -122,24 +122,37 @@ def check_origin_rights(conn: psycopg.Connection[Any]) -> None:
         )
 
 
+ORIGIN_SLOTS_SETTING_SINCE = 180000
+"""From PostgreSQL 18 the origins' state slots have a setting of their own,
+``max_active_replication_origins``; before, they were ``max_replication_slots``."""
+
+
+def origin_slots_setting(server_version: int) -> str:
+    """The setting that bounds the origins with progress on a server of ``server_version``."""
+    if server_version >= ORIGIN_SLOTS_SETTING_SINCE:
+        return "max_active_replication_origins"
+    return "max_replication_slots"
+
+
 def check_room_for(conn: psycopg.Connection[Any], name: str) -> None:
     """Refuse, before a base snapshot changes anything, a target that could not record the
-    progress of origin ``name``: every origin with progress holds one of the target's
-    ``max_replication_slots`` state slots, and :func:`set_origin` runs only after the whole
+    progress of origin ``name``: every origin with progress holds one of the target's state
+    slots (:func:`origin_slots_setting`), and :func:`set_origin` runs only after the whole
     copy, which would then be lost to a setting."""
+    setting = origin_slots_setting(conn.info.server_version)
     row = conn.execute(
         "SELECT count(*), coalesce(bool_or(external_id = %s), false), "
-        "current_setting('max_replication_slots')::int FROM pg_replication_origin_status",
-        (name,),
+        "current_setting(%s)::int FROM pg_replication_origin_status",
+        (name, setting),
     ).fetchone()
     assert row is not None
     used, ours, limit = int(row[0]), bool(row[1]), int(row[2])
     if not ours and used >= limit:
         raise OriginError(
             f"the target has no room for replication origin {name}: the {used} origins with "
-            f"progress there take all of its max_replication_slots ({limit}); drop the ones no "
+            f"progress there take all of its {setting} ({limit}); drop the ones no "
             "longer used (SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
-            "WHERE ...) or raise max_replication_slots on the target, then run it again"
+            f"WHERE ...) or raise {setting} on the target, then run it again"
         )
 
 
