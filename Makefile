@@ -1,5 +1,6 @@
-# Every target builds what it needs on a fresh machine: system packages (Java 17, PostgreSQL 15)
-# through apt when absent, then a virtualenv with the project installed.
+# Every target builds what it needs on a fresh machine: Python's venv through apt when absent
+# (and, as root, the OS account the throwaway clusters run as), then a virtualenv with the
+# project installed, which brings PostgreSQL and Java from pip where the system has none.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -24,10 +24,11 @@ from psycopg import sql
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,
+    cluster_major,
     origin_room,
     temporary_cluster,
 )
-from pgcdc_dagster.engine.postgres_installs import server_installation, server_majors
+from pgcdc_dagster.engine.postgres_installs import server_majors
 from pgcdc_dagster_tests.conftest import REPO, fresh_database
 from pgcdc_dagster_tests.test_cli import run_cli
 
@@ -71,7 +72,7 @@ UPDATE lines SET line = 'L1' WHERE line = 'l1';
 
 
 def _default_major() -> int:
-    return server_installation().major
+    return cluster_major()
 
 
 @pytest.fixture(scope="module")

@@ -61,9 +61,17 @@ def origin_room(count: int, major: int | None = None) -> dict[str, str]:
     ``count`` replication origins with progress: ``max_replication_slots``, and from
     PostgreSQL 18 ``max_active_replication_origins`` too (which an older server refuses)."""
     room = {"max_replication_slots": str(count)}
-    if server_installation(_major_wanted(major)).major >= 18:
+    if cluster_major(major) >= 18:
         room["max_active_replication_origins"] = str(count)
     return room
+
+
+def cluster_major(major: int | None = None) -> int:
+    """The major a cluster asked for ``major`` runs (see :func:`find_bindir`)."""
+    try:
+        return server_installation(_major_wanted(major)).major
+    except ToolsError as exc:
+        raise ClusterError(str(exc)) from None
 
 
 def _major_wanted(major: int | None) -> int | None:
