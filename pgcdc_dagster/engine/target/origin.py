@@ -227,6 +227,9 @@ def marked_commit(lsn: Lsn, commit_time: dt.datetime) -> sql.Composed:
     the server abort the transaction, and the origin then claimed a range whose rows were
     never written: the next run skipped them. Sent as one simple query, the mark and the
     COMMIT run together once the server has the message, whatever becomes of the client.
+    What is left: a COMMIT the server itself refuses after the mark would still move the
+    origin there; the apply's has nothing deferred to check (``session_replication_role =
+    replica`` keeps deferred triggers quiet), so no such refusal is known.
 
     The transaction is given a transaction id (``pg_current_xact_id``): the origin moves with
     the COMMIT record, and a transaction that wrote nothing has none. A range whose changes
