@@ -121,24 +121,19 @@ def spark():
     session.stop()
 
 
-@pytest.fixture
-def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
+@contextlib.contextmanager
+def command_environment(
+    source_dsn: str, target_dsn: str, storage: LocalCluster, tmp_path: Path, monkeypatch
+) -> Iterator[dict[str, str]]:
     """The environment of a `pgcdc` command (set in this process, so subprocesses inherit
-    it): a table `items` of 100 rows, a slot and store of its own, the shipped dagster.yaml
-    on a storage database of its own."""
+    it): a slot and store of its own, the shipped dagster.yaml on a storage database of its
+    own on ``storage``; the slot dropped afterwards."""
     storage_db = f"dagster_cli_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(target_cluster.dsn(), autocommit=True) as conn:
+    with psycopg.connect(storage.dsn(), autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute(
-            """
-            CREATE TABLE items (id int PRIMARY KEY, name text);
-            INSERT INTO items SELECT g, 'i' || g FROM generate_series(1, 100) g;
-            """
-        )
     slot = f"cli_{uuid.uuid4().hex[:8]}"
     env = {
         "PGCDC_SOURCE_DSN": source_dsn,
@@ -147,7 +142,7 @@ def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
         "PGCDC_SLOT": slot,
         "DAGSTER_HOME": str(home),
         "DAGSTER_POSTGRES_URL": (
-            f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{storage_db}"
+            f"postgresql+psycopg2://postgres@127.0.0.1:{storage.port}/{storage_db}"
         ),
     }
     for key, value in env.items():
@@ -159,3 +154,17 @@ def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
             "WHERE slot_name = %s AND NOT active",
             (slot,),
         )
+
+
+@pytest.fixture
+def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
+    """:func:`command_environment` with a table `items` of 100 rows on the source."""
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute(
+            """
+            CREATE TABLE items (id int PRIMARY KEY, name text);
+            INSERT INTO items SELECT g, 'i' || g FROM generate_series(1, 100) g;
+            """
+        )
+    with command_environment(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+        yield env

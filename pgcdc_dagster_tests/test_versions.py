@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
@@ -29,7 +26,7 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.engine.postgres_installs import server_majors
-from pgcdc_dagster_tests.conftest import REPO, fresh_database
+from pgcdc_dagster_tests.conftest import command_environment, fresh_database
 from pgcdc_dagster_tests.test_cli import run_cli
 
 SCHEMA = """
@@ -104,33 +101,14 @@ def across(request, other_cluster, source_cluster, target_cluster, tmp_path, mon
     source = fresh_database(source_side, "src")
     target = fresh_database(target_side, "tgt")
     source_dsn, target_dsn = next(source), next(target)
-    storage_db = f"dagster_v_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(target_cluster.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    env = {
-        "PGCDC_SOURCE_DSN": source_dsn,
-        "PGCDC_TARGET_DSN": target_dsn,
-        "PGCDC_STORE": str(tmp_path / "store"),
-        "PGCDC_SLOT": f"v_{uuid.uuid4().hex[:8]}",
-        "DAGSTER_HOME": str(home),
-        "DAGSTER_POSTGRES_URL": (
-            f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{storage_db}"
-        ),
-    }
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    yield env
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-            "WHERE slot_name = %s AND NOT active",
-            (env["PGCDC_SLOT"],),
-        )
-    source.close()
-    target.close()
+    try:
+        with command_environment(
+            source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch
+        ) as env:
+            yield env
+    finally:
+        source.close()
+        target.close()
 
 
 def _major(dsn: str) -> int:
