@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Two workers: most of a test is waiting on servers and processes, so two share 2 cores well.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q pgcdc_dagster_tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup pgcdc_dagster_tests
 
 demo: $(STAMP)
 	$(VENV)/bin/pgcdc demo

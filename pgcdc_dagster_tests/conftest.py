@@ -33,6 +33,13 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PGCDC_SERVER"] = "off"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` first: ``make test`` hands tests to its workers in this order, so
+    the minute-long ones start early and the short ones fill the gaps, rather than one worker
+    running a long test alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="session")
 def source_cluster() -> Iterator[LocalCluster]:
     cluster = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-test-source-")

@@ -65,6 +65,7 @@ def _origin(dsn: str, slot: str) -> str:
     return progress
 
 
+@pytest.mark.long
 def test_a_transaction_of_millions_of_rows_is_followed_within_the_memory_limit_and_a_kill(
     cli_env,
 ):

@@ -30,6 +30,9 @@ from pgcdc_dagster_tests.spark_cluster import (
     standalone_cluster,
 )
 
+# One worker runs the module: its fixtures (a server, a cluster) start once.
+pytestmark = [pytest.mark.xdist_group("spark_cluster"), pytest.mark.long]
+
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 DRIVER_ROWS = 1_000
 """Tables estimated above this go to Spark's tasks; ``items`` (100 rows) stays the driver's."""

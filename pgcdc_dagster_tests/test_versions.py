@@ -29,6 +29,9 @@ from pgcdc_dagster.engine.postgres_installs import server_majors
 from pgcdc_dagster_tests.conftest import command_environment, fresh_database
 from pgcdc_dagster_tests.test_cli import run_cli
 
+# One worker runs the module: its fixtures (a server, a cluster) start once.
+pytestmark = [pytest.mark.xdist_group("versions")]
+
 SCHEMA = """
 CREATE TYPE mood AS ENUM ('calm', 'busy');
 CREATE DOMAIN positive AS int CHECK (VALUE > 0);

@@ -357,6 +357,7 @@ def test_an_add_killed_once_it_applied_held_back_changes_without_the_range_is_re
     _an_add_again_converges(settings, spark, key=9, rows=8)
 
 
+@pytest.mark.long
 def test_an_add_killed_while_spark_stages_its_held_back_range_is_redone_once(
     source_dsn, target_dsn, tmp_path, spark
 ):

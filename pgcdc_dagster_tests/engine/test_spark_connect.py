@@ -17,6 +17,9 @@ from pgcdc_dagster.engine.spark.executors import check_executors, is_connect_ses
 from pgcdc_dagster.engine.spark.session import get_spark
 from pgcdc_dagster.engine.target.apply import apply_range
 
+# One worker runs the module: its fixtures (a server, a cluster) start once.
+pytestmark = [pytest.mark.xdist_group("spark_connect")]
+
 
 @pytest.fixture(scope="module")
 def warm_store(tmp_path_factory) -> Iterator[Path]:
