@@ -393,8 +393,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     published = pipeline.replicated_tables(settings)
     result = run_job("verify", allow_failure=True) if published else None
     tables = []
+    compared_at = None
     for evaluation in result.get_asset_check_evaluations() if result else []:
         (record,) = evaluation.metadata["tables"].value.records
+        meta = evaluation.metadata
+        compared_at = compared_at or _value(meta.get("compared_at"))
+        listed = _value(meta.get("differing_chunk_list")) or ""
         tables.append(
             {
                 "table": record.data["table"],
@@ -402,6 +406,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "target_rows": record.data["target_rows"],
                 "equal": bool(evaluation.passed),
                 "missing_on": record.data.get("missing_on"),
+                "chunks": _value(meta.get("chunks")) or 1,
+                "differing_chunks": [
+                    line.removeprefix("- ") for line in listed.splitlines() if line
+                ],
             }
         )
     tables.sort(key=lambda t: t["table"])
@@ -414,6 +422,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "equal": not differing and not stale,
+                    "compared_at": compared_at,
                     "differing_tables": differing,
                     "no_longer_published": [str(t) for t in stale],
                     "adding": adding,
@@ -424,6 +433,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         )
     else:
+        if compared_at:
+            print(f"compared at {compared_at}, both sides at that point, chunk by chunk")
         _print_tables(tables, stale)
         # Why those tables differ, and what to do.
         for note in ([adding] if adding is not None else []) + agreement.reshaped_lines():
@@ -432,6 +443,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {failure_text(result)}")
     return 0
+
+
+def _value(entry: Any) -> Any:
+    """A metadata entry's plain value (``None`` for an absent one)."""
+    return None if entry is None else entry.value
 
 
 def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> None:
@@ -445,7 +461,10 @@ def _print_tables(tables: list[dict[str, Any]], stale: Sequence[TableName]) -> N
             continue
         rows = f"source {t['source_rows']} rows, target {t['target_rows']} rows"
         fix = "" if t["equal"] else f" (pgcdc resync {t['table']} copies it again)"
-        print(f"{mark} {t['table']}: {rows}{fix}")
+        chunks = f", {t['chunks']} chunks" if t.get("chunks", 1) > 1 else ""
+        print(f"{mark} {t['table']}: {rows}{chunks}{fix}")
+        for line in t.get("differing_chunks", []):
+            print(f"       chunk {line}")
     for table in stale:
         print(f"STALE {no_longer_published(table)}")
 
@@ -698,7 +717,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="slot positions, lag, last range, replay LSN")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("verify", help="compare every table on source and target")
+    p = sub.add_parser(
+        "verify",
+        help="compare every table on source and target at one consistent point, chunk by "
+        "chunk, while the replication goes on (a follow makes way for a moment)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(

@@ -160,7 +160,8 @@ def build_definitions(
             define_asset_job(
                 "verify",
                 selection=AssetSelection.checks(consistency),
-                description="Compare every target table with the source (rows, content hash).",
+                description="Compare every target table with the source, both at one consistent "
+                "point while the replication goes on, chunk by chunk.",
             )
         )
         jobs.append(

@@ -49,13 +49,16 @@ def test_snapshot_catchup_status_verify_from_the_command_line(cli_env, capsys):
     assert status["replay_lsn"] == last["transform_lsn"]
 
     code, out, _ = run_cli(capsys, "verify", "--json")
-    assert code == 0 and json.loads(out)["equal"] is True
+    verified = json.loads(out)
+    assert code == 0 and verified["equal"] is True
+    assert Lsn(verified["compared_at"]) >= Lsn(last["transform_lsn"])
 
     with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
         conn.execute("DELETE FROM items WHERE id = 7")
     code, out, err = run_cli(capsys, "verify")
     assert code != 0
     assert "public.items" in err
+    assert "(7) missing" in out, out  # the chunk and the key that differ
 
     # With the range lock held elsewhere there is no head start: the command waits, then
     # refuses in one line naming the holder, and has changed nothing.

@@ -31,6 +31,7 @@ from .failures import ENGINE_ERRORS
 from .keys import SLOT_KEY, target_key
 from .metadata import comparison_metadata, differs, no_longer_published, number, text
 from .resources import PgcdcResource
+from .run_liveness import lock_holder_name
 
 SLOT_HEALTH = "slot_health"
 
@@ -206,9 +207,10 @@ TARGET_MATCHES_SOURCE = "target_matches_source"
 
 
 def build_consistency_check(tables: Sequence[TableName]) -> Any:
-    """Target equals source, table by table (rows and content hash). Meaningful when the
-    source is quiescent at an endpos that the target has reached: the ``verify`` job and the
-    cutover record it. Each table's check can be executed on its own from the UI."""
+    """Target equals source, table by table, chunk by chunk. The ``verify`` job compares both
+    sides at one consistent point while the replication goes on (a running follow makes way
+    for a moment, :func:`~pgcdc_dagster.engine.control.verify.compare_online`); the cutover
+    records it at its endpos. Each table's check can be executed on its own from the UI."""
     by_key = {target_key(t): t for t in tables}
 
     @multi_asset_check(
@@ -218,8 +220,9 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
                 TARGET_MATCHES_SOURCE,
                 asset=target_key(t),
                 description=(
-                    f"{t}: same row count and content hash as the source (recorded by "
-                    "pgcdc verify and by the cutover; meaningful on a quiescent source)"
+                    f"{t}: same rows as the source, chunk by chunk, both read at one "
+                    "consistent point while the replication goes on (pgcdc verify, the "
+                    "cutover)"
                 ),
             )
             for t in tables
@@ -234,8 +237,24 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
         for stale in pipeline.no_longer_published(settings):  # no asset, so no check: a line
             context.log.warning(no_longer_published(stale))
         selected = [by_key[k.asset_key] for k in context.selected_asset_check_keys]
-        for comparison in verify.compare_tables(settings, selected):
-            yield AssetCheckResult(**consistency_result(comparison))
+        compared = verify.compare_online(
+            settings,
+            selected,
+            lock_holder_name(context.run.run_id),
+            spark=settings.spark_session,
+            caught_up=lambda n: context.log.info(
+                f"the target caught up to the verify's consistent point ({n} range(s))"
+            ),
+        )
+        context.log.info(
+            f"compared {len(selected)} table(s) at {compared.point} in "
+            f"{compared.seconds:.1f} s"
+            + (f"; {compared.pair.made_way_by} made way" if compared.pair.made_way_by else "")
+        )
+        for comparison in compared.tables:
+            result = consistency_result(comparison)
+            result["metadata"]["compared_at"] = text(compared.point)
+            yield AssetCheckResult(**result)
 
     return target_matches_source
 

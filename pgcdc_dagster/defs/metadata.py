@@ -274,6 +274,8 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
         "rows": number(result.rows),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),
         "copy_seconds": MetadataValue.float(round(float(result.copy_seconds), 3)),
+        "keys_seconds": MetadataValue.float(round(float(result.keys_seconds), 3)),
+        "bulk_load": MetadataValue.json(dict(result.bulk_load)),
         **spark_metadata(result.spark_app),
     }
 
@@ -319,10 +321,27 @@ def differs(comparison: TableComparison) -> str:
             f"{comparison.table} does not exist on the target (the publication sends it, the "
             f"base snapshot did not copy it): pgcdc add-table {comparison.table} copies it"
         )
+    where = ""
+    if comparison.differing:
+        first = comparison.differing[0]
+        keys = ", ".join(f"{k.key} {k.kind}" for k in first.keys)
+        where = (
+            f"; {len(comparison.differing)} of {comparison.chunks} chunk(s) differ, the first "
+            f"where {first.where}" + (f" (keys {keys})" if keys else "")
+        )
     return (
         f"{comparison.table} differs: source {comparison.source_rows} rows, target "
-        f"{comparison.target_rows} rows (or same count, different content)"
+        f"{comparison.target_rows} rows{where or ' (or same count, different content)'}"
     )
+
+
+def chunk_lines(comparison: TableComparison) -> list[str]:
+    """One line per differing chunk: where it lies, its rows on each side, its keys."""
+    return [
+        f"{chunk.where}: source {chunk.source_rows} rows, target {chunk.target_rows}"
+        + (f"; keys {', '.join(f'{k.key} {k.kind}' for k in chunk.keys)}" if chunk.keys else "")
+        for chunk in comparison.differing
+    ]
 
 
 def no_longer_published(table: TableName) -> str:
@@ -356,7 +375,19 @@ def comparison_metadata(comparisons: list[TableComparison]) -> dict[str, Any]:
             "missing_on": "string",
         },
     )
-    return {"tables": tables, "differing_tables": text(", ".join(differing) or "none")}
+    meta: dict[str, Any] = {
+        "tables": tables,
+        "differing_tables": text(", ".join(differing) or "none"),
+    }
+    if len(comparisons) == 1:
+        (one,) = comparisons
+        meta["chunks"] = number(one.chunks)
+        meta["differing_chunks"] = number(len(one.differing))
+        if one.differing:
+            meta["differing_chunk_list"] = MetadataValue.md(
+                "\n".join(f"- {line}" for line in chunk_lines(one))
+            )
+    return meta
 
 
 def prune_metadata(

@@ -172,6 +172,15 @@ def test_odd_identifiers_types_and_toast_arrive_exactly(
     assert all(t.frozen and t.bundled_with == 0 for t in result.tables)
     frozen, pages = frozen_pages(target_dsn, ODD)
     assert loaded_frozen(frozen, pages)
+    # The snapshot says how it loaded, against the target's own settings.
+    with psycopg.connect(target_dsn) as conn:
+        level, work_mem = conn.execute(
+            "SELECT current_setting('wal_level'), current_setting('maintenance_work_mem')"
+        ).fetchone()  # type: ignore[misc]
+    assert result.bulk_load["copy"].endswith("2 of 2 table(s) loaded frozen")
+    assert result.bulk_load["wal"] == f"every row (wal_level {level})"
+    assert f"maintenance_work_mem {work_mem}," in result.bulk_load["keys"]
+    assert result.keys_seconds == result.post_data.seconds > 0
 
 
 def make_big_with_holes(

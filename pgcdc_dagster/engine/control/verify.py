@@ -4,13 +4,23 @@ Per table, the row count and the md5 of the sorted per-row md5s, computed by eac
 the source's columns, in sessions that print values the same way (UTC, ISO dates, full float
 digits, hex bytea), over each row's text in UTF-8 whatever the database's encoding (``md5`` of
 text hashes the database's bytes: a LATIN1 target equal to its UTF-8 source hashed differently).
-Duplicates count, row order does not. Meaningful at a quiescent endpos that
-the target has reached (cutover, ``pgcdc verify``), not while the source is being written.
+Duplicates count, row order does not.
+
+Two ways: :func:`compare_tables` reads each side as it stands, meaningful at a quiescent endpos
+the target has reached (the cutover); :func:`compare_online` (``pgcdc verify``) compares a
+source and a target snapshot taken at one consistent point while the replication goes on
+(:mod:`.consistent_pair`), chunk by chunk (:mod:`.chunks`), and names the differing chunks and
+keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +30,32 @@ from psycopg import sql
 from ..catalog import table_columns
 from ..connect import connect
 from ..identifiers import TableName
+from ..lsn import Lsn
 from ..published_columns import published_shapes, row_filter_sql
 from ..settings import ReplicationSettings
+from ..snapshot.common import snapshot_transaction
+from .chunks import (
+    ChunkPlan,
+    KeyDifference,
+    Sums,
+    chunk_sums,
+    differing_chunks,
+    differing_keys,
+    digest,
+    plan_chunks,
+)
+from .consistent_pair import ConsistentPair, consistent_pair
+
+
+@dataclass(frozen=True)
+class ChunkDifference:
+    """One chunk that differs (see :mod:`.chunks`): where it lies, its rows on each side, and
+    up to :data:`KEYS_LISTED` of its keys whose rows differ."""
+
+    where: str
+    source_rows: int
+    target_rows: int
+    keys: tuple[KeyDifference, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +68,10 @@ class TableComparison:
     missing_on: str | None = None
     """``target`` when the table does not exist there (a table the publication sends that
     was never copied: added to it after the base snapshot)."""
+    chunks: int = 1
+    """How many chunks were compared (:func:`compare_online`)."""
+    differing: tuple[ChunkDifference, ...] = ()
+    """The chunks that differ (:func:`compare_online`)."""
 
     @property
     def equal(self) -> bool:
@@ -96,3 +134,145 @@ def compare_tables(
             t_rows, t_hash = _table_fingerprint(tgt, table, columns)
             results.append(TableComparison(table, s_rows, t_rows, s_hash, t_hash))
     return results
+
+
+DEFAULT_CHUNK_ROWS = 100_000
+"""About this many rows in a chunk of a keyed table (:mod:`.chunks`)."""
+KEYS_LISTED = 20
+"""At most this many differing keys are named per differing chunk."""
+CHUNKS_DETAILED = 10
+"""At most this many differing chunks of a table have their keys listed."""
+
+
+@dataclass(frozen=True)
+class OnlineComparison:
+    pair: ConsistentPair
+    tables: list[TableComparison]
+    seconds: float
+
+    @property
+    def point(self) -> Lsn:
+        return self.pair.point
+
+
+def compare_online(
+    settings: ReplicationSettings,
+    tables: Sequence[TableName],
+    holder: str,
+    *,
+    wait_s: float = 120.0,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    workers: int | None = None,
+    spark: Any = None,
+    caught_up: Callable[[int], None] | None = None,
+) -> OnlineComparison:
+    """Compare ``tables`` while the replication goes on: both sides at one consistent point
+    (:func:`~.consistent_pair.consistent_pair`: the range is held only while the point is
+    taken), then chunk by chunk (:mod:`.chunks`) on ``workers`` threads (default: the CPU
+    count), each in sessions of its own that import the pair's snapshots. A table the
+    publication narrows is compared as it is published, as :func:`compare_tables` does."""
+    started = time.monotonic()
+    workers = max(1, workers or os.cpu_count() or 1)
+    with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, caught_up=caught_up) as pair:
+
+        def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+            with _in_snapshot(settings, pair, side) as conn:
+                return work(conn)
+
+        source_columns, shapes = on(
+            "source",
+            lambda src: (
+                table_columns(src, tables),
+                published_shapes(src, settings.publication, tables),
+            ),
+        )
+        on_target = set(on("target", lambda tgt: table_columns(tgt, tables)))
+        present = [t for t in tables if t in on_target and t in source_columns]
+
+        def plan(table: TableName) -> ChunkPlan:
+            shape = shapes.get(table)
+            left_out = set(shape.unpublished) if shape else set()
+            columns = [c.name for c in source_columns[table] if c.name not in left_out]
+            row_filter = shape.row_filter if shape else None
+            return on(
+                "source", lambda src: plan_chunks(src, table, columns, chunk_rows, row_filter)
+            )
+
+        def side_sums(table: TableName, side: str, chunks: ChunkPlan) -> Sums:
+            return on(side, lambda conn: chunk_sums(conn, chunks, source=side == "source"))
+
+        with ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-verify") as pool:
+            plans = dict(zip(present, pool.map(plan, present), strict=True))
+            futures = {
+                (table, side): pool.submit(side_sums, table, side, plans[table])
+                for table in present
+                for side in ("source", "target")
+            }
+            sums = {key: future.result() for key, future in futures.items()}
+        results = []
+        for table in tables:
+            if table not in present:
+                count = functools.partial(_count, table=table)
+                rows = on("source", count) if table in source_columns else 0
+                results.append(TableComparison(table, rows, 0, "", "", "target"))
+                continue
+            ours, theirs = sums[(table, "source")], sums[(table, "target")]
+            results.append(
+                TableComparison(
+                    table,
+                    sum(n for n, _, _ in ours.values()),
+                    sum(n for n, _, _ in theirs.values()),
+                    digest(ours),
+                    digest(theirs),
+                    chunks=plans[table].chunks,
+                    differing=_differences(settings, pair, plans[table], ours, theirs),
+                )
+            )
+    return OnlineComparison(pair, results, time.monotonic() - started)
+
+
+@contextlib.contextmanager
+def _in_snapshot(
+    settings: ReplicationSettings, pair: ConsistentPair, side: str
+) -> Iterator[psycopg.Connection[Any]]:
+    """A session of ``side`` (``source`` or ``target``) in the pair's snapshot of that side,
+    printing values as the other side's does."""
+    dsn = settings.source_dsn if side == "source" else settings.target_dsn
+    snapshot = pair.source_snapshot if side == "source" else pair.target_snapshot
+    with connect(dsn, role=side, autocommit=True) as conn:
+        conn.execute(_COMPARABLE_SESSION)
+        with snapshot_transaction(conn, snapshot):
+            yield conn
+
+
+def _count(conn: psycopg.Connection[Any], table: TableName) -> int:
+    row = conn.execute(sql.SQL("SELECT count(*) FROM ONLY {}").format(table.sql)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _differences(
+    settings: ReplicationSettings,
+    pair: ConsistentPair,
+    plan: ChunkPlan,
+    ours: Sums,
+    theirs: Sums,
+) -> tuple[ChunkDifference, ...]:
+    """The differing chunks of one table, the first :data:`CHUNKS_DETAILED` with their keys."""
+    found = []
+    for index, chunk in enumerate(differing_chunks(ours, theirs)):
+        keys: list[KeyDifference] = []
+        if index < CHUNKS_DETAILED and plan.key:
+            with (
+                _in_snapshot(settings, pair, "source") as src,
+                _in_snapshot(settings, pair, "target") as tgt,
+            ):
+                keys = differing_keys(src, tgt, plan, chunk, KEYS_LISTED)
+        found.append(
+            ChunkDifference(
+                plan.describe(chunk),
+                ours.get(chunk, (0, 0, 0))[0],
+                theirs.get(chunk, (0, 0, 0))[0],
+                tuple(keys),
+            )
+        )
+    return tuple(found)

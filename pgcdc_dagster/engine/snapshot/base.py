@@ -37,6 +37,7 @@ from .common import (
     SnapshotError,
     TableCopyResult,
     TargetNotEmptyError,
+    bulk_load_facts,
     snapshot_transaction,
     tables_for_spark,
 )
@@ -402,6 +403,8 @@ def take_base_snapshot(
         post_data = copy_schema_post_data(source_dsn, target_dsn, resolved)
         failpoint("snapshot.after_post_data")
         sequences = sync_sequences(source_dsn, target_dsn) if sync_sequence_values else {}
+        with connect(target_dsn, role="target", autocommit=True) as tgt:
+            bulk_load = bulk_load_facts(tgt, copies)
         set_origin(target_dsn, origin, slot.consistent_point)
         failpoint("snapshot.after_origin")
         progress.phase("done")
@@ -431,4 +434,5 @@ def take_base_snapshot(
         not_null_dropped=schema.not_null_dropped,
         source_version=source_version,
         target_version=target_version,
+        bulk_load=bulk_load,
     )

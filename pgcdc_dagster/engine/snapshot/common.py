@@ -189,14 +189,65 @@ class BaseSnapshotResult:
     source_version: str = ""
     target_version: str = ""
     """The servers' releases (``15.20``): a snapshot may cross majors, either way."""
+    bulk_load: Mapping[str, str] = field(default_factory=dict)
+    """What the load took of what the target allows (:func:`bulk_load_facts`)."""
 
     @property
     def rows(self) -> int:
         return sum(t.rows for t in self.tables)
 
     @property
+    def keys_seconds(self) -> float:
+        """The keys' and indexes' build, after the rows (the post-data section)."""
+        return self.post_data.seconds
+
+    @property
     def spark_app(self) -> SparkApp | None:
         return spark_app_of(self.tables)
+
+
+_BULK_LOAD_SETTINGS = """
+SELECT current_setting('wal_level'), current_setting('maintenance_work_mem'),
+       current_setting('max_parallel_maintenance_workers')
+"""
+
+
+def bulk_load_facts(
+    conn: psycopg.Connection[Any], tables: Sequence[TableCopyResult]
+) -> dict[str, str]:
+    """How the rows and keys were loaded, against what the target allows; nothing here changes
+    a server's configuration.
+
+    * ``copy``: binary ``COPY`` (text for a type without binary I/O), each range in one
+      transaction that commits asynchronously (``synchronous_commit = off``, the session's
+      own), and how many tables were loaded frozen (created by this snapshot: ``TRUNCATE``
+      then ``COPY ... (FREEZE)`` in one transaction, :attr:`CopyTask.freeze`).
+    * ``wal``: with ``wal_level = minimal`` PostgreSQL writes no WAL for such a frozen load (the
+      file is new in its transaction); above it every row is WAL-logged, as the target's
+      standbys and decoding need.
+    * ``keys``: the target's own ``maintenance_work_mem`` and
+      ``max_parallel_maintenance_workers``, which the key builds use as they stand. Raising
+      them changed nothing measurable at pgbench scale 100 (``benchmarks/snapshot.py``; the
+      figures in ``benchmarks/HISTORY.md``), so the snapshot leaves them.
+    """
+    wal_level, work_mem, workers = conn.execute(_BULK_LOAD_SETTINGS).fetchone()  # type: ignore[misc]
+    frozen = sum(1 for t in tables if t.frozen)
+    formats = sorted({f for t in tables for f in t.copy_formats}) or ["binary"]
+    return {
+        "copy": (
+            f"{'/'.join(formats)} COPY, synchronous_commit off; {frozen} of {len(tables)} "
+            "table(s) loaded frozen"
+        ),
+        "wal": (
+            "none for the tables loaded frozen (wal_level minimal)"
+            if wal_level == "minimal"
+            else f"every row (wal_level {wal_level})"
+        ),
+        "keys": (
+            f"maintenance_work_mem {work_mem}, max_parallel_maintenance_workers {workers} "
+            "(the target's own)"
+        ),
+    }
 
 
 def run_tool(argv: Sequence[str], dsn: str, *, role: str, what: str) -> str:

@@ -1,0 +1,115 @@
+"""Online verify: source and target compared at one consistent point while a writer commits
+and a follow applies, chunk by chunk; a hand edit on the target is named by chunk and key."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+
+from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.control.verify import compare_online
+from pgcdc_dagster.engine.follow.follower import Follower
+from pgcdc_dagster.engine.identifiers import TableName
+from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
+
+ITEMS = TableName("public", "items")
+LOG = TableName("public", "log")
+
+
+def _writes(source_dsn: str, stop: threading.Event) -> None:
+    """Inserts past id 100000 and updates of ids 2001-3000 and of the keyless log, until
+    ``stop``: never the rows the test edits by hand on the target."""
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            with conn.transaction():
+                conn.execute("INSERT INTO items VALUES (%s, 'new', %s)", (100000 + n, n))
+                conn.execute("UPDATE items SET qty = qty + 1 WHERE id = %s", (2001 + n % 1000,))
+                conn.execute("INSERT INTO log VALUES (%s, 'event')", (n,))
+            time.sleep(0.005)
+
+
+@contextmanager
+def _following_while_writing(
+    source_dsn: str, target_dsn: str, tmp_path
+) -> Iterator[tuple[ReplicationSettings, Follower]]:
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE items (id int PRIMARY KEY, name text, qty int)")
+        conn.execute(
+            "INSERT INTO items SELECT g, 'item ' || g, g % 7 FROM generate_series(1, 5000) g"
+        )
+        conn.execute("CREATE TABLE log (n int, what text)")
+        conn.execute("ALTER TABLE log REPLICA IDENTITY FULL")
+        conn.execute("ANALYZE items")
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "verify", tables=(ITEMS, LOG))
+    pipeline.take_snapshot(settings, None)
+    follower = Follower(settings)
+
+    def follow() -> None:
+        with pipeline.range_lock(settings):
+            for _ in follower.run():
+                pass
+
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=_writes, args=(source_dsn, stop)),
+        threading.Thread(target=follow),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while follower.summary.ranges < 3:
+            assert time.monotonic() < deadline, "the follow applied no range"
+            time.sleep(0.1)
+        yield settings, follower
+        assert threads[1].is_alive(), "the follow ended while verify ran"
+    finally:
+        stop.set()
+        threads[0].join()
+        follower.stop("test")
+        threads[1].join(timeout=120)
+
+
+def test_verify_under_writes_and_a_follow_is_equal_then_names_hand_edited_chunks_and_keys(
+    source_dsn, target_dsn, tmp_path
+):
+    with _following_while_writing(source_dsn, target_dsn, tmp_path) as (settings, follower):
+        first = compare_online(settings, [ITEMS, LOG], "verify test", chunk_rows=500)
+        # Both sides at one point while writes went on: no lag reported as a difference.
+        assert [(c.table, c.equal) for c in first.tables] == [(ITEMS, True), (LOG, True)]
+        items, log = first.tables
+        assert items.chunks >= 8 and items.source_rows >= 5000
+        assert items.differing == () and log.source_rows > 0
+        assert first.pair.made_way_by is not None  # the follow made way, and went on
+        ranges_before = follower.summary.ranges
+
+        with psycopg.connect(target_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM items WHERE id = 10")
+            conn.execute("UPDATE items SET name = 'edited' WHERE id = 1500")
+            conn.execute("INSERT INTO items VALUES (4999999, 'stray', 0)")
+        second = compare_online(settings, [ITEMS, LOG], "verify test", chunk_rows=500)
+        items, log = second.tables
+        assert log.equal and not items.equal
+        assert second.point > first.point
+        keys = {(k.key, k.kind) for chunk in items.differing for k in chunk.keys}
+        assert keys == {("(10)", "missing"), ("(1500)", "changed"), ("(4999999)", "extra")}
+        # Three rows in at most three chunks of about 500 rows: the rest compared equal.
+        assert 1 <= len(items.differing) <= 3 < items.chunks
+        assert any("10" in chunk.where for chunk in items.differing)
+        deadline = time.monotonic() + 30
+        while follower.summary.ranges <= ranges_before:
+            assert time.monotonic() < deadline, "the follow did not go on after verify"
+            time.sleep(0.1)
+        with psycopg.connect(target_dsn, autocommit=True) as conn:  # undo the edits
+            conn.execute("INSERT INTO items SELECT 10, 'item 10', 10 % 7")
+            conn.execute("UPDATE items SET name = 'item 1500' WHERE id = 1500")
+            conn.execute("DELETE FROM items WHERE id = 4999999")
+    catch_up(settings)
+    assert equal_tables(settings) == [("public.items", True), ("public.log", True)]
