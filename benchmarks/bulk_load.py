@@ -31,7 +31,6 @@ from typing import Any
 
 import psycopg
 from snapshot import (
-    LOGICAL_SOURCE_SETTINGS,
     TABLES,
     Measured,
     _create_database,
@@ -40,10 +39,9 @@ from snapshot import (
     _psql_file,
     _quiesce,
     _tool,
-    temporary_cluster,
+    pgbench_clusters,
 )
 
-from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.identifiers import TableName
 
 KEY_SETTINGS = {
@@ -97,51 +95,43 @@ def main() -> None:
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     results: dict[str, Any] = {}
-    source = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-source-")
-    target = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-target-")
-    try:
-        with tempfile.TemporaryDirectory(prefix="pgcdc-bench-bulk-") as tmp:
-            source.start()
-            target.start()
-            pgbench(source, "-i", "-q", "-s", str(args.scale))
-            with psycopg.connect(source.dsn(), autocommit=True) as conn:
-                conn.execute("VACUUM ANALYZE")
-            pre, post = Path(tmp) / "pre.sql", Path(tmp) / "post.sql"
-            _dump(source.dsn(), pre, "--section=pre-data")
-            _dump(source.dsn(), post, "--section=post-data")
-            for i, variant in enumerate(variants):
-                database = f"bench_bulk_{i}"
-                dsn = _create_database(target, database)
-                _psql_file(dsn, pre)
-                _quiesce(source, target)
-                with Measured(source, target) as copy:
-                    for table in TABLES:
-                        _pipe(source.dsn(), dsn, table, variant)
-                entry: dict[str, Any] = {
-                    "copy_seconds": round(copy.wall, 2),
-                    "copy_cpu_seconds": copy.cpu,
-                    "target_wal_mb": copy.target_wal_mb,
-                    "keys": {},
+    with (
+        pgbench_clusters(args.scale) as (source, target),
+        tempfile.TemporaryDirectory(prefix="pgcdc-bench-bulk-") as tmp,
+    ):
+        pre, post = Path(tmp) / "pre.sql", Path(tmp) / "post.sql"
+        _dump(source.dsn(), pre, "--section=pre-data")
+        _dump(source.dsn(), post, "--section=post-data")
+        for i, variant in enumerate(variants):
+            database = f"bench_bulk_{i}"
+            dsn = _create_database(target, database)
+            _psql_file(dsn, pre)
+            _quiesce(source, target)
+            with Measured(source, target) as copy:
+                for table in TABLES:
+                    _pipe(source.dsn(), dsn, table, variant)
+            entry: dict[str, Any] = {
+                "copy_seconds": round(copy.wall, 2),
+                "copy_cpu_seconds": copy.cpu,
+                "target_wal_mb": copy.target_wal_mb,
+                "keys": {},
+            }
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")
+            for label, options in KEY_SETTINGS.items():
+                _drop_keys(dsn)
+                os.environ["PGOPTIONS"] = options
+                try:
+                    with Measured(source, target) as keys:
+                        _psql_file(dsn, post)
+                finally:
+                    os.environ.pop("PGOPTIONS")
+                entry["keys"][label] = {
+                    "seconds": round(keys.wall, 2),
+                    "target_cpu_seconds": keys.cpu["target_pg"],
                 }
-                with psycopg.connect(dsn, autocommit=True) as conn:
-                    conn.execute("CHECKPOINT")
-                for label, options in KEY_SETTINGS.items():
-                    _drop_keys(dsn)
-                    os.environ["PGOPTIONS"] = options
-                    try:
-                        with Measured(source, target) as keys:
-                            _psql_file(dsn, post)
-                    finally:
-                        os.environ.pop("PGOPTIONS")
-                    entry["keys"][label] = {
-                        "seconds": round(keys.wall, 2),
-                        "target_cpu_seconds": keys.cpu["target_pg"],
-                    }
-                results[variant] = entry
-                _drop_database(target, database)
-    finally:
-        for cluster in (source, target):
-            cluster.destroy()
+            results[variant] = entry
+            _drop_database(target, database)
     print(json.dumps({"scale": args.scale, "results": results}, indent=2))
 
 

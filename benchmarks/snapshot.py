@@ -48,7 +48,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,26 @@ class Measured:
 
     def report(self) -> dict[str, Any]:
         return {"cpu_seconds": self.cpu, "target_wal_mb": self.target_wal_mb}
+
+
+@contextlib.contextmanager
+def pgbench_clusters(scale: int) -> Iterator[tuple[LocalCluster, LocalCluster]]:
+    """Two throwaway clusters (``LOGICAL_SOURCE_SETTINGS``): a source filled by ``pgbench -i``
+    at ``scale`` (its history table ``REPLICA IDENTITY FULL``, all vacuumed and analysed) and
+    an empty target; both destroyed on the way out."""
+    source = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-source-")
+    target = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-target-")
+    try:
+        source.start()
+        target.start()
+        pgbench(source, "-i", "-q", "-s", str(scale))
+        with psycopg.connect(source.dsn(), autocommit=True) as conn:
+            conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
+            conn.execute("VACUUM ANALYZE")
+        yield source, target
+    finally:
+        for cluster in (source, target):
+            cluster.destroy()
 
 
 # ─── helpers ──────────────────────────────────────────────────────────────────────────────────

@@ -382,16 +382,26 @@ def _runs_in_flight(settings: ReplicationSettings) -> list[str] | str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Runs the verify job (the ``target_matches_source`` check on every target table) and
-    reports its evaluations: the comparison is done once, inside the run the UI shows. Then
+    """Runs the verify job (the ``target_matches_source`` check on every target table), or with
+    ``--repair`` the repair job (the same compare, the differing chunks replaced, those tables
+    compared again), and reports its evaluations: the comparison is done inside the run the UI
+    shows. Then
     names the tables replicated once that the publication no longer sends (their target copy
     is stale, and no check covers them: they are no longer assets)."""
+    from .defs.jobs import REPAIR_JOB
     from .engine.control import pipeline
 
     settings = ReplicationSettings.from_env()
     # No published table, no verify job (its checks are per table): only the stale ones.
     published = pipeline.replicated_tables(settings)
-    result = run_job("verify", allow_failure=True) if published else None
+    result = None
+    if published and args.repair:
+        config = {"ops": {"repair_chunks": {"config": {"wait_s": args.wait}}}}
+        result = run_job(REPAIR_JOB, run_config=config, allow_failure=True)
+        for line in _repaired_lines(result):
+            print(line)
+    elif published:
+        result = run_job("verify", allow_failure=True)
     tables = []
     compared_at = None
     for evaluation in result.get_asset_check_evaluations() if result else []:
@@ -443,6 +453,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if result is not None and not result.success:
         raise CliError(f"verify run {result.run_id} failed: {failure_text(result)}")
     return 0
+
+
+def _repaired_lines(result: Any) -> list[str]:
+    """A line per table a repair run replaced chunks of."""
+    lines = []
+    for event in result.get_asset_observation_events() if result.success else []:
+        observation = event.asset_observation_data.asset_observation
+        meta = observation.metadata
+        if "chunks_repaired" not in meta:
+            continue
+        lines.append(
+            f"REPAIRED {observation.asset_key.to_user_string()}: "
+            f"{meta['chunks_repaired'].value} chunk(s) at {meta['repaired_at'].value}, "
+            f"{meta['rows_deleted'].value} row(s) deleted, {meta['rows_copied'].value} copied"
+        )
+    return lines
 
 
 def _value(entry: Any) -> Any:
@@ -723,6 +749,13 @@ def build_parser() -> argparse.ArgumentParser:
         "chunk, while the replication goes on (a follow makes way for a moment)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="replace the differing chunks on the target with the source's rows, then compare "
+        "those tables again (the repair job)",
+    )
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the range")
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(
         "cutover",

@@ -45,7 +45,13 @@ from .defs.checks import (
     replicated_tables,
     store_retention,
 )
-from .defs.jobs import build_add_tables_job, build_finish_job, build_follow_job, build_prune_job
+from .defs.jobs import (
+    build_add_tables_job,
+    build_finish_job,
+    build_follow_job,
+    build_prune_job,
+    build_repair_job,
+)
 from .defs.metadata import database_of
 from .defs.resources import default_resources
 from .defs.run_liveness import RANGE_LOCK_TAG
@@ -192,6 +198,7 @@ def op_jobs(tables: list[TableName]) -> list[Any]:
         build_add_tables_job(),
         build_add_tables_job(resync=True),
         build_finish_job(),
+        build_repair_job(),
     ]
 
 

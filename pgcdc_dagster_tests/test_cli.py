@@ -537,6 +537,26 @@ def test_verify_names_resync_for_a_table_that_drifted_and_resync_repairs_it(cli_
     assert code == 0 and json.loads(out)["equal"] is True, out
 
 
+def test_verify_repair_replaces_the_differing_chunk_and_the_next_verify_is_equal(cli_env, capsys):
+    """``pgcdc verify --repair`` after hand edits on the target: the repair run replaces the
+    differing chunk with the source's rows (its observation says so), its check evaluations
+    say equal, and a plain verify agrees."""
+    _snapshot_then(cli_env, capsys)
+    with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
+        conn.execute("DELETE FROM items WHERE id = 7")
+        conn.execute("UPDATE items SET name = 'edited' WHERE id = 3")
+    code, out, err = run_cli(capsys, "verify", "--repair")
+    assert code == 0, err
+    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"]) as conn:
+        rows = conn.execute("SELECT count(*) FROM items").fetchone()[0]  # type: ignore[index]
+    # One chunk (a small table): all its rows on the target replaced by the source's.
+    assert "REPAIRED target/public/items: 1 chunk(s) at " in out, out
+    assert f"{rows - 1} row(s) deleted, {rows} copied" in out, out
+    assert "ok   public.items" in out, out
+    code, out, err = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True, out
+
+
 def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, capsys, monkeypatch):
     """``pgcdc add-table`` while ``pgcdc follow`` runs (its Dagster run holding the range
     lock): the add does not wait for the follow to end (it never would) but has it make way,

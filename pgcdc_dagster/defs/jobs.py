@@ -1,6 +1,7 @@
 """The ops jobs: ``follow`` (one long-lived run that receives and applies continuously),
 ``prune`` (the store's retention, on demand), ``add_tables`` (tables added to a running
-replication, ``pgcdc add-table``) and ``finish`` (the replication ended, ``pgcdc finish``).
+replication, ``pgcdc add-table``), ``finish`` (the replication ended, ``pgcdc finish``) and
+``repair`` (the chunks an online verify finds different replaced, ``pgcdc verify --repair``).
 
 ``pgcdc follow`` runs it until stopped, ``pgcdc catchup --endpos L`` runs it up to ``L``, and the
 slot sensor in ``follow`` mode keeps one alive. The run holds the range lock for its whole life
@@ -20,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetObservation,
     Config,
     Failure,
@@ -30,15 +32,17 @@ from dagster import (
     op,
 )
 
-from ..engine.control import pipeline
+from ..engine.control import pipeline, verify
+from ..engine.control.repair import repair_chunks, repaired_tables
 from ..engine.identifiers import TableName
 from ..engine.settings import parse_duration
 from ..engine.store.retention import prune
+from .checks import consistency_result
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
 from .instance import keep_storage_connections
-from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY, SLOT_KEY
-from .metadata import added_metadata, finish_metadata, prune_metadata
+from .keys import BASE_SNAPSHOT_KEY, DECODED_CHANGES_KEY, SLOT_KEY, target_key
+from .metadata import added_metadata, finish_metadata, number, prune_metadata, text
 from .progress_log import logged
 from .range_events import trim_partitions
 from .resources import PgcdcResource, RangeLockResource, SparkResource
@@ -49,7 +53,8 @@ PRUNE_JOB = "prune"
 ADD_TABLES_JOB = "add_tables"
 RESYNC_TABLES_JOB = "resync_tables"
 FINISH_JOB = "finish"
-OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, RESYNC_TABLES_JOB, FINISH_JOB)
+REPAIR_JOB = "repair"
+OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, RESYNC_TABLES_JOB, FINISH_JOB, REPAIR_JOB)
 """The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
@@ -273,3 +278,66 @@ def build_finish_job() -> JobDefinition:
         end_replication()
 
     return finish_job
+
+
+class RepairConfig(Config):
+    wait_s: float = 120.0
+    """How long to wait for the range: for a follow holding it to make way, or for another
+    catch-up (a snapshot, a per-range run) to end."""
+
+
+def build_repair_job() -> JobDefinition:
+    @op(
+        name="repair_chunks",
+        out={},  # it records observations and check evaluations only
+        description="Compare every replicated table at one consistent point, replace the "
+        "differing chunks on the target with the source's rows, and compare those tables again.",
+    )
+    def repair_op(
+        context: OpExecutionContext, config: RepairConfig, pgcdc: PgcdcResource
+    ) -> Iterator[Any]:
+        settings = pgcdc.settings()
+        holder = lock_holder_name(context.run.run_id)
+        options: dict[str, Any] = {"wait_s": config.wait_s, "spark": settings.spark_session}
+        try:
+            tables = pipeline.replicated_tables(settings)
+            found = verify.compare_online(settings, tables, holder, **options)
+            differing = [c for c in found.tables if not c.equal and c.missing_on is None]
+            repaired = repair_chunks(settings, differing, holder, **options)
+            again = repaired_tables(repaired)
+            after = verify.compare_online(settings, again, holder, **options) if again else None
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        final = {c.table: c for c in found.tables}
+        final.update({c.table: c for c in (after.tables if after else [])})
+        for table in again:
+            chunks = [c for c in repaired.chunks if c.table == table]
+            yield AssetObservation(
+                target_key(table),
+                description="chunks repaired: replaced with the source's rows",
+                metadata={
+                    "repaired_at": text(repaired.point),
+                    "chunks_repaired": number(len(chunks)),
+                    "rows_deleted": number(sum(c.deleted for c in chunks)),
+                    "rows_copied": number(sum(c.copied for c in chunks)),
+                    "chunk_list": text("; ".join(c.where for c in chunks)),
+                },
+            )
+            context.log.info(
+                f"{table}: {len(chunks)} chunk(s) replaced at {repaired.point}, "
+                f"{sum(c.deleted for c in chunks)} row(s) deleted, "
+                f"{sum(c.copied for c in chunks)} copied"
+            )
+        for comparison in final.values():
+            yield AssetCheckEvaluation(**consistency_result(comparison))
+
+    @job(
+        name=REPAIR_JOB,
+        executor_def=in_process_executor,
+        description="Verify every table online and replace the chunks that differ with the "
+        "source's rows, while the replication goes on (a follow makes way meanwhile).",
+    )
+    def repair_job() -> None:
+        repair_op()
+
+    return repair_job

@@ -1,5 +1,6 @@
 """Online verify: source and target compared at one consistent point while a writer commits
-and a follow applies, chunk by chunk; a hand edit on the target is named by chunk and key."""
+and a follow applies, chunk by chunk; a hand edit on the target is named by chunk and key, and
+a repair replaces only those chunks while the writes and the follow go on."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from contextlib import contextmanager
 import psycopg
 
 from pgcdc_dagster.engine.control import pipeline
+from pgcdc_dagster.engine.control.repair import repair_chunks
 from pgcdc_dagster.engine.control.verify import compare_online
 from pgcdc_dagster.engine.follow.follower import Follower
 from pgcdc_dagster.engine.identifiers import TableName
@@ -77,7 +79,7 @@ def _following_while_writing(
         threads[1].join(timeout=120)
 
 
-def test_verify_under_writes_and_a_follow_is_equal_then_names_hand_edited_chunks_and_keys(
+def test_verify_under_writes_names_hand_edited_chunks_and_keys_and_repair_fixes_only_them(
     source_dsn, target_dsn, tmp_path
 ):
     with _following_while_writing(source_dsn, target_dsn, tmp_path) as (settings, follower):
@@ -94,22 +96,33 @@ def test_verify_under_writes_and_a_follow_is_equal_then_names_hand_edited_chunks
             conn.execute("DELETE FROM items WHERE id = 10")
             conn.execute("UPDATE items SET name = 'edited' WHERE id = 1500")
             conn.execute("INSERT INTO items VALUES (4999999, 'stray', 0)")
+            conn.execute("DELETE FROM log WHERE n = 3")  # no key: a chunk by hash
         second = compare_online(settings, [ITEMS, LOG], "verify test", chunk_rows=500)
         items, log = second.tables
-        assert log.equal and not items.equal
+        assert not items.equal and not log.equal
         assert second.point > first.point
         keys = {(k.key, k.kind) for chunk in items.differing for k in chunk.keys}
         assert keys == {("(10)", "missing"), ("(1500)", "changed"), ("(4999999)", "extra")}
         # Three rows in at most three chunks of about 500 rows: the rest compared equal.
         assert 1 <= len(items.differing) <= 3 < items.chunks
         assert any("10" in chunk.where for chunk in items.differing)
+        assert len(log.differing) == 1 and "md5 starts with" in log.differing[0].where
         deadline = time.monotonic() + 30
         while follower.summary.ranges <= ranges_before:
             assert time.monotonic() < deadline, "the follow did not go on after verify"
             time.sleep(0.1)
-        with psycopg.connect(target_dsn, autocommit=True) as conn:  # undo the edits
-            conn.execute("INSERT INTO items SELECT 10, 'item 10', 10 % 7")
-            conn.execute("UPDATE items SET name = 'item 1500' WHERE id = 1500")
-            conn.execute("DELETE FROM items WHERE id = 4999999")
+
+        # The differing chunks replaced while writes go on; the follow goes on after it.
+        repaired = repair_chunks(settings, second.tables, "verify test")
+        assert repaired.point > second.point and repaired.made_way_by is not None
+        assert {c.table for c in repaired.chunks} == {ITEMS, LOG}
+        assert len(repaired.chunks) == len(items.differing) + len(log.differing)
+        ranges_repaired = follower.summary.ranges
+        third = compare_online(settings, [ITEMS, LOG], "verify test", chunk_rows=500)
+        assert [(c.table, c.equal) for c in third.tables] == [(ITEMS, True), (LOG, True)]
+        deadline = time.monotonic() + 30
+        while follower.summary.ranges <= ranges_repaired:
+            assert time.monotonic() < deadline, "the follow did not go on after the repair"
+            time.sleep(0.1)
     catch_up(settings)
     assert equal_tables(settings) == [("public.items", True), ("public.log", True)]

@@ -177,6 +177,24 @@ def _hashed(plan: ChunkPlan, *, source: bool, with_key: bool = False) -> sql.Com
     )
 
 
+def chunk_filter(plan: ChunkPlan, chunk: Any) -> sql.Composed:
+    """A condition on a row of ``plan``'s table that holds for the rows of ``chunk`` only, the
+    same on either side (a session printing values as :mod:`.verify` sets it)."""
+    if plan.column is None:
+        row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns))
+        return sql.SQL("substr(md5(convert_to({}::text, 'UTF8')), 1, {}) = {}").format(
+            row, sql.Literal(plan.hex_digits), sql.Literal(chunk)
+        )
+    if not plan.bounds:
+        return sql.SQL("true = {}").format(sql.Literal(int(chunk) == 0))
+    return sql.SQL("width_bucket({}, {}::text[]::{}[]) = {}").format(
+        _ordered(sql.Identifier(plan.column), plan.collatable),
+        sql.Literal(list(plan.bounds)),
+        sql.SQL(plan.type_sql),
+        sql.Literal(int(chunk)),
+    )
+
+
 def chunk_sums(conn: psycopg.Connection[Any], plan: ChunkPlan, *, source: bool) -> Sums:
     """Per chunk of ``plan``: rows and the two sums, read in ``conn``'s snapshot (one scan)."""
     query = sql.SQL(

@@ -75,14 +75,19 @@ def consistent_pair(
     wait_s: float = 120.0,
     spark: Any = None,
     caught_up: Callable[[int], None] | None = None,
+    hold_range: bool = False,
 ) -> Iterator[ConsistentPair]:
     """Hold a :class:`ConsistentPair` (see the module docstring) for the ``with`` block. The
-    range is held only while the pair is made, not during the block. ``caught_up`` is told how
-    many ranges the catch-up to ``C`` applied, once it has."""
+    range is held only while the pair is made, not during the block, unless ``hold_range``:
+    then nothing applies until the block ends, and the target stands at ``C`` throughout (a
+    repair, :mod:`.repair`). ``caught_up`` is told how many ranges the catch-up to ``C``
+    applied, once it has."""
     with contextlib.ExitStack() as held:
         src = held.enter_context(connect(settings.source_dsn, role="source"))
         tgt = held.enter_context(connect(settings.target_dsn, role="target"))
-        with range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s) as lock:
+        the_range = range_lock_or_way(settings.target_dsn, settings.slot, holder, wait_s)
+        with contextlib.ExitStack() as ranged:
+            lock = (held if hold_range else ranged).enter_context(the_range)
             with create_slot_with_snapshot(
                 settings.source_dsn, temporary_slot_name(settings.slot), temporary=True
             ) as exported:

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -56,6 +56,8 @@ class ChunkDifference:
     source_rows: int
     target_rows: int
     keys: tuple[KeyDifference, ...] = ()
+    chunk: Any = None
+    """The chunk's id in its table's :class:`~.chunks.ChunkPlan` (what a repair replaces)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class TableComparison:
     """How many chunks were compared (:func:`compare_online`)."""
     differing: tuple[ChunkDifference, ...] = ()
     """The chunks that differ (:func:`compare_online`)."""
+    plan: ChunkPlan | None = field(default=None, compare=False, repr=False)
+    """How the table was cut (:func:`compare_online`)."""
 
     @property
     def equal(self) -> bool:
@@ -82,7 +86,7 @@ class TableComparison:
         )
 
 
-_COMPARABLE_SESSION = (
+COMPARABLE_SESSION = (
     "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, YMD'; SET IntervalStyle = 'postgres'; "
     "SET extra_float_digits = 3; SET bytea_output = 'hex'"
 )
@@ -118,7 +122,7 @@ def compare_tables(
         connect(settings.target_dsn, role="target", autocommit=True) as tgt,
     ):
         for conn in (src, tgt):
-            conn.execute(_COMPARABLE_SESSION)
+            conn.execute(COMPARABLE_SESSION)
         source_columns = table_columns(src, tables)
         on_target = set(table_columns(tgt, tables))
         shapes = published_shapes(src, settings.publication, tables)
@@ -226,6 +230,7 @@ def compare_online(
                     digest(theirs),
                     chunks=plans[table].chunks,
                     differing=_differences(settings, pair, plans[table], ours, theirs),
+                    plan=plans[table],
                 )
             )
     return OnlineComparison(pair, results, time.monotonic() - started)
@@ -240,7 +245,7 @@ def _in_snapshot(
     dsn = settings.source_dsn if side == "source" else settings.target_dsn
     snapshot = pair.source_snapshot if side == "source" else pair.target_snapshot
     with connect(dsn, role=side, autocommit=True) as conn:
-        conn.execute(_COMPARABLE_SESSION)
+        conn.execute(COMPARABLE_SESSION)
         with snapshot_transaction(conn, snapshot):
             yield conn
 
@@ -273,6 +278,7 @@ def _differences(
                 ours.get(chunk, (0, 0, 0))[0],
                 theirs.get(chunk, (0, 0, 0))[0],
                 tuple(keys),
+                chunk,
             )
         )
     return tuple(found)

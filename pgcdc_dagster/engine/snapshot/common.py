@@ -306,7 +306,7 @@ def snapshot_transaction(
                     ) from None
             yield conn
     finally:
-        if not conn.closed:  # a failed COPY closes its connection (see _stream_copy_out)
+        if not conn.closed:  # a failed COPY closes its connection (see stream_copy_out)
             conn.isolation_level, conn.read_only = saved
 
 

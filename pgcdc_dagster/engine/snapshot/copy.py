@@ -197,7 +197,7 @@ COPY_BATCH_BYTES = 128 * 1024
 per row, and handing each to the target separately costs more than the copy itself."""
 
 
-def _stream_copy_out(
+def stream_copy_out(
     conn: psycopg.Connection[Any], statement: sql.Composed, sink: Callable[[bytearray], None]
 ) -> int:
     """Run a ``COPY ... TO STDOUT`` and hand its data to ``sink`` in batches of about
@@ -270,7 +270,7 @@ def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearr
                 if task.export_dir is not None:
                     kept.append(batch)
 
-            rows = _stream_copy_out(src, _select_statement(task, copy_format), forward)
+            rows = stream_copy_out(src, _select_statement(task, copy_format), forward)
         tgt.commit()
     return rows, nbytes, kept
 

@@ -1,0 +1,145 @@
+"""Repairing the chunks an online verify found different (:func:`~.verify.compare_online`):
+each made equal to the source without copying the rest of its table, while the replication
+goes on around it.
+
+Why it is exactly once:
+
+1. The repair takes a consistent pair at a new point ``C2`` and keeps the range until it ends
+   (:func:`~.consistent_pair.consistent_pair` with ``hold_range``). No apply runs meanwhile, so
+   the target stands at ``C2``: every transaction committed before ``C2`` is applied, none
+   after it, and its origin says so. The source snapshot at ``C2`` holds the same
+   transactions.
+2. Each differing chunk is replaced in one target transaction of its own: its rows deleted,
+   then the source's rows of that chunk as of ``C2`` copied in, written as the apply writes
+   (``session_replication_role = replica``: no triggers, no foreign-key checks). The chunk
+   then holds what a replica at ``C2`` holds. The origin is not moved: it says ``C2`` already.
+3. The range is released, and the follow (or the next catch-up) applies the transactions
+   committed after ``C2``, from the slot, as it would have anyway: none is in the copy (the
+   snapshot predates them), and none was applied before (the target stood at ``C2``), so each
+   lands once. Those before ``C2`` are in the copy and in the rest of the target, and nothing
+   applies them again (the origin is past them).
+
+Crash anywhere: a chunk's transaction commits whole or not at all, so a chunk not replaced
+still differs, and the next verify finds it and the next repair replaces it; the temporary slot
+and the snapshots go with their sessions.
+
+What it costs: the follow stands still while the chunks copy, each of about
+:data:`~.verify.DEFAULT_CHUNK_ROWS` rows. Holding back each chunk's changes in every apply
+instead (copying without the range, as an added table is) would not pause the follow; it is
+not built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg import sql
+
+from ..connect import connect
+from ..identifiers import TableName
+from ..lsn import Lsn
+from ..published_columns import row_filter_sql
+from ..settings import ReplicationSettings
+from ..snapshot.common import snapshot_transaction
+from ..snapshot.copy import stream_copy_out
+from .chunks import ChunkPlan, chunk_filter
+from .consistent_pair import consistent_pair
+from .verify import COMPARABLE_SESSION, TableComparison
+
+
+@dataclass(frozen=True)
+class RepairedChunk:
+    table: TableName
+    where: str
+    deleted: int
+    """Rows of the chunk the target held."""
+    copied: int
+    """Rows of the chunk the source holds at the repair's point, copied in their place."""
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    point: Lsn
+    """``C2``: the point the chunks were copied at."""
+    chunks: tuple[RepairedChunk, ...]
+    seconds: float
+    made_way_by: str | None
+
+
+_GENERATED = """
+SELECT a.attname FROM pg_attribute a
+WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated <> ''
+"""
+
+
+def repair_chunks(
+    settings: ReplicationSettings,
+    found: Sequence[TableComparison],
+    holder: str,
+    *,
+    wait_s: float = 120.0,
+    spark: Any = None,
+) -> RepairResult:
+    """Replace, on the target, every differing chunk of ``found`` (a :func:`compare_online`'s
+    comparisons) with the source's rows of it (see the module docstring). A table missing on the
+    target is not repaired here (``pgcdc add-table`` copies it)."""
+    started = time.monotonic()
+    todo = [
+        (comparison, difference)
+        for comparison in found
+        if comparison.plan is not None and comparison.missing_on is None
+        for difference in comparison.differing
+    ]
+    repaired: list[RepairedChunk] = []
+    with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, hold_range=True) as pair:
+        for comparison, difference in todo:
+            assert comparison.plan is not None
+            deleted, copied = _replace(
+                settings, pair.source_snapshot, comparison.plan, difference.chunk
+            )
+            repaired.append(RepairedChunk(comparison.table, difference.where, deleted, copied))
+    return RepairResult(pair.point, tuple(repaired), time.monotonic() - started, pair.made_way_by)
+
+
+def _replace(
+    settings: ReplicationSettings, source_snapshot: str, plan: ChunkPlan, chunk: Any
+) -> tuple[int, int]:
+    """One chunk, in one target transaction: its rows deleted, the source's copied in."""
+    where = chunk_filter(plan, chunk)
+    with (
+        connect(settings.source_dsn, role="source", autocommit=True) as src,
+        connect(settings.target_dsn, role="target") as tgt,
+    ):
+        src.execute(COMPARABLE_SESSION)
+        generated = {str(r[0]) for r in tgt.execute(_GENERATED, (plan.table.sql.as_string(tgt),))}
+        tgt.execute(COMPARABLE_SESSION)
+        tgt.execute("SET LOCAL session_replication_role = replica")
+        columns = sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns if c not in generated)
+        deleted = tgt.execute(
+            sql.SQL("DELETE FROM ONLY {} WHERE {}").format(plan.table.sql, where)
+        ).rowcount
+        source_where = (
+            where
+            if plan.row_filter is None
+            else sql.SQL("{} AND {}").format(where, row_filter_sql(plan.row_filter))
+        )
+        select = sql.SQL("COPY (SELECT {} FROM ONLY {} WHERE {}) TO STDOUT").format(
+            columns, plan.table.sql, source_where
+        )
+        with (
+            snapshot_transaction(src, source_snapshot),
+            tgt.cursor().copy(
+                sql.SQL("COPY {} ({}) FROM STDIN").format(plan.table.sql, columns)
+            ) as into,
+        ):
+            copied = stream_copy_out(src, select, into.write)
+        tgt.commit()
+    return max(deleted, 0), copied
+
+
+def repaired_tables(result: RepairResult) -> list[TableName]:
+    """The tables the repair touched, each once, in order."""
+    return list(dict.fromkeys(chunk.table for chunk in result.chunks))
