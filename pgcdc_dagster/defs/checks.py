@@ -246,14 +246,15 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
                 f"the target caught up to the verify's consistent point ({n} range(s))"
             ),
         )
+        where = "as the sides stand" if compared.point is None else f"at {compared.point}"
+        way = f"; {compared.made_way_by} made way" if compared.made_way_by else ""
         context.log.info(
-            f"compared {len(selected)} table(s) at {compared.point} in "
-            f"{compared.seconds:.1f} s"
-            + (f"; {compared.pair.made_way_by} made way" if compared.pair.made_way_by else "")
+            f"compared {len(selected)} table(s) {where} in {compared.seconds:.1f} s{way}"
         )
         for comparison in compared.tables:
             result = consistency_result(comparison)
-            result["metadata"]["compared_at"] = text(compared.point)
+            if compared.point is not None:
+                result["metadata"]["compared_at"] = text(compared.point)
             yield AssetCheckResult(**result)
 
     return target_matches_source

@@ -302,15 +302,20 @@ def build_repair_job() -> JobDefinition:
         try:
             tables = pipeline.replicated_tables(settings)
             found = verify.compare_online(settings, tables, holder, **options)
-            differing = [c for c in found.tables if not c.equal and c.missing_on is None]
-            repaired = repair_chunks(settings, differing, holder, **options)
-            again = repaired_tables(repaired)
+            # Chunks only where an online compare cut the table (a table missing on the
+            # target has none: pgcdc add-table copies it).
+            repairable = [c for c in found.tables if not c.equal and c.plan is not None]
+            repaired = (
+                repair_chunks(settings, repairable, holder, **options) if repairable else None
+            )
+            again = repaired_tables(repaired) if repaired is not None else []
             after = verify.compare_online(settings, again, holder, **options) if again else None
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         final = {c.table: c for c in found.tables}
         final.update({c.table: c for c in (after.tables if after else [])})
         for table in again:
+            assert repaired is not None
             chunks = [c for c in repaired.chunks if c.table == table]
             yield AssetObservation(
                 target_key(table),

@@ -150,13 +150,19 @@ CHUNKS_DETAILED = 10
 
 @dataclass(frozen=True)
 class OnlineComparison:
-    pair: ConsistentPair
+    pair: ConsistentPair | None
+    """``None``: a table is missing on the target, so both sides were read as they stand
+    (:func:`compare_online`)."""
     tables: list[TableComparison]
     seconds: float
 
     @property
-    def point(self) -> Lsn:
-        return self.pair.point
+    def point(self) -> Lsn | None:
+        return None if self.pair is None else self.pair.point
+
+    @property
+    def made_way_by(self) -> str | None:
+        return None if self.pair is None else self.pair.made_way_by
 
 
 def compare_online(
@@ -174,9 +180,19 @@ def compare_online(
     (:func:`~.consistent_pair.consistent_pair`: the range is held only while the point is
     taken), then chunk by chunk (:mod:`.chunks`) on ``workers`` threads (default: the CPU
     count), each in sessions of its own that import the pair's snapshots. A table the
-    publication narrows is compared as it is published, as :func:`compare_tables` does."""
+    publication narrows is compared as it is published, as :func:`compare_tables` does. With a
+    table missing on the target (published later, never copied) the target cannot be caught
+    up to a point, so every table is compared as the sides stand (:func:`compare_tables`),
+    and the result has no ``pair``."""
     started = time.monotonic()
     workers = max(1, workers or os.cpu_count() or 1)
+    with connect(settings.target_dsn, role="target", autocommit=True) as tgt:
+        if set(tables) - set(table_columns(tgt, tables)):
+            # The catch-up to a point cannot pass a change of a table the target lacks (the
+            # apply refuses it, naming pgcdc add-table): compared as they stand, as before.
+            return OnlineComparison(
+                None, compare_tables(settings, tables), time.monotonic() - started
+            )
     with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, caught_up=caught_up) as pair:
 
         def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
