@@ -20,11 +20,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Two workers: most of a test is waiting on servers and processes, so two share 2 cores well.
-TEST_WORKERS ?= 2
+# One worker by default: on 2 cores, two (TEST_WORKERS=2) ran the suite in 22 min against 26,
+# but the machine is then CPU-bound and the timing-sensitive tests flaked (docs/contributing.md).
+TEST_WORKERS ?= 1
+TEST_ARGS = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup pgcdc_dagster_tests
+	$(PY) -m pytest -q $(TEST_ARGS) pgcdc_dagster_tests
 
 demo: $(STAMP)
 	$(VENV)/bin/pgcdc demo
