@@ -227,7 +227,7 @@ def bulk_load_facts(
       standbys and decoding need.
     * ``keys``: the target's own ``maintenance_work_mem`` and
       ``max_parallel_maintenance_workers``, which the key builds use as they stand. Raising
-      them changed nothing measurable at pgbench scale 100 (``benchmarks/snapshot.py``; the
+      them changed nothing measurable at pgbench scale 100 (``benchmarks/bulk_load.py``; the
       figures in ``benchmarks/HISTORY.md``), so the snapshot leaves them.
     """
     wal_level, work_mem, workers = conn.execute(_BULK_LOAD_SETTINGS).fetchone()  # type: ignore[misc]
