@@ -294,59 +294,14 @@ def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .engine.control import pipeline
-    from .engine.errors import PgcdcError
-    from .engine.snapshot.foreign_keys import not_valid_foreign_keys
+    from .engine.control.status import replication_status
 
     settings = ReplicationSettings.from_env()
-    store = pipeline.store_of(settings)
-    chain_record = store.chain()
-    if chain_record is not None and chain_record.finished:
-        _print_status(
-            args,
-            {
-                "slot": settings.slot,
-                "finished_at": str(chain_record.finished_at),
-                "next_step": f"none: {chain_record.finished}",
-            },
-        )
-        return 0
-    positions = pipeline.source_positions(settings)
-    complete = chain_record is not None and chain_record.complete
-    last_range = store.last_chain_range() if complete else None
-    pruned = chain_record.pruned_through if chain_record else None
-    replay = pipeline.origin_progress(settings)
-    try:
-        next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
-    except PgcdcError as exc:
-        next_step = f"blocked: {exc}"
-    agreement = pipeline.tables_agreement(settings)
-    versions = pipeline.server_versions(settings)
-    status = {
-        "slot": settings.slot,
-        "source_version": versions["source"],
-        "target_version": versions["target"],
-        "confirmed_flush_lsn": str(positions.slot.confirmed_flush_lsn),
-        "restart_lsn": str(positions.slot.restart_lsn),
-        "wal_status": positions.slot.wal_status,
-        "active": positions.slot.active,
-        "flush_lsn": str(positions.flush_lsn),
-        "lag_bytes": positions.lag_bytes,
-        "retained_wal_bytes": positions.slot.retained_wal_bytes,
-        "consistent_point": str(chain_record.consistent_point) if chain_record else None,
-        "snapshot_state": chain_record.state if chain_record else None,
-        "ranges_stored": store.chain_count() if complete else 0,
-        "pruned_through": str(pruned) if pruned else None,
-        "last_range": last_range.partition_key if last_range else None,
-        "replay_lsn": str(replay) if replay else None,
-        "next_step": next_step,
-        "runs_in_flight": _runs_in_flight(settings),
-        "no_longer_published": [str(t) for t in agreement.no_longer_published],
-        "adding": agreement.adding_line(),
-        "published_otherwise": agreement.reshaped_lines(),
-        "foreign_keys_not_valid": not_valid_foreign_keys(settings.target_dsn),
-    }
-    _print_status(args, status)
+    status = replication_status(settings)
+    shown = status.as_dict()
+    if status.finished is None:
+        shown["runs_in_flight"] = _runs_in_flight(settings)  # known to Dagster only
+    _print_status(args, shown)
     return 0
 
 

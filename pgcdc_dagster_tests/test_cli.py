@@ -576,7 +576,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
         "CREATE TABLE later (id int PRIMARY KEY, v text)",
         "INSERT INTO later SELECT g, 'before' FROM generate_series(1, 500) g",
     )
-    follow = _follow_running(cli_env)
+    follow = follow_running(cli_env)
     try:
         code, out, err = run_cli(capsys, "add-table", "later", "--wait", "60")
         assert code == 0, err
@@ -595,7 +595,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
             assert follow.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
     finally:
-        err = _stopped(follow)
+        err = stopped(follow)
     assert "made way for run " in err, err
     assert event.dagster_event is not None and event.asset_materialization is not None
     assert event.dagster_event.partition in instance.get_dynamic_partitions(LSN_RANGES)
@@ -607,7 +607,7 @@ def test_add_table_while_pgcdc_follow_runs_has_the_follow_make_way(cli_env, caps
     assert code == 0 and json.loads(out)["equal"] is True
 
 
-def _follow_running(cli_env: dict[str, str]):
+def follow_running(cli_env: dict[str, str]):
     """``pgcdc follow`` in a process of its own, once its Dagster run holds the range lock."""
     import subprocess
     import time
@@ -625,7 +625,7 @@ def _follow_running(cli_env: dict[str, str]):
     return follow
 
 
-def _stopped(follow) -> str:
+def stopped(follow) -> str:
     """SIGTERM the follow; it must end cleanly. Its standard error."""
     import signal
 
@@ -643,7 +643,7 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
         conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, v text)")
     _snapshot_then(cli_env, capsys, "INSERT INTO orders (v) VALUES ('a'), ('b'), ('c')")
-    follow = _follow_running(cli_env)
+    follow = follow_running(cli_env)
     try:
         with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
             conn.execute("INSERT INTO items SELECT g, 'late' FROM generate_series(101, 300) g")
@@ -655,7 +655,7 @@ def test_pgcdc_cutover_while_a_follow_runs_takes_the_rest_and_the_sequences(cli_
 
         ui_run = run_job("cutover_job")
     finally:
-        err = _stopped(follow)
+        err = stopped(follow)
     report = json.loads(out)
     assert report["made_way_by"].startswith("run ") and report["equal"] is True
     assert [t["target_rows"] for t in report["tables"] if t["table"] == "public.items"] == [300]
@@ -734,7 +734,7 @@ def test_a_migration_ends_with_cutover_then_finish_which_stops_the_follow(cli_en
     the origin; the follow that made way for it ends by itself, cleanly, and status says the
     replication is finished."""
     _snapshot_then(cli_env, capsys)
-    follow = _follow_running(cli_env)
+    follow = follow_running(cli_env)
     try:
         with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as src:
             src.execute("INSERT INTO items VALUES (101, 'late')")
@@ -745,7 +745,7 @@ def test_a_migration_ends_with_cutover_then_finish_which_stops_the_follow(cli_en
         _, err = follow.communicate(timeout=60)  # it ends by itself
     finally:
         if follow.poll() is None:
-            _stopped(follow)
+            stopped(follow)
     assert follow.returncode == 0, err
     report = json.loads(out)
     assert report["slot_dropped"] is True and report["origin_dropped"] is True

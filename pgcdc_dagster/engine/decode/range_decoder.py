@@ -8,6 +8,10 @@ the range to a :class:`RowSink` (the store's
 with byte strings, and :mod:`..source.peek` only moves bytes.
 
 Which transactions a range holds, straddlers and the safe point are argued in :mod:`..source.peek`.
+
+Why one module: :class:`RangeDecoder` is one state machine over a range's messages (the open
+transaction, the relations it has seen, the streamed blocks), and its Arrow batching is where
+its speed comes from; split, each half would have to know the other's state.
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """The schema: pg_dump's table of contents cut to what the tables need and the target lacks.
 
 Pre-data (types, sequences, tables) goes before the copy, post-data (indexes, keys) after it;
-objects already on the target are never replaced."""
+objects already on the target are never replaced.
+
+Why one module: both sections walk the same table of contents with the same test of what the
+target already holds (:func:`_present_on_target`), and an entry's address is read one way for
+both; they differ only in which entries they restore.
+"""
 
 from __future__ import annotations
 

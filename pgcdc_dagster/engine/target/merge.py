@@ -6,6 +6,11 @@ A table with a usable identity takes its collapsed net rows (what went deleted, 
 updated, what is new inserted, new keys COPYed straight in where no key of the target can
 refuse them); a table without one, or refused, takes its changes in commit order. The whole
 apply, and what must hold, is described in :mod:`.apply`.
+
+Why one module: the staged table (:class:`_Staged`: its columns, flags and key) is the contract
+between the staging and the two ways of merging it, collapsed and in commit order; the
+refusal that sends a table from one to the other happens inside the one transaction
+(:func:`apply_transaction`) this module owns.
 """
 
 from __future__ import annotations
