@@ -410,13 +410,46 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recover(args: argparse.Namespace) -> int:
+    """Runs the recover job (:mod:`~pgcdc_dagster.engine.control.recover`): a lost slot created
+    anew, the target compared with the source at its point, only the differing chunks copied.
+    Then a follow or a catch-up goes on from that point."""
+    from .defs.jobs import RECOVER_JOB
+    from .defs.keys import SLOT_KEY
+
+    options: dict[str, Any] = {"wait_s": args.wait}
+    if args.chunk_rows is not None:
+        options["chunk_rows"] = args.chunk_rows
+    config = {"ops": {"recover_slot": {"config": options}}}
+    result = run_job(RECOVER_JOB, run_config=config, allow_failure=True)
+    if not result.success:
+        raise CliError(f"recover run {result.run_id} failed: {failure_text(result)}")
+    summary: dict[str, Any] = {}
+    for event in result.get_asset_observation_events():
+        observation = event.asset_observation_data.asset_observation
+        if observation.asset_key == SLOT_KEY:
+            summary = {key: entry.value for key, entry in observation.metadata.items()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(
+        f"recovered at {summary['recovered_at']} (the target had applied "
+        f"{summary['applied_before']}): {summary['chunks_compared']} chunk(s) compared in "
+        f"{summary['compare_seconds']:.1f} s, {summary['chunks_repaired']} replaced, "
+        f"{summary['rows_copied']} row(s) copied; follow or catchup goes on from there"
+    )
+    for line in _repaired_lines(result):
+        print(line)
+    return 0
+
+
 def _repaired_lines(result: Any) -> list[str]:
     """A line per table a repair run replaced chunks of."""
     lines = []
     for event in result.get_asset_observation_events() if result.success else []:
         observation = event.asset_observation_data.asset_observation
         meta = observation.metadata
-        if "chunks_repaired" not in meta:
+        if "repaired_at" not in meta:  # not a table's (a recovery's own observation)
             continue
         lines.append(
             f"REPAIRED {observation.asset_key.to_user_string()}: "
@@ -712,6 +745,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the range")
     p.set_defaults(func=cmd_verify)
+    p = sub.add_parser(
+        "recover",
+        help="after the slot was lost (invalidated or dropped): create it anew, compare every "
+        "table with the source at its point and copy only the chunks that differ",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the range")
+    p.add_argument(
+        "--chunk-rows",
+        type=int,
+        default=None,
+        help="about how many rows a compared chunk holds (default 100000); a differing one is "
+        "copied whole",
+    )
+    p.set_defaults(func=cmd_recover)
     p = sub.add_parser(
         "cutover",
         help="catch up to endpos, copy sequence values, compare every table (a follow makes way)",

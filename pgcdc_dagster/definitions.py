@@ -50,6 +50,7 @@ from .defs.jobs import (
     build_finish_job,
     build_follow_job,
     build_prune_job,
+    build_recover_job,
     build_repair_job,
 )
 from .defs.metadata import database_of
@@ -199,6 +200,7 @@ def op_jobs(tables: list[TableName]) -> list[Any]:
         build_add_tables_job(resync=True),
         build_finish_job(),
         build_repair_job(),
+        build_recover_job(),
     ]
 
 

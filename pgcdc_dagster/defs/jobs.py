@@ -26,6 +26,7 @@ from dagster import (
     Config,
     Failure,
     JobDefinition,
+    MetadataValue,
     OpExecutionContext,
     in_process_executor,
     job,
@@ -33,7 +34,8 @@ from dagster import (
 )
 
 from ..engine.control import pipeline, verify
-from ..engine.control.repair import repair_chunks, repaired_tables
+from ..engine.control.recover import recover
+from ..engine.control.repair import RepairedChunk, repair_chunks, repaired_tables
 from ..engine.identifiers import TableName
 from ..engine.settings import parse_duration
 from ..engine.store.retention import prune
@@ -54,7 +56,16 @@ ADD_TABLES_JOB = "add_tables"
 RESYNC_TABLES_JOB = "resync_tables"
 FINISH_JOB = "finish"
 REPAIR_JOB = "repair"
-OP_JOBS = (FOLLOW_JOB, PRUNE_JOB, ADD_TABLES_JOB, RESYNC_TABLES_JOB, FINISH_JOB, REPAIR_JOB)
+RECOVER_JOB = "recover"
+OP_JOBS = (
+    FOLLOW_JOB,
+    PRUNE_JOB,
+    ADD_TABLES_JOB,
+    RESYNC_TABLES_JOB,
+    FINISH_JOB,
+    REPAIR_JOB,
+    RECOVER_JOB,
+)
 """The jobs built here: ops, which need the table list and not the asset graph."""
 NO_ENDPOS = "none"
 
@@ -308,31 +319,14 @@ def build_repair_job() -> JobDefinition:
             repaired = (
                 repair_chunks(settings, repairable, holder, **options) if repairable else None
             )
-            again = repaired_tables(repaired) if repaired is not None else []
+            again = repaired_tables(repaired.chunks) if repaired is not None else []
             after = verify.compare_online(settings, again, holder, **options) if again else None
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         final = {c.table: c for c in found.tables}
         final.update({c.table: c for c in (after.tables if after else [])})
-        for table in again:
-            assert repaired is not None
-            chunks = [c for c in repaired.chunks if c.table == table]
-            yield AssetObservation(
-                target_key(table),
-                description="chunks repaired: replaced with the source's rows",
-                metadata={
-                    "repaired_at": text(repaired.point),
-                    "chunks_repaired": number(len(chunks)),
-                    "rows_deleted": number(sum(c.deleted for c in chunks)),
-                    "rows_copied": number(sum(c.copied for c in chunks)),
-                    "chunk_list": text("; ".join(c.where for c in chunks)),
-                },
-            )
-            context.log.info(
-                f"{table}: {len(chunks)} chunk(s) replaced at {repaired.point}, "
-                f"{sum(c.deleted for c in chunks)} row(s) deleted, "
-                f"{sum(c.copied for c in chunks)} copied"
-            )
+        if repaired is not None:
+            yield from _repaired_events(context, repaired.point, repaired.chunks)
         for comparison in final.values():
             yield AssetCheckEvaluation(**consistency_result(comparison))
 
@@ -346,3 +340,98 @@ def build_repair_job() -> JobDefinition:
         repair_op()
 
     return repair_job
+
+
+def _repaired_events(
+    context: OpExecutionContext, point: Any, repaired: Sequence[RepairedChunk]
+) -> Iterator[AssetObservation]:
+    """An observation, and a log line, per table whose chunks were replaced at ``point``."""
+    for table in repaired_tables(repaired):
+        chunks = [c for c in repaired if c.table == table]
+        yield AssetObservation(
+            target_key(table),
+            description="chunks repaired: replaced with the source's rows",
+            metadata={
+                "repaired_at": text(point),
+                "chunks_repaired": number(len(chunks)),
+                "rows_deleted": number(sum(c.deleted for c in chunks)),
+                "rows_copied": number(sum(c.copied for c in chunks)),
+                "chunk_list": text("; ".join(c.where for c in chunks)),
+            },
+        )
+        context.log.info(
+            f"{table}: {len(chunks)} chunk(s) replaced at {point}, "
+            f"{sum(c.deleted for c in chunks)} row(s) deleted, "
+            f"{sum(c.copied for c in chunks)} copied"
+        )
+
+
+class RecoverConfig(Config):
+    wait_s: float = 120.0
+    """How long to wait for the range (a follow still holding it makes way)."""
+    chunk_rows: int = verify.DEFAULT_CHUNK_ROWS
+    """About how many rows a compared chunk holds: a differing chunk is copied whole."""
+
+
+def build_recover_job() -> JobDefinition:
+    @op(
+        name="recover_slot",
+        out={},  # it records observations and check evaluations only
+        description="Create a lost slot anew, compare every replicated table with the source "
+        "at its point, replace the chunks that differ, and go on from there.",
+    )
+    def recover_op(
+        context: OpExecutionContext, config: RecoverConfig, pgcdc: PgcdcResource
+    ) -> Iterator[Any]:
+        settings = pgcdc.settings()
+        holder = lock_holder_name(context.run.run_id)
+        try:
+            result = recover(
+                settings,
+                holder,
+                wait_s=config.wait_s,
+                chunk_rows=config.chunk_rows,
+                say=context.log.info,
+            )
+            again = repaired_tables(result.repaired)
+            after = (
+                verify.compare_online(settings, again, holder, wait_s=config.wait_s)
+                if again
+                else None
+            )
+        except ENGINE_ERRORS as exc:
+            raise as_failure(exc) from None
+        yield AssetObservation(
+            SLOT_KEY,
+            description="the lost slot created anew; the target compared with the source at "
+            "its point, and the chunks that differed replaced",
+            metadata={
+                "recovered_at": text(result.point),
+                "applied_before": text(result.applied_before or "none"),
+                "chunks_compared": number(result.chunks_compared),
+                "chunks_repaired": number(len(result.repaired)),
+                "rows_copied": number(result.rows_copied),
+                "compare_seconds": MetadataValue.float(round(result.compare_seconds, 3)),
+                "repair_seconds": MetadataValue.float(round(result.repair_seconds, 3)),
+                "seconds": MetadataValue.float(round(result.seconds, 3)),
+            },
+        )
+        yield from _repaired_events(context, result.point, result.repaired)
+        final = {c.table: c for c in result.tables}
+        final.update({c.table: c for c in (after.tables if after else [])})
+        for comparison in final.values():
+            yield AssetCheckEvaluation(**consistency_result(comparison))
+
+    @job(
+        name=RECOVER_JOB,
+        executor_def=in_process_executor,
+        # Judged as the range's runs are: a killed recovery is marked failed by the next
+        # command or the sensor, and the sensor starts nothing while one is in flight.
+        tags={RANGE_LOCK_TAG: "recover"},
+        description="Recover a lost slot (pgcdc recover): a new slot, the target compared with "
+        "the source at its point, only the differing chunks copied.",
+    )
+    def recover_job() -> None:
+        recover_op()
+
+    return recover_job

@@ -67,6 +67,9 @@ POINTS: dict[str, str] = {
     "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
     "partitions.forgetting": "a batch of partitions and their history deleted from Dagster's "
     "storage; the next batches not yet",
+    "recover.after_begin": "the chain says recovering; the lost slot is not dropped yet",
+    "recover.after_chunk": "a differing chunk is replaced on the target; others are not yet",
+    "recover.after_origin": "the origin is at the recovery's point; the chain not complete yet",
 }
 """Every crash point of the engine and what is durable when it fires."""
 

@@ -315,6 +315,7 @@ def test_invalidated_slot_must_be_dropped_and_resnapshotted():
     assert "wal_status lost" in message
     assert f"pg_drop_replication_slot('{name}')" in message
     assert "re-take the base snapshot" in message
+    assert "run pgcdc recover" in message
 
 
 def test_advance_into_a_partly_flushed_record_does_not_wait_for_wal(source, source_dsn):

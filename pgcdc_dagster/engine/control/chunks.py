@@ -135,13 +135,23 @@ def _ordered(column: sql.Composable, collatable: bool) -> sql.Composable:
     return sql.SQL('{} COLLATE "C"').format(column) if collatable else column
 
 
-def _where(row_filter: str | None) -> sql.Composable:
-    return sql.SQL("") if row_filter is None else sql.SQL(" WHERE ") + row_filter_sql(row_filter)
+def _where(row_filter: str | None, within: sql.Composable | None = None) -> sql.Composable:
+    conditions = [c for c in (row_filter_sql(row_filter) if row_filter else None, within) if c]
+    if not conditions:
+        return sql.SQL("")
+    return sql.SQL(" WHERE ") + sql.SQL(" AND ").join(sql.SQL("({})").format(c) for c in conditions)
 
 
-def _hashed(plan: ChunkPlan, *, source: bool, with_key: bool = False) -> sql.Composed:
+def _hashed(
+    plan: ChunkPlan,
+    *,
+    source: bool,
+    with_key: bool = False,
+    within: sql.Composable | None = None,
+) -> sql.Composed:
     """The table's rows as ``(h, chunk)``, ``h`` the md5 of the row's text (and ``k``, the
-    key as text, ``with_key``); the source side only the rows the publication's filter passes."""
+    key as text, ``with_key``); the source side only the rows the publication's filter passes;
+    ``within``: only the rows that meet it (a chunk's :func:`chunk_filter`)."""
     row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns))
     key = (
         sql.SQL(", ROW({})::text AS k").format(
@@ -167,7 +177,7 @@ def _hashed(plan: ChunkPlan, *, source: bool, with_key: bool = False) -> sql.Com
         key=key,
         chunk=chunk,
         table=plan.table.sql,
-        where=_where(plan.row_filter if source else None),
+        where=_where(plan.row_filter if source else None, within),
     )
     if plan.column is not None:
         return rows
@@ -177,21 +187,32 @@ def _hashed(plan: ChunkPlan, *, source: bool, with_key: bool = False) -> sql.Com
     )
 
 
-def chunk_filter(plan: ChunkPlan, chunk: Any) -> sql.Composed:
+def chunk_filter(plan: ChunkPlan, chunk: Any) -> sql.Composable:
     """A condition on a row of ``plan``'s table that holds for the rows of ``chunk`` only, the
-    same on either side (a session printing values as :mod:`.verify` sets it)."""
+    same on either side (a session printing values as :mod:`.verify` sets it). A key chunk is
+    a range of its column, so an index on it serves the repair's delete and copy of a chunk
+    (a text key compared in the "C" collation uses an index only in that collation)."""
     if plan.column is None:
         row = sql.SQL("ROW({})").format(sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns))
         return sql.SQL("substr(md5(convert_to({}::text, 'UTF8')), 1, {}) = {}").format(
             row, sql.Literal(plan.hex_digits), sql.Literal(chunk)
         )
-    if not plan.bounds:
-        return sql.SQL("true = {}").format(sql.Literal(int(chunk) == 0))
-    return sql.SQL("width_bucket({}, {}::text[]::{}[]) = {}").format(
-        _ordered(sql.Identifier(plan.column), plan.collatable),
-        sql.Literal(list(plan.bounds)),
-        sql.SQL(plan.type_sql),
-        sql.Literal(int(chunk)),
+    index = int(chunk)
+    if not 0 <= index <= len(plan.bounds):
+        return sql.SQL("false")
+    column = _ordered(sql.Identifier(plan.column), plan.collatable)
+    limits = []
+    if index > 0:  # chunk i holds [bounds[i-1], bounds[i]), as width_bucket counts
+        limits.append((">=", plan.bounds[index - 1]))
+    if index < len(plan.bounds):
+        limits.append(("<", plan.bounds[index]))
+    if not limits:
+        return sql.SQL("true")
+    return sql.SQL(" AND ").join(
+        sql.SQL("{} {} {}::{}").format(
+            column, sql.SQL(op), sql.Literal(value), sql.SQL(plan.type_sql)
+        )
+        for op, value in limits
     )
 
 
@@ -230,8 +251,8 @@ class KeyDifference:
 def _chunk_rows(
     conn: psycopg.Connection[Any], plan: ChunkPlan, chunk: Any, *, source: bool
 ) -> dict[str, str]:
-    query = sql.SQL("SELECT k, h FROM ({}) rows WHERE chunk = {}").format(
-        _hashed(plan, source=source, with_key=True), sql.Literal(chunk)
+    query = sql.SQL("SELECT k, h FROM ({}) rows").format(
+        _hashed(plan, source=source, with_key=True, within=chunk_filter(plan, chunk))
     )
     return {str(k): str(h) for k, h in conn.execute(query).fetchall()}
 

@@ -93,7 +93,7 @@ def consistent_pair(
             ) as exported:
                 point = exported.slot.consistent_point
                 held.enter_context(snapshot_transaction(src, exported.slot.snapshot_name))
-                source_snapshot = _export(src)
+                source_snapshot = export_snapshot(src)
             # The temporary slot is gone; the snapshot lives on in src's transaction.
             ranges = sum(
                 1
@@ -106,13 +106,13 @@ def consistent_pair(
             if caught_up is not None:
                 caught_up(ranges)
             held.enter_context(snapshot_transaction(tgt, None))
-            target_snapshot = _export(tgt)
+            target_snapshot = export_snapshot(tgt)
             applied = pipeline.origin_progress(settings)
             made_way_by = lock.made_way_by
         yield ConsistentPair(point, source_snapshot, target_snapshot, applied, ranges, made_way_by)
 
 
-def _export(conn: psycopg.Connection[Any]) -> str:
+def export_snapshot(conn: psycopg.Connection[Any]) -> str:
     row = conn.execute("SELECT pg_export_snapshot()").fetchone()
     assert row is not None
     return str(row[0])

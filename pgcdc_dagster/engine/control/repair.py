@@ -97,14 +97,14 @@ def repair_chunks(
     with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, hold_range=True) as pair:
         for comparison, difference in todo:
             assert comparison.plan is not None
-            deleted, copied = _replace(
+            deleted, copied = replace_chunk(
                 settings, pair.source_snapshot, comparison.plan, difference.chunk
             )
             repaired.append(RepairedChunk(comparison.table, difference.where, deleted, copied))
     return RepairResult(pair.point, tuple(repaired), time.monotonic() - started, pair.made_way_by)
 
 
-def _replace(
+def replace_chunk(
     settings: ReplicationSettings, source_snapshot: str, plan: ChunkPlan, chunk: Any
 ) -> tuple[int, int]:
     """One chunk, in one target transaction: its rows deleted, the source's copied in."""
@@ -140,6 +140,6 @@ def _replace(
     return max(deleted, 0), copied
 
 
-def repaired_tables(result: RepairResult) -> list[TableName]:
-    """The tables the repair touched, each once, in order."""
-    return list(dict.fromkeys(chunk.table for chunk in result.chunks))
+def repaired_tables(chunks: Sequence[RepairedChunk]) -> list[TableName]:
+    """The tables of the chunks a repair (or a recovery) replaced, each once, in order."""
+    return list(dict.fromkeys(chunk.table for chunk in chunks))

@@ -178,14 +178,12 @@ def compare_online(
 ) -> OnlineComparison:
     """Compare ``tables`` while the replication goes on: both sides at one consistent point
     (:func:`~.consistent_pair.consistent_pair`: the range is held only while the point is
-    taken), then chunk by chunk (:mod:`.chunks`) on ``workers`` threads (default: the CPU
-    count), each in sessions of its own that import the pair's snapshots. A table the
+    taken), then chunk by chunk (:func:`compare_pair`). A table the
     publication narrows is compared as it is published, as :func:`compare_tables` does. With a
     table missing on the target (published later, never copied) the target cannot be caught
     up to a point, so every table is compared as the sides stand (:func:`compare_tables`),
     and the result has no ``pair``."""
     started = time.monotonic()
-    workers = max(1, workers or os.cpu_count() or 1)
     with connect(settings.target_dsn, role="target", autocommit=True) as tgt:
         if set(tables) - set(table_columns(tgt, tables)):
             # The catch-up to a point cannot pass a change of a table the target lacks (the
@@ -194,62 +192,77 @@ def compare_online(
                 None, compare_tables(settings, tables), time.monotonic() - started
             )
     with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, caught_up=caught_up) as pair:
-
-        def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
-            with _in_snapshot(settings, pair, side) as conn:
-                return work(conn)
-
-        source_columns, shapes = on(
-            "source",
-            lambda src: (
-                table_columns(src, tables),
-                published_shapes(src, settings.publication, tables),
-            ),
-        )
-        on_target = set(on("target", lambda tgt: table_columns(tgt, tables)))
-        present = [t for t in tables if t in on_target and t in source_columns]
-
-        def plan(table: TableName) -> ChunkPlan:
-            shape = shapes.get(table)
-            left_out = set(shape.unpublished) if shape else set()
-            columns = [c.name for c in source_columns[table] if c.name not in left_out]
-            row_filter = shape.row_filter if shape else None
-            return on(
-                "source", lambda src: plan_chunks(src, table, columns, chunk_rows, row_filter)
-            )
-
-        def side_sums(table: TableName, side: str, chunks: ChunkPlan) -> Sums:
-            return on(side, lambda conn: chunk_sums(conn, chunks, source=side == "source"))
-
-        with ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-verify") as pool:
-            plans = dict(zip(present, pool.map(plan, present), strict=True))
-            futures = {
-                (table, side): pool.submit(side_sums, table, side, plans[table])
-                for table in present
-                for side in ("source", "target")
-            }
-            sums = {key: future.result() for key, future in futures.items()}
-        results = []
-        for table in tables:
-            if table not in present:
-                count = functools.partial(_count, table=table)
-                rows = on("source", count) if table in source_columns else 0
-                results.append(TableComparison(table, rows, 0, "", "", "target"))
-                continue
-            ours, theirs = sums[(table, "source")], sums[(table, "target")]
-            results.append(
-                TableComparison(
-                    table,
-                    sum(n for n, _, _ in ours.values()),
-                    sum(n for n, _, _ in theirs.values()),
-                    digest(ours),
-                    digest(theirs),
-                    chunks=plans[table].chunks,
-                    differing=_differences(settings, pair, plans[table], ours, theirs),
-                    plan=plans[table],
-                )
-            )
+        results = compare_pair(settings, pair, tables, chunk_rows=chunk_rows, workers=workers)
     return OnlineComparison(pair, results, time.monotonic() - started)
+
+
+def compare_pair(
+    settings: ReplicationSettings,
+    pair: ConsistentPair,
+    tables: Sequence[TableName],
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    workers: int | None = None,
+) -> list[TableComparison]:
+    """Compare ``tables`` between the pair's two snapshots, chunk by chunk (:mod:`.chunks`) on
+    ``workers`` threads (default: the CPU count), each in sessions of its own that import the
+    snapshots. The pair is held by the caller: :func:`compare_online`, or a recovery
+    (:mod:`.recover`), whose target stands still."""
+    workers = max(1, workers or os.cpu_count() or 1)
+
+    def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
+        with _in_snapshot(settings, pair, side) as conn:
+            return work(conn)
+
+    source_columns, shapes = on(
+        "source",
+        lambda src: (
+            table_columns(src, tables),
+            published_shapes(src, settings.publication, tables),
+        ),
+    )
+    on_target = set(on("target", lambda tgt: table_columns(tgt, tables)))
+    present = [t for t in tables if t in on_target and t in source_columns]
+
+    def plan(table: TableName) -> ChunkPlan:
+        shape = shapes.get(table)
+        left_out = set(shape.unpublished) if shape else set()
+        columns = [c.name for c in source_columns[table] if c.name not in left_out]
+        row_filter = shape.row_filter if shape else None
+        return on("source", lambda src: plan_chunks(src, table, columns, chunk_rows, row_filter))
+
+    def side_sums(table: TableName, side: str, chunks: ChunkPlan) -> Sums:
+        return on(side, lambda conn: chunk_sums(conn, chunks, source=side == "source"))
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-verify") as pool:
+        plans = dict(zip(present, pool.map(plan, present), strict=True))
+        futures = {
+            (table, side): pool.submit(side_sums, table, side, plans[table])
+            for table in present
+            for side in ("source", "target")
+        }
+        sums = {key: future.result() for key, future in futures.items()}
+    results = []
+    for table in tables:
+        if table not in present:
+            count = functools.partial(_count, table=table)
+            rows = on("source", count) if table in source_columns else 0
+            results.append(TableComparison(table, rows, 0, "", "", "target"))
+            continue
+        ours, theirs = sums[(table, "source")], sums[(table, "target")]
+        results.append(
+            TableComparison(
+                table,
+                sum(n for n, _, _ in ours.values()),
+                sum(n for n, _, _ in theirs.values()),
+                digest(ours),
+                digest(theirs),
+                chunks=plans[table].chunks,
+                differing=_differences(settings, pair, plans[table], ours, theirs),
+                plan=plans[table],
+            )
+        )
+    return results
 
 
 @contextlib.contextmanager

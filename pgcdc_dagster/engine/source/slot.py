@@ -297,7 +297,8 @@ def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
         raise SlotError(
             f"replication slot {slot_name} is invalidated ({reason}; wal_status {wal_status}): "
             "changes after its last confirmed position are gone from the source, so the target "
-            f"can no longer be kept in step; {_redo_hint(slot_name)}"
+            "can no longer be kept in step; run pgcdc recover, which creates it anew and copies "
+            f"only the chunks of rows that differ, or {_redo_hint(slot_name)}"
         )
     return SlotInfo(
         name=name,

@@ -205,6 +205,9 @@ class RangeManifest:
 
 SNAPSHOT_IN_PROGRESS = "snapshot_in_progress"
 CHAIN_COMPLETE = "complete"
+RECOVERING = "recovering"
+"""A recovery of a lost slot (:mod:`..control.recover`) began and has not finished: the chain
+keeps its tables, and catch-up refuses until ``pgcdc recover`` ends it at a new point."""
 
 
 @dataclass(frozen=True)
@@ -624,6 +627,23 @@ class OutputStore:
         with self.chain_lock():
             self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
 
+    def begin_recovering(self) -> Chain:
+        """Record, durably, that a recovery of the current chain's lost slot is under way
+        (:data:`RECOVERING`), keeping everything else the record says: from here until
+        :meth:`record_chain` at the recovery's point, catch-up refuses to run and the next
+        ``pgcdc recover`` redoes it. Returns the chain as it stood."""
+        with self.chain_lock() as chain:
+            if chain is None or chain.consistent_point is None:
+                raise StoreError(
+                    "there is no complete base snapshot in the store: take one (pgcdc snapshot)"
+                )
+            if chain.state != RECOVERING:
+                started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                record = self._record_of(chain)
+                record.update(state=RECOVERING, started_at=started)
+                self._write_chain(record)
+            return chain
+
     def record_chain(
         self,
         slot: str,
@@ -889,6 +909,11 @@ class OutputStore:
             raise StoreError(
                 f"no base snapshot recorded in the output store {self.root}: take one first "
                 "(pgcdc snapshot, or materialise base_snapshot)"
+            )
+        if chain.state == RECOVERING:
+            raise StoreError(
+                f"the recovery of slot {chain.slot} started at {chain.started_at} did not finish "
+                "(the process was killed or failed): run pgcdc recover, which redoes it"
             )
         if not chain.complete or chain.consistent_point is None:
             raise StoreError(
