@@ -121,7 +121,7 @@ def main() -> None:
             seconds, measured, out = _command(env, work, "recover", "--json")
             assert _content(source.dsn()) == _content(target_dsn), name
             report[f"recover_{name}"] = {
-                "seconds": round(seconds, 2),
+                "command_seconds": round(seconds, 2),
                 **{
                     k: v
                     for k, v in json.loads(out).items()
@@ -138,7 +138,7 @@ def main() -> None:
         seconds, measured, _ = _command(env, work, "snapshot", "--resnapshot")
         assert _content(source.dsn()) == _content(target_dsn)
         report["resnapshot"] = {
-            "seconds": round(seconds, 2),
+            "command_seconds": round(seconds, 2),
             "cpu_seconds": measured["cpu_seconds"],
         }
     print(json.dumps(report, indent=2))
