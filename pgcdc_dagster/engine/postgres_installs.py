@@ -70,7 +70,7 @@ class Installation:
         return int(self.version.split(".")[0])
 
     def has(self, *names: str) -> bool:
-        return all((self.bindir / name).is_file() for name in names)
+        return all(_is_file(self.bindir / name) for name in names)
 
     def tool(self, name: str) -> str:
         return str(self.bindir / name)
@@ -104,14 +104,23 @@ def _candidates() -> list[tuple[Path, str]]:
                 for install in sorted(Path(location).glob("pginstall*"), reverse=True):
                     found.append((install / "bin", f"the {wheel} wheel"))
     for entry in os.environ.get("PATH", "").split(os.pathsep):
-        if entry and (Path(entry) / "psql").is_file():
+        if entry and _is_file(Path(entry) / "psql"):
             found.append((Path(entry), "PATH"))
     return found
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, false where it cannot be looked at (a ``PATH`` entry under another
+    user's home, mode 700: ``is_file`` raises there)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def _version(bindir: Path) -> str | None:
     for name in ("pg_dump", "psql", "postgres"):
-        if (bindir / name).is_file():
+        if _is_file(bindir / name):
             out = subprocess.run(
                 [str(bindir / name), "--version"], capture_output=True, text=True, check=False
             )
@@ -128,8 +137,12 @@ def installations() -> tuple[Installation, ...]:
     seen: set[Path] = set()
     result = []
     for bindir, found_by in _candidates():
-        real = bindir.resolve()
-        if real in seen or not real.is_dir():
+        try:
+            real = bindir.resolve()
+            usable = real not in seen and real.is_dir()
+        except OSError:
+            continue
+        if not usable:
             continue
         seen.add(real)
         version = _version(bindir)
