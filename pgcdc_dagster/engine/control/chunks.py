@@ -170,8 +170,11 @@ def _hashed(
             sql.Literal(list(plan.bounds)),
             sql.SQL(plan.type_sql),
         )
+    # OFFSET 0 keeps the subquery whole: pulled up into its reader, ``h`` would be computed
+    # again for each use (the two sums, a keyless chunk), the md5 being most of the cost.
     rows = sql.SQL(
-        "SELECT md5(convert_to({row}::text, 'UTF8')) AS h{key}{chunk} FROM ONLY {table}{where}"
+        "SELECT md5(convert_to({row}::text, 'UTF8')) AS h{key}{chunk} "
+        "FROM ONLY {table}{where} OFFSET 0"
     ).format(
         row=row,
         key=key,
