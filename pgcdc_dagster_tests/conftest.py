@@ -163,6 +163,26 @@ def command_environment(
         )
 
 
+@contextlib.contextmanager
+def databases_environment(
+    source_side: LocalCluster,
+    target_side: LocalCluster,
+    storage: LocalCluster,
+    tmp_path: Path,
+    monkeypatch,
+) -> Iterator[dict[str, str]]:
+    """:func:`command_environment` on a fresh database of ``source_side`` and one of
+    ``target_side``, both dropped afterwards."""
+    source = fresh_database(source_side, "src")
+    target = fresh_database(target_side, "tgt")
+    try:
+        with command_environment(next(source), next(target), storage, tmp_path, monkeypatch) as env:
+            yield env
+    finally:
+        source.close()
+        target.close()
+
+
 @pytest.fixture
 def cli_env(source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch):
     """:func:`command_environment` with a table `items` of 100 rows on the source."""

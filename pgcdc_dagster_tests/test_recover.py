@@ -21,7 +21,7 @@ from pgcdc_dagster.demo.local_cluster import (
     LocalCluster,
     temporary_cluster,
 )
-from pgcdc_dagster_tests.conftest import command_environment, fresh_database
+from pgcdc_dagster_tests.conftest import databases_environment
 from pgcdc_dagster_tests.test_cli import run_cli
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -40,17 +40,10 @@ def losing_cluster() -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def lost_env(losing_cluster, target_cluster, tmp_path, monkeypatch):
-    source = fresh_database(losing_cluster, "src")
-    target = fresh_database(target_cluster, "tgt")
-    source_dsn, target_dsn = next(source), next(target)
-    try:
-        with command_environment(
-            source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch
-        ) as env:
-            yield env
-    finally:
-        source.close()
-        target.close()
+    with databases_environment(
+        losing_cluster, target_cluster, target_cluster, tmp_path, monkeypatch
+    ) as env:
+        yield env
 
 
 def _lose_the_slot(source_dsn: str, slot: str) -> None:

@@ -30,7 +30,7 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.engine.postgres_installs import server_majors
-from pgcdc_dagster_tests.conftest import command_environment, fresh_database
+from pgcdc_dagster_tests.conftest import databases_environment
 from pgcdc_dagster_tests.test_cli import follow_running, run_cli, stopped
 
 # One worker runs the module: its fixtures (a server, a cluster) start once.
@@ -137,17 +137,10 @@ def across(request, other_clusters, source_cluster, target_cluster, tmp_path, mo
     source_major, target_major = request.param
     source_side = source_cluster if source_major == DEFAULT_MAJOR else other_clusters[source_major]
     target_side = target_cluster if target_major == DEFAULT_MAJOR else other_clusters[target_major]
-    source = fresh_database(source_side, "src")
-    target = fresh_database(target_side, "tgt")
-    source_dsn, target_dsn = next(source), next(target)
-    try:
-        with command_environment(
-            source_dsn, target_dsn, target_cluster, tmp_path, monkeypatch
-        ) as env:
-            yield env
-    finally:
-        source.close()
-        target.close()
+    with databases_environment(
+        source_side, target_side, target_cluster, tmp_path, monkeypatch
+    ) as env:
+        yield env
 
 
 def _has_followed(target_dsn: str) -> bool:
