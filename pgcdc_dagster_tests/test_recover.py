@@ -150,3 +150,41 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
     # A slot that is not lost is not recovered.
     code, _, err = run_cli(capsys, "recover")
     assert code != 0 and "is not lost" in err, err
+
+
+@pytest.mark.parametrize("point", ["recover.after_begin", "recover.after_origin"])
+def test_a_recovery_killed_before_or_after_its_origin_is_redone_by_the_next(
+    lost_env, capsys, point
+):
+    """Killed once the chain says recovering (the lost slot not yet dropped), or once the
+    origin is at the new point (the chain not yet complete): the catch-up refuses, naming
+    ``pgcdc recover``, and the next recovery ends equal and the replication goes on."""
+    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
+        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
+        conn.execute("CREATE TABLE lines (line text)")
+        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO lines VALUES ('one')")
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
+    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+    killed = subprocess.run(
+        [PGCDC, "recover", "--chunk-rows", "1000"],
+        env={**os.environ, "PGCDC_FAILPOINT": f"{point}=kill"},
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    code, _, err = run_cli(capsys, "catchup")
+    assert code != 0 and "pgcdc recover" in err, err
+    code, _, err = run_cli(capsys, "recover", "--chunk-rows", "1000")
+    assert code == 0, err
+    assert _content(target_dsn) == _content(source_dsn)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET note = 'after' WHERE id = 7")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    assert _content(target_dsn) == _content(source_dsn)
