@@ -50,6 +50,8 @@ POINTS: dict[str, str] = {
     "snapshot.after_marker": "the store says a snapshot is under way; nothing else done",
     "snapshot.after_slot": "the slot and its exported snapshot exist; nothing copied",
     "snapshot.copying": "the table copy is under way (rows already on the target)",
+    "snapshot.range_copied": "a copy task of the driver committed its range or bundle and its "
+    "record; others may be copying",
     "snapshot.after_copy": "every row is copied; indexes and keys not built",
     "snapshot.after_post_data": "indexes and keys built; the origin not set",
     "snapshot.after_origin": "the origin is at the consistent point; the store not told",

@@ -180,12 +180,13 @@ SNAPSHOT_IN_CHILD = (
 )
 
 
-def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
+def test_a_narrowed_snapshot_killed_after_its_copy_is_resumed_and_converges(
     source_dsn, target_dsn, tmp_path, spark
 ):
     """SIGKILL of a real snapshot process once the narrowed copy is on the target (the left-out
-    column's NOT NULL dropped, the filtered rows in): the next snapshot redoes it from the
-    start, and the target converges to what is published, each row once."""
+    column's NOT NULL dropped, the filtered rows in): the next snapshot resumes it, keeping
+    every table (each was copied whole), and the target converges to what is published, each
+    row once."""
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)
     settings = settings_for(source_dsn, target_dsn, tmp_path, "killed", publication="mine")
@@ -199,8 +200,9 @@ def test_a_narrowed_snapshot_killed_after_its_copy_is_redone_and_converges(
     with psycopg.connect(target_dsn) as conn:  # what the killed snapshot left
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (10,)
 
-    result = pipeline.take_snapshot(settings, spark)  # finds the unfinished one: redone
+    result = pipeline.take_snapshot(settings, spark)  # finds the unfinished one: resumed
     assert {t.table: t.rows for t in result.tables} == {ORDERS: 10, USERS: 10, M: 30, WHOLE: 2}
+    assert {t.copied_by for t in result.tables} == {"kept"}
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(CHANGES)
     catch_up(settings)

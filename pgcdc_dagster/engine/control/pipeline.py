@@ -30,7 +30,14 @@ from ..progress import SnapshotProgress, active, publish
 from ..settings import ReplicationSettings, work_mem_setting
 from ..source.peek import receive
 from ..source.slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
-from ..store.output_store import Chain, OutputStore, RangeResult, StoredRange, StoreError
+from ..store.output_store import (
+    SNAPSHOT_IN_PROGRESS,
+    Chain,
+    OutputStore,
+    RangeResult,
+    StoredRange,
+    StoreError,
+)
 from ..store.retention import prune_if_due
 from ..target.ddl import ResyncNeeded, SourceDdl
 from ..target.origin import progress_of
@@ -53,6 +60,8 @@ if TYPE_CHECKING:
 
     from ..catalog import ColumnInfo
     from ..snapshot import AddedTablesResult, BaseSnapshotResult
+    from ..snapshot.common import SchemaRestoreResult
+    from ..snapshot.resume import Resumable
     from ..target.results import ApplyResult
 
 
@@ -90,45 +99,86 @@ def take_snapshot(
 ) -> BaseSnapshotResult:
     """Base snapshot, then a new chain of ranges in the store at its consistent point.
 
-    Crash-safe in two records of the store's chain: ``snapshot_in_progress`` is written once
-    the target is known to be safe to fill (the populated-target guard passed) and before
-    anything changes, ``complete`` after the target's origin is set. A snapshot killed anywhere
-    between leaves a chain that catch-up refuses and that the next call finds: it then redoes the
-    snapshot from scratch (drops the slot, truncates the target tables the killed attempt was
-    filling, drops the origin) and says so through ``notify``. The range lock is held
-    throughout, so no catch-up of the slot runs meanwhile, and so is the tables lock, so no
-    ``pgcdc add-table`` copies meanwhile (it copies without the range).
+    Crash-safe in the store's chain record: ``snapshot_in_progress`` is written once the
+    target is known to be safe to fill (the populated-target guard passed) and before anything
+    changes, the slot's consistent point once it exists (``copying_at``), ``complete`` after
+    the target's origin is set. A snapshot killed anywhere between leaves a chain that
+    catch-up refuses and that the next call finds. When that one copied some table whole, and
+    its slot is still there, the next call resumes it (:mod:`..snapshot.resume`): the snapshot
+    is finished at the slot's point with those tables, and the others are copied again as of
+    a point of their own, as a resync (which any catch-up finishes if this is killed too).
+    Otherwise it redoes the snapshot from scratch (drops the slot, truncates the target tables
+    the killed attempt was filling, drops the origin). Either way it says so through
+    ``notify``. The range lock is held throughout, so no catch-up of the slot runs meanwhile,
+    and so is the tables lock while the snapshot is taken, so no ``pgcdc add-table`` copies
+    meanwhile (it copies without the range).
     """
     from ..snapshot import take_base_snapshot
+    from ..snapshot.copied_ranges import forget_all as forget_copied
+    from ..snapshot.resume import finish_resumed
 
     store = store_of(settings)
-    redo = unfinished_snapshot(settings)
-    if redo and notify is not None:
-        notify(redo)
-    with (
-        range_lock(settings, lock_holder),
-        tables_lock(settings.target_dsn, settings.slot, lock_holder or command_holder()),
-    ):
-        result = take_base_snapshot(
-            settings.source_dsn,
-            settings.target_dsn,
-            settings.slot,
-            settings.publication,
-            settings.tables,
-            spark=spark,
-            resnapshot=resnapshot or redo is not None,
-            export_store=settings.store_path if settings.snapshot_parquet else None,
-            begin=lambda: store.begin_snapshot(settings.slot),
-            driver_max_rows=settings.driver_max_rows(),
-        )
-        store.record_chain(
-            settings.slot,
-            result.consistent_point,
-            result.snapshot_name,
-            [t.table for t in result.tables],
-            result.shapes,
-        )
+    with range_lock(settings, lock_holder):
+        with tables_lock(settings.target_dsn, settings.slot, lock_holder or command_holder()):
+            resume, line = (None, None) if resnapshot else snapshot_resume(settings)
+            if line and notify is not None:
+                notify(line)
+            if resume is not None:
+                result = finish_resumed(
+                    settings.source_dsn,
+                    settings.target_dsn,
+                    settings.slot,
+                    settings.publication,
+                    resume,
+                )
+            else:
+                result = take_base_snapshot(
+                    settings.source_dsn,
+                    settings.target_dsn,
+                    settings.slot,
+                    settings.publication,
+                    settings.tables,
+                    spark=spark,
+                    resnapshot=resnapshot or line is not None,
+                    export_store=settings.store_path if settings.snapshot_parquet else None,
+                    begin=lambda: store.begin_snapshot(settings.slot),
+                    slot_created=lambda point, name: store.record_copying_at(
+                        settings.slot, point, name
+                    ),
+                    driver_max_rows=settings.driver_max_rows(),
+                )
+            rest = resume.rest if resume is not None else ()
+            store.record_chain(
+                settings.slot,
+                result.consistent_point,
+                result.snapshot_name,
+                [*(t.table for t in result.tables), *rest],
+                result.shapes,
+                resyncing=rest,
+            )
+            forget_copied(settings.target_dsn, settings.slot)  # nothing resumes it now
+        if rest:
+            again = resync_tables(
+                settings, rest, spark, holding_range=True, lock_holder=lock_holder
+            )
+            result = dataclasses.replace(
+                result,
+                tables=(*result.tables, *again.tables),
+                seconds=result.seconds + again.seconds,
+                post_data=_merged(result.post_data, again.post_data),
+            )
     return result
+
+
+def _merged(first: SchemaRestoreResult, then: SchemaRestoreResult) -> SchemaRestoreResult:
+    """Two restores of one section as one."""
+    return dataclasses.replace(
+        first,
+        created=(*first.created, *then.created),
+        already_present=(*first.already_present, *then.already_present),
+        skipped=(*first.skipped, *then.skipped),
+        seconds=first.seconds + then.seconds,
+    )
 
 
 def add_tables(
@@ -322,16 +372,44 @@ def refuse_while_adding(settings: ReplicationSettings) -> None:
         raise StoreError(refusal)
 
 
-def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
-    """When an earlier base snapshot of this slot was killed or failed, what the next one
-    will do about it (one line); ``None`` otherwise."""
+def snapshot_resume(settings: ReplicationSettings) -> tuple[Resumable | None, str | None]:
+    """What the next base snapshot does about an earlier one of this slot that did not finish:
+    resume it (:mod:`..snapshot.resume`), with the line that says so; or take it again from
+    scratch (``None``), with the line that says why. ``(None, None)`` when there is none."""
+    from ..snapshot.resume import Resumable, resumable
+    from ..source.preflight import check_source
+
     chain = store_of(settings).chain()
     if chain is None or chain.complete or chain.slot != settings.slot:
-        return None
-    return (
+        return None, None
+    if chain.state != SNAPSHOT_IN_PROGRESS or chain.copying_at is None:
+        why = "it copied nothing"
+    elif settings.snapshot_parquet:
+        why = "its export to Parquet is taken whole"
+    else:
+        with connect(settings.source_dsn, role="source", autocommit=True) as src:
+            tables = check_source(src, settings.tables, free_slots_needed=0)
+        found = resumable(
+            settings.source_dsn,
+            settings.target_dsn,
+            settings.slot,
+            tables,
+            chain.copying_at,
+            chain.snapshot or "",
+        )
+        if isinstance(found, Resumable):
+            return found, found.line(settings.slot)
+        why = found
+    return None, (
         f"an earlier base snapshot of slot {settings.slot} (started {chain.started_at}) did not "
-        "finish: dropping its slot and partial copy and taking it again"
+        f"finish ({why}): dropping its slot and partial copy and taking it again"
     )
+
+
+def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
+    """When an earlier base snapshot of this slot was killed or failed, what the next one
+    will do about it (one line, :func:`snapshot_resume`); ``None`` otherwise."""
+    return snapshot_resume(settings)[1]
 
 
 # -- positions and planning -------------------------------------------------------------------

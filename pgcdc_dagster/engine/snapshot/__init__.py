@@ -23,10 +23,11 @@ Modelled on pgcopydb's ``clone``; Spark schedules the data copy. The data flow::
 Why this is consistent: every range is read in snapshot X, which holds exactly the
 transactions that committed up to C, and the slot streams exactly those committing after C
 (see :mod:`pgcdc_dagster.engine.source.slot`). The target's replication origin is set to C, so apply
-starts right after the copy. A range is one target transaction: a failed task leaves nothing behind
-and Spark may retry it; a task Spark believes failed after its commit (executor lost between commit
-and report) would duplicate its rows, which is why the orchestration refuses to copy into a
-populated target and a failed copy needs ``resnapshot``.
+starts right after the copy. A range is one target transaction, which also records it
+(:mod:`.copied_ranges`): a failed task leaves nothing behind and Spark may retry it; a task
+Spark believes failed after its commit (executor lost between commit and report) is refused
+when run again (the record's key), instead of duplicating its rows. A snapshot killed or
+failing during its copy is resumed by the next one from those records (:mod:`.resume`).
 
 Schema, decided: the pre-data dump is taken of the *schemas* the tables need (``pg_dump -n``,
 plus ``-e`` for extensions), and its table of contents is then cut down to the dependency

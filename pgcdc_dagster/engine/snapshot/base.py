@@ -20,6 +20,7 @@ from ..connect import connect
 from ..errors import server_message
 from ..failpoints import armed, failpoint
 from ..identifiers import TableName, origin_name
+from ..lsn import Lsn
 from ..postgres_installs import release
 from ..progress import CopyWatcher
 from ..published_columns import PublishedShape, published_shapes
@@ -27,12 +28,14 @@ from ..spark.executors import check_executors
 from ..target.ddl import record_copied
 from ..target.origin import check_origin_rights, check_room_for, drop_origin, set_origin
 from ..target.sequences import sync_sequences
+from . import copied_ranges
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
     RESOLVE_TABLES,
     BaseSnapshotResult,
     CopyFormat,
+    CopyRecord,
     SchemaRestoreResult,
     SnapshotError,
     TableCopyResult,
@@ -302,6 +305,7 @@ def take_base_snapshot(
     export_store: str | os.PathLike[str] | None = None,
     sync_sequence_values: bool = True,
     begin: Callable[[], None] | None = None,
+    slot_created: Callable[[Lsn, str], None] | None = None,
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
 ) -> BaseSnapshotResult:
     """Take the base snapshot: publication, slot with exported snapshot, schema, rows, keys,
@@ -309,9 +313,14 @@ def take_base_snapshot(
 
     Refuses to copy into target tables that already hold rows (the copy would duplicate them)
     unless ``resnapshot``, which first drops the slot, truncates the target tables and drops the
-    origin: a clean restart. If anything fails after the slot was created, the slot is dropped
-    again (it would retain WAL for a snapshot nobody can finish); the target then holds a
-    partial copy, and the next attempt needs ``resnapshot``.
+    origin: a clean restart.
+
+    Each range copied is recorded with its rows on the target (:mod:`.copied_ranges`), keyed
+    by the slot and its consistent point, which ``slot_created`` is told (with the exported
+    snapshot's name) before any row is copied. If anything fails after the slot was created,
+    the slot is kept when some range was copied, for the next attempt to resume from
+    (:mod:`.resume`), and dropped otherwise (it would retain WAL for a snapshot nobody can
+    finish).
 
     ``spark`` may be a callable that returns the session. It is called only when a table is
     estimated above ``driver_max_rows`` (smaller tables are copied by this process, see
@@ -368,10 +377,16 @@ def take_base_snapshot(
             src, resolved, spark, driver_max_rows, {"source": source_dsn, "target": target_dsn}
         )
 
+    with connect(target_dsn, role="target") as tgt:
+        copied_ranges.forget(tgt, slot_name)  # an earlier attempt's: this one starts afresh
+        copied_ranges.ensure_table(tgt)
+        tgt.commit()
     exported = create_slot_with_snapshot(source_dsn, slot_name)
     slot = exported.slot
     watch_stop = threading.Event()
     try:
+        if slot_created is not None:
+            slot_created(slot.consistent_point, slot.snapshot_name)
         failpoint("snapshot.after_slot")
         progress = CopyWatcher(
             source_dsn, target_dsn, resolved, time.monotonic() - (time.perf_counter() - started)
@@ -396,6 +411,7 @@ def take_base_snapshot(
                 export_store=export_store,
                 consistent_point=slot.consistent_point,
                 driver_max_rows=driver_max_rows,
+                record=CopyRecord(slot_name, str(slot.consistent_point)),
             )
             watch_stop.set()
         failpoint("snapshot.after_copy")
@@ -411,11 +427,12 @@ def take_base_snapshot(
     except BaseException:
         watch_stop.set()
         exported.close()
-        with (
-            contextlib.suppress(Exception),
-            connect(source_dsn, role="source", autocommit=True) as src,
-        ):
-            drop_slot(src, slot_name, missing_ok=True)
+        if not copied_ranges.copied_some(target_dsn, slot_name, slot.consistent_point):
+            with (
+                contextlib.suppress(Exception),
+                connect(source_dsn, role="source", autocommit=True) as src,
+            ):
+                drop_slot(src, slot_name, missing_ok=True)
         raise
     return BaseSnapshotResult(
         slot_name=slot.name,

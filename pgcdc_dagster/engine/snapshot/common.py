@@ -64,6 +64,16 @@ class TableRange:
 
 
 @dataclass(frozen=True)
+class CopyRecord:
+    """Whose copy a range belongs to, recorded with its rows on the target
+    (:mod:`.copied_ranges`): the slot and its consistent point (text form, so a copy task stays
+    plain and picklable)."""
+
+    slot: str
+    consistent_point: str
+
+
+@dataclass(frozen=True)
 class CopyTask:
     """What a Spark task needs to copy one :class:`TableRange`: plain, picklable values only.
 
@@ -90,6 +100,9 @@ class CopyTask:
     has nothing to do (see ``benchmarks/HISTORY.md``, ``benchmarks/snapshot.py --methods ...``,
     the frozen load). Rows loaded frozen are visible to snapshots
     older than their load, which no one holds on a table the snapshot is creating."""
+    record: CopyRecord | None = None
+    """A base snapshot's: the range is recorded as copied in its own target transaction
+    (:func:`~.copied_ranges.record_statement`), so a killed snapshot resumes from it."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +151,8 @@ class TableCopyResult:
     tasks: int = 1
     copy_formats: tuple[str, ...] = ()
     copied_by: str = "spark"
-    """``driver`` (a small table, copied by this process) or ``spark``."""
+    """``driver`` (a small table, copied by this process), ``spark``, or ``kept`` (copied whole
+    by an earlier attempt of a resumed snapshot, :mod:`.resume`)."""
     spark_app: SparkApp | None = None
     """The Spark application whose tasks copied it (``copied_by`` ``spark``)."""
     frozen: bool = False

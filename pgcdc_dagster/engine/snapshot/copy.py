@@ -34,6 +34,7 @@ from .common import (
     resolve_oids,
     snapshot_transaction,
 )
+from .copied_ranges import record_statement
 from .export import write_parquet
 
 # ─── planning ─────────────────────────────────────────────────────────────────────────────────
@@ -192,6 +193,12 @@ def _target_preamble(task: CopyTask) -> list[sql.Composed]:
     return [sql.SQL("TRUNCATE ONLY {}").format(task.range.table.sql)]
 
 
+def _target_postamble(task: CopyTask) -> list[sql.Composed]:
+    """What the target's transaction runs after its COPY, before the commit: a base snapshot's
+    record of the range (:mod:`.copied_ranges`), one fact with its rows."""
+    return [] if task.record is None else [record_statement(task.record, task.range)]
+
+
 COPY_BATCH_BYTES = 128 * 1024
 """How much COPY data is gathered before one write to the target: PostgreSQL sends one message
 per row, and handing each to the target separately costs more than the copy itself."""
@@ -271,6 +278,8 @@ def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearr
                     kept.append(batch)
 
             rows = stream_copy_out(src, _select_statement(task, copy_format), forward)
+        for statement in _target_postamble(task):
+            tgt.execute(statement)
         tgt.commit()
     return rows, nbytes, kept
 
@@ -321,7 +330,7 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     """
     copied = _run_pair(
         [_select_statement(task, copy_format)],
-        [*_target_preamble(task), _insert_statement(task, copy_format)],
+        [*_target_preamble(task), _insert_statement(task, copy_format), *_target_postamble(task)],
         task,
     )
     if copied is None:
@@ -475,7 +484,11 @@ def _copy_bundle_piped(tasks: Sequence[CopyTask]) -> list[int] | None:
     target_steps: list[sql.Composable | str] = []
     for task in tasks:
         source_steps += [_select_statement(task, "text"), _END_OF_DATA]
-        target_steps += [*_target_preamble(task), _insert_statement(task, "text")]
+        target_steps += [
+            *_target_preamble(task),
+            _insert_statement(task, "text"),
+            *_target_postamble(task),
+        ]
     copied = _run_pair(source_steps, target_steps, tasks[0])
     if copied is None:
         return None

@@ -20,6 +20,7 @@ import psycopg
 
 from ..connect import connect
 from ..errors import PgcdcError
+from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published_columns import PublishedShape
@@ -29,6 +30,7 @@ from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
     DEFAULT_ROWS_PER_TASK,
     CopyFormat,
+    CopyRecord,
     CopyTask,
     RangeCopyResult,
     SnapshotError,
@@ -170,6 +172,7 @@ def copy_tables(
     new_tables: Collection[TableName] = (),
     shapes: Mapping[TableName, PublishedShape] | None = None,
     waiting: Callable[[str], None] | None = None,
+    record: CopyRecord | None = None,
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
 
@@ -203,6 +206,9 @@ def copy_tables(
 
     ``shapes``: what the publication sends of the tables it narrows (only that is copied, see
     :func:`~.copy.plan_table_ranges`).
+
+    ``record``: a base snapshot's; each range is recorded as copied in its own target
+    transaction (:mod:`.copied_ranges`), which a resume reads.
 
     ``waiting`` is told what the copy waits for before rows flow (Spark's start and the check
     of its executors), and ``""`` once they flow.
@@ -249,6 +255,7 @@ def copy_tables(
             ),
             column_types=tuple(column_types[rng.table][c] for c in rng.columns),
             freeze=_whole_new_table(rng, new),
+            record=record,
         )
 
     driver_tasks = [make_task(r) for r in driver_ranges]
@@ -274,7 +281,7 @@ def copy_tables(
             if waiting is not None:
                 waiting("")
         with _driver_pool(driver_tasks, workers) as pool:
-            futures = [pool.submit(copy_bundle, bundle) for bundle in bundles]
+            futures = [pool.submit(_bundle, bundle) for bundle in bundles]
             futures += [pool.submit(_one, task) for task in alone]
             results = []
             if session is not None:
@@ -325,7 +332,15 @@ def copy_tables(
 
 
 def _one(task: CopyTask) -> list[RangeCopyResult]:
-    return [copy_range(task)]
+    copied = [copy_range(task)]
+    failpoint("snapshot.range_copied")
+    return copied
+
+
+def _bundle(tasks: Sequence[CopyTask]) -> list[RangeCopyResult]:
+    copied = copy_bundle(tasks)
+    failpoint("snapshot.range_copied")
+    return copied
 
 
 def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:

@@ -259,6 +259,11 @@ class Chain:
     synced_from: dict[TableName, Lsn] = field(default_factory=dict)
     """Per table added after the base snapshot, its own copy's consistent point: the copy
     holds its changes committed at or before it, so the apply skips those in the stream."""
+    copying_at: Lsn | None = None
+    """While a base snapshot is under way (``snapshot_in_progress``), its slot's consistent
+    point once the slot exists: the copy records on the target what it finished at that point
+    (:mod:`~..snapshot.copied_ranges`), and the next snapshot resumes from there
+    (:mod:`~..snapshot.resume`)."""
     finished_at: Lsn | None = None
     """The replication was ended (``pgcdc finish``, :mod:`..control.finish`) with the target's
     origin here: its slot is dropped, and nothing follows it again until a new base snapshot."""
@@ -627,6 +632,22 @@ class OutputStore:
         with self.chain_lock():
             self._write_chain({"slot": slot, "state": SNAPSHOT_IN_PROGRESS, "started_at": started})
 
+    def record_copying_at(self, slot: str, consistent_point: Lsn, snapshot_name: str) -> None:
+        """Record, durably, that the snapshot under way of ``slot`` created its slot at
+        ``consistent_point`` (:attr:`Chain.copying_at`), exporting ``snapshot_name``, before
+        any row is copied there."""
+        with self.chain_lock() as chain:
+            if chain is None or chain.state != SNAPSHOT_IN_PROGRESS or chain.slot != slot:
+                raise StoreError(f"no base snapshot of slot {slot} is under way in the store")
+            record = {
+                "slot": slot,
+                "state": SNAPSHOT_IN_PROGRESS,
+                "started_at": chain.started_at,
+                "copying_at": str(consistent_point),
+                "snapshot": snapshot_name,
+            }
+            self._write_chain(record)
+
     def begin_recovering(self) -> Chain:
         """Record, durably, that a recovery of the current chain's lost slot is under way
         (:data:`RECOVERING`), keeping everything else the record says: from here until
@@ -651,15 +672,20 @@ class OutputStore:
         snapshot_name: str,
         tables: Sequence[TableName] = (),
         shapes: Mapping[TableName, PublishedShape] | None = None,
+        resyncing: Sequence[TableName] = (),
     ) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
         last step, after the target's origin is set. ``tables``: those it copied; ``shapes``:
         what the publication sent of those it narrowed then (:attr:`Chain.unpublished`,
-        :attr:`Chain.row_filters`).
+        :attr:`Chain.row_filters`). ``resyncing``: of ``tables``, those a resumed snapshot
+        still has to copy (:mod:`~..snapshot.resume`), recorded as being copied again
+        (:attr:`Chain.adding` and :attr:`Chain.resyncing`): their changes are held back until
+        a resync copies them, as of a point of their own.
 
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
         """
+        copied = [t for t in tables if t not in set(resyncing)]
         chain = Chain(
             slot,
             CHAIN_COMPLETE,
@@ -667,7 +693,9 @@ class OutputStore:
             snapshot_name,
             tables=tuple(tables),
             unpublished=unpublished_columns(shapes or {}),
-            row_filters=row_filters(tables, shapes or {}),
+            row_filters=row_filters(copied, shapes or {}),
+            adding=tuple(sorted(resyncing)),
+            resyncing=tuple(sorted(resyncing)),
         )
         with self.chain_lock():
             self._write_chain(self._record_of(chain))
@@ -899,6 +927,7 @@ class OutputStore:
                 for schema, name, lsn in raw.get("synced_from", [])
             },
             finished_at=None if raw.get("finished_at") is None else Lsn.parse(raw["finished_at"]),
+            copying_at=None if raw.get("copying_at") is None else Lsn.parse(raw["copying_at"]),
         )
 
     def consistent_point(self) -> Lsn:

@@ -1,0 +1,203 @@
+"""A base snapshot SIGKILLed at about 80% of its copy, resumed by the next ``pgcdc snapshot``,
+against a full snapshot (``pgcdc snapshot --resnapshot``) and native logical replication's
+initial sync of the same tables, through the commands a user runs, from fresh processes, same
+clusters.
+
+pgbench at ``--scale``; its accounts cut into ``--tables`` tables of equal size (``aid`` modulo
+the count, each with its primary key), which are what is replicated: a snapshot resumes table by
+table, so one big table would be copied again whole. The killed run is killed (its whole process
+group) once ``--kill-after`` of the driver's copy tasks committed (``snapshot.range_copied``);
+the resume is timed, then the full snapshot, then native's initial sync; each ends with the
+target's row counts and content hashes checked against the source.
+
+Usage: ``.venv/bin/python benchmarks/snapshot_resume.py [--scale 100] [--tables 10]
+[--kill-after 8]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from snapshot import (
+    REPO,
+    Measured,
+    _create_database,
+    _psql_file,
+    _quiesce,
+    _run,
+    _tool,
+    pgbench_clusters,
+)
+
+PGCDC = str(Path(sys.executable).parent / "pgcdc")
+
+
+def _tables(count: int) -> list[str]:
+    return [f"part_{i:02d}" for i in range(count)]
+
+
+def _cut(source_dsn: str, count: int) -> None:
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        for i, name in enumerate(_tables(count)):
+            table = sql.Identifier(name)
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} AS SELECT * FROM pgbench_accounts WHERE aid % {} = {}"
+                ).format(table, sql.Literal(count), sql.Literal(i))
+            )
+            conn.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY (aid)").format(table))
+        conn.execute("VACUUM ANALYZE")
+
+
+def _content(dsn: str, count: int) -> list[Any]:
+    with psycopg.connect(dsn) as conn:
+        return [
+            conn.execute(
+                sql.SQL("SELECT count(*), sum(hashtext(t::text)) FROM {} t").format(
+                    sql.Identifier(name)
+                )
+            ).fetchone()
+            for name in _tables(count)
+        ]
+
+
+def _command(
+    env: dict[str, Any], work: Path, *args: str, failpoint: str | None = None
+) -> tuple[float, dict[str, Any], subprocess.CompletedProcess[str]]:
+    source, target = env["_source"], env["_target"]
+    environment = {k: v for k, v in env.items() if not k.startswith("_")}
+    if failpoint:
+        environment["PGCDC_FAILPOINT"] = failpoint
+    with Measured(source, target) as measured:
+        done = subprocess.run(
+            [PGCDC, *args],
+            env=environment,
+            capture_output=True,
+            text=True,
+            cwd=work,
+            start_new_session=True,  # a kill-group failpoint kills the command's group only
+        )
+    if failpoint is None and done.returncode != 0:
+        raise RuntimeError(f"pgcdc {' '.join(args)} failed: {done.stderr[-3000:]}")
+    return measured.wall, measured.report(), done
+
+
+def _native(source: Any, target: Any, count: int) -> float:
+    """Native logical replication's initial sync of the tables into a fresh database (schema
+    from ``pg_dump --schema-only``): seconds from ``CREATE SUBSCRIPTION`` until every table is
+    ready."""
+    dsn = _create_database(target, "bench_resume_native")
+    names = _tables(count)
+    script = Path(tempfile.mkdtemp(prefix="pgcdc-bench-resume-schema-")) / "schema.sql"
+    tables = [f"--table={n}" for n in names]
+    _run([_tool("pg_dump"), "--schema-only", *tables, "-f", str(script), source.dsn()])
+    _psql_file(dsn, script)
+    with psycopg.connect(source.dsn(), autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("CREATE PUBLICATION bench_resume_native FOR TABLE {}").format(
+                sql.SQL(", ").join(sql.Identifier(n) for n in names)
+            )
+        )
+    _quiesce(source, target)
+    with psycopg.connect(dsn, autocommit=True) as conn, Measured(source, target) as measured:
+        conn.execute(
+            sql.SQL(
+                "CREATE SUBSCRIPTION bench_resume_native CONNECTION {} "
+                "PUBLICATION bench_resume_native"
+            ).format(sql.Literal(source.dsn()))
+        )
+        while True:
+            states = conn.execute(
+                "SELECT count(*) FILTER (WHERE srsubstate <> 'r'), count(*) "
+                "FROM pg_subscription_rel"
+            ).fetchone()
+            if states is not None and states[1] == count and states[0] == 0:
+                break
+            time.sleep(0.1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP SUBSCRIPTION bench_resume_native")
+    assert _content(source.dsn(), count) == _content(dsn, count), "native"
+    return measured.wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=int, default=100)
+    parser.add_argument("--tables", type=int, default=10)
+    parser.add_argument("--kill-after", type=int, default=8)
+    args = parser.parse_args()
+    report: dict[str, Any] = vars(args).copy()
+    with (
+        pgbench_clusters(args.scale) as (source, target),
+        tempfile.TemporaryDirectory(prefix="pgcdc-bench-resume-") as tmp,
+    ):
+        _cut(source.dsn(), args.tables)
+        work = Path(tmp)
+        target_dsn = _create_database(target, "bench_resume")
+        _create_database(target, "dagster_resume")
+        home = work / "dagster_home"
+        home.mkdir()
+        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+        env: dict[str, Any] = {
+            **os.environ,
+            "PGCDC_SOURCE_DSN": source.dsn(),
+            "PGCDC_TARGET_DSN": target_dsn,
+            "PGCDC_SLOT": "bench_resume",
+            "PGCDC_TABLES": ",".join(f"public.{t}" for t in _tables(args.tables)),
+            "PGCDC_STORE": str(work / "store"),
+            "DAGSTER_HOME": str(home),
+            "DAGSTER_POSTGRES_URL": (
+                f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/dagster_resume"
+            ),
+            "PGCDC_SERVER": "off",
+            "_source": source,
+            "_target": target,
+        }
+        _quiesce(source, target)
+        seconds, _, killed = _command(
+            env,
+            work,
+            "snapshot",
+            failpoint=f"snapshot.range_copied=kill-group@{args.kill_after}",
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        report["killed_after_seconds"] = round(seconds, 2)
+        _quiesce(source, target)
+        seconds, measured, resumed = _command(env, work, "snapshot")
+        line = next(ln for ln in resumed.stderr.splitlines() if "did not finish" in ln)
+        assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
+        report["resume"] = {
+            "command_seconds": round(seconds, 2),
+            "cpu_seconds": measured["cpu_seconds"],
+            "line": line,
+        }
+        print(json.dumps({"resume": report["resume"]}), flush=True)
+        _quiesce(source, target)
+        seconds, measured, _ = _command(env, work, "snapshot", "--resnapshot")
+        assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
+        report["full_snapshot"] = {
+            "command_seconds": round(seconds, 2),
+            "cpu_seconds": measured["cpu_seconds"],
+        }
+        print(json.dumps({"full_snapshot": report["full_snapshot"]}), flush=True)
+        report["native_initial_sync_seconds"] = round(_native(source, target, args.tables), 2)
+        report["resume_share_of_full"] = round(
+            report["resume"]["command_seconds"] / report["full_snapshot"]["command_seconds"], 3
+        )
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What a base snapshot copied, recorded on the target in each copy's own transaction.
+
+Every range a base snapshot copies (a ctid block range of a table or leaf partition, or a whole
+table, :class:`~.common.TableRange`) inserts a row into ``pgcdc_ddl.copied_ranges`` in the same
+target transaction as its ``COPY``, keyed by the slot and its consistent point. So the record
+and the rows are one fact: a range is recorded if and only if its rows are on the target, even
+when the process, its ``psql`` pair, a Spark executor or the target server dies anywhere. A
+table is copied whole at that point when its recorded ranges tile every one of its relations
+(each leaf of a partitioned table) from block 0 to the end (:func:`complete_tables`): what a
+killed snapshot resumes from (:mod:`.resume`).
+
+What must hold: a range's record is written only by the transaction that copied it
+(:func:`record_statement`, run by :mod:`.copy` after the ``COPY`` and before the commit), and
+the primary key refuses a second record of one range, so a copy task Spark ran twice (an
+executor lost between the commit and its report) fails instead of committing its rows twice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..connect import connect
+from ..identifiers import TableName
+from ..lsn import Lsn
+from .common import CopyRecord, TableRange
+
+SCHEMA = "pgcdc_ddl"
+TABLE = sql.Identifier(SCHEMA, "copied_ranges")
+
+
+def ensure_table(conn: psycopg.Connection[Any]) -> None:
+    """Create ``pgcdc_ddl.copied_ranges`` if it is not there (in the caller's transaction)."""
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+    conn.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (slot text NOT NULL, consistent_point pg_lsn NOT NULL, "
+            "schema_name text NOT NULL, table_name text NOT NULL, "
+            "source_schema text NOT NULL, source_name text NOT NULL, "
+            "start_block bigint NOT NULL, end_block bigint, "
+            "PRIMARY KEY (slot, consistent_point, schema_name, table_name, source_schema, "
+            "source_name, start_block))"
+        ).format(TABLE)
+    )
+
+
+def _exists(conn: psycopg.Connection[Any]) -> bool:
+    row = conn.execute("SELECT to_regclass('pgcdc_ddl.copied_ranges') IS NOT NULL").fetchone()
+    return bool(row and row[0])
+
+
+def record_statement(record: CopyRecord, rng: TableRange) -> sql.Composed:
+    """The insert that records ``rng`` as copied, for the copy's own target transaction."""
+    return sql.SQL("INSERT INTO {} VALUES ({}, {}::pg_lsn, {}, {}, {}, {}, {}, {})").format(
+        TABLE,
+        sql.Literal(record.slot),
+        sql.Literal(record.consistent_point),
+        sql.Literal(rng.table.schema),
+        sql.Literal(rng.table.name),
+        sql.Literal(rng.source.schema),
+        sql.Literal(rng.source.name),
+        sql.Literal(rng.start_block or 0),
+        sql.Literal(rng.end_block),
+    )
+
+
+def _tiles(ranges: Sequence[tuple[int, int | None]]) -> bool:
+    """Whether the block ranges cover ``[0, ∞)`` without a gap (they never overlap: one plan
+    cut them, and the primary key holds one record a start)."""
+    end: int | None = 0
+    for start, stop in sorted(ranges):
+        if end is None or start != end:
+            return False
+        end = stop
+    return end is None
+
+
+def complete_tables(
+    conn: psycopg.Connection[Any],
+    slot: str,
+    consistent_point: Lsn,
+    relations: Mapping[TableName, Sequence[TableName]],
+) -> list[TableName]:
+    """Of ``relations`` (each target table with the source relations copied into it: itself,
+    or each leaf of a partitioned table), those copied whole at ``consistent_point`` by the
+    snapshot of ``slot``."""
+    if not _exists(conn):
+        return []
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT schema_name, table_name, source_schema, source_name, start_block, end_block "
+            "FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn"
+        ).format(TABLE),
+        (slot, str(consistent_point)),
+    ).fetchall()
+    found: dict[tuple[TableName, TableName], list[tuple[int, int | None]]] = defaultdict(list)
+    for schema, name, source_schema, source_name, start, end in rows:
+        found[(TableName(schema, name), TableName(source_schema, source_name))].append((start, end))
+    return [
+        table
+        for table, sources in relations.items()
+        if sources and all(_tiles(found.get((table, s), [])) for s in sources)
+    ]
+
+
+def recorded(conn: psycopg.Connection[Any], slot: str, consistent_point: Lsn) -> bool:
+    """Whether any range is recorded copied by the snapshot of ``slot`` at
+    ``consistent_point``."""
+    if not _exists(conn):
+        return False
+    row = conn.execute(
+        sql.SQL("SELECT FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn LIMIT 1").format(
+            TABLE
+        ),
+        (slot, str(consistent_point)),
+    ).fetchone()
+    return row is not None
+
+
+def forget(conn: psycopg.Connection[Any], slot: str) -> None:
+    """Drop the records of ``slot``'s snapshots (in the caller's transaction), and the table
+    once it holds none: a snapshot taken from scratch keeps nothing of an earlier one's, and a
+    finished one needs them no more."""
+    if _exists(conn):
+        conn.execute(sql.SQL("DELETE FROM {} WHERE slot = %s").format(TABLE), (slot,))
+        if conn.execute(sql.SQL("SELECT FROM {} LIMIT 1").format(TABLE)).fetchone() is None:
+            conn.execute(sql.SQL("DROP TABLE {}").format(TABLE))
+
+
+def copied_some(target_dsn: str, slot: str, consistent_point: Lsn) -> bool:
+    """Whether a snapshot of ``slot`` recorded some range copied at ``consistent_point``;
+    ``False`` when the target cannot say."""
+    try:
+        with connect(target_dsn, role="target", autocommit=True) as tgt:
+            return recorded(tgt, slot, consistent_point)
+    except Exception:
+        return False
+
+
+def forget_all(target_dsn: str, slot: str) -> None:
+    """A finished snapshot's records removed (:func:`forget`): nothing resumes it."""
+    with connect(target_dsn, role="target") as tgt:
+        forget(tgt, slot)
+        tgt.commit()
