@@ -88,6 +88,7 @@ def test_verify_under_writes_names_hand_edited_chunks_and_keys_and_repair_fixes_
         assert [(c.table, c.equal) for c in first.tables] == [(ITEMS, True), (LOG, True)]
         items, log = first.tables
         assert items.chunks >= 8 and items.source_rows >= 5000
+        assert items.plan is not None and items.plan.text_hash  # one machine: hashes alike
         assert items.differing == () and log.source_rows > 0
         assert first.pair.made_way_by is not None  # the follow made way, and went on
         ranges_before = follower.summary.ranges

@@ -43,6 +43,7 @@ from .chunks import (
     differing_keys,
     digest,
     plan_chunks,
+    same_text_hash,
 )
 from .consistent_pair import ConsistentPair, consistent_pair
 
@@ -222,6 +223,7 @@ def compare_pair(
         ),
     )
     on_target = set(on("target", lambda tgt: table_columns(tgt, tables)))
+    text_hash = on("source", lambda src: on("target", lambda tgt: same_text_hash(src, tgt)))
     present = [t for t in tables if t in on_target and t in source_columns]
 
     def plan(table: TableName) -> ChunkPlan:
@@ -229,7 +231,12 @@ def compare_pair(
         left_out = set(shape.unpublished) if shape else set()
         columns = [c.name for c in source_columns[table] if c.name not in left_out]
         row_filter = shape.row_filter if shape else None
-        return on("source", lambda src: plan_chunks(src, table, columns, chunk_rows, row_filter))
+        return on(
+            "source",
+            lambda src: plan_chunks(
+                src, table, columns, chunk_rows, row_filter, text_hash=text_hash
+            ),
+        )
 
     def side_sums(table: TableName, side: str, chunks: ChunkPlan) -> Sums:
         return on(side, lambda conn: chunk_sums(conn, chunks, source=side == "source"))
