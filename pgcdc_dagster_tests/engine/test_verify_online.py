@@ -127,3 +127,28 @@ def test_verify_under_writes_names_hand_edited_chunks_and_keys_and_repair_fixes_
             time.sleep(0.1)
     catch_up(settings)
     assert equal_tables(settings) == [("public.items", True), ("public.log", True)]
+
+
+def test_a_chunk_whose_binary_form_differs_on_the_target_is_repaired_in_text(
+    source_dsn, target_dsn, tmp_path
+):
+    """int4 on the source, int8 on the target (a target made by hand): the chunk's binary copy
+    fails there, its transaction is rolled back, and the chunk is replaced in text format."""
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE widened (id int PRIMARY KEY, qty int4)")
+        conn.execute("INSERT INTO widened SELECT g, g FROM generate_series(1, 3000) g")
+        conn.execute("ANALYZE widened")
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE widened (id int PRIMARY KEY, qty int8)")
+    widened = TableName("public", "widened")
+    settings = settings_for(source_dsn, target_dsn, tmp_path, "widened", tables=(widened,))
+    pipeline.take_snapshot(settings, None)
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE widened SET qty = -1 WHERE id IN (7, 2500)")
+    found = compare_online(settings, [widened], "verify test", chunk_rows=500)
+    (table,) = found.tables
+    assert len(table.differing) == 2 and table.chunks >= 4
+    repaired = repair_chunks(settings, found.tables, "verify test")
+    assert [c.copied for c in repaired.chunks] == [c.deleted for c in repaired.chunks]
+    again = compare_online(settings, [widened], "verify test", chunk_rows=500)
+    assert [t.equal for t in again.tables] == [True]

@@ -58,7 +58,7 @@ from ..target.origin import set_origin
 from . import pipeline
 from .consistent_pair import ConsistentPair, export_snapshot
 from .range_lock import range_lock_or_way
-from .repair import RepairedChunk, replace_chunk
+from .repair import RepairedChunk, replace_chunks
 from .verify import DEFAULT_CHUNK_ROWS, TableComparison, compare_pair
 
 
@@ -157,16 +157,15 @@ def recover(
                 f"compared {sum(c.chunks for c in found)} chunk(s) in {compare_s:.1f} s: "
                 f"{len(differing)} differ"
             )
-            repaired = []
             repair_started = time.monotonic()
-            for done, (comparison, difference) in enumerate(differing, 1):
-                assert comparison.plan is not None
-                deleted, copied = replace_chunk(
-                    settings, source_snapshot, comparison.plan, difference.chunk
-                )
-                repaired.append(RepairedChunk(comparison.table, difference.where, deleted, copied))
-                tell(f"replaced {done}/{len(differing)}: {comparison.table} {difference.where}")
+
+            def replaced(done: int, chunk: RepairedChunk) -> None:
+                tell(f"replaced {done}/{len(differing)}: {chunk.table} {chunk.where}")
                 failpoint("recover.after_chunk")
+
+            repaired = replace_chunks(
+                settings, source_snapshot, differing, workers=workers, replaced=replaced
+            )
             repair_s = time.monotonic() - repair_started
             shapes = published_shapes(src, settings.publication, tables)
         set_origin(settings.target_dsn, settings.origin, point)

@@ -9,7 +9,8 @@ Why it is exactly once:
    the target stands at ``C2``: every transaction committed before ``C2`` is applied, none
    after it, and its origin says so. The source snapshot at ``C2`` holds the same
    transactions.
-2. Each differing chunk is replaced in one target transaction of its own: its rows deleted,
+2. Each differing chunk is replaced in one target transaction of its own (as many at once as
+   the machine has cores; the chunks are disjoint key ranges): its rows deleted,
    then the source's rows of that chunk as of ``C2`` copied in, written as the apply writes
    (``session_replication_role = replica``: no triggers, no foreign-key checks). The chunk
    then holds what a replica at ``C2`` holds. The origin is not moved: it says ``C2`` already.
@@ -31,8 +32,10 @@ not built.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +47,10 @@ from ..lsn import Lsn
 from ..published_columns import row_filter_sql
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
-from ..snapshot.copy import stream_copy_out
+from ..snapshot.copy import BINARY_MISMATCH, stream_copy_out
 from .chunks import ChunkPlan, chunk_filter
 from .consistent_pair import consistent_pair
-from .verify import COMPARABLE_SESSION, TableComparison
+from .verify import COMPARABLE_SESSION, ChunkDifference, TableComparison
 
 
 @dataclass(frozen=True)
@@ -93,21 +96,61 @@ def repair_chunks(
         if comparison.plan is not None and comparison.missing_on is None
         for difference in comparison.differing
     ]
-    repaired: list[RepairedChunk] = []
     with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, hold_range=True) as pair:
-        for comparison, difference in todo:
-            assert comparison.plan is not None
-            deleted, copied = replace_chunk(
-                settings, pair.source_snapshot, comparison.plan, difference.chunk
-            )
-            repaired.append(RepairedChunk(comparison.table, difference.where, deleted, copied))
+        repaired = replace_chunks(settings, pair.source_snapshot, todo)
     return RepairResult(pair.point, tuple(repaired), time.monotonic() - started, pair.made_way_by)
+
+
+def replace_chunks(
+    settings: ReplicationSettings,
+    source_snapshot: str,
+    todo: Sequence[tuple[TableComparison, ChunkDifference]],
+    *,
+    workers: int | None = None,
+    replaced: Callable[[int, RepairedChunk], None] | None = None,
+) -> list[RepairedChunk]:
+    """Replace each chunk of ``todo`` (:func:`replace_chunk`), on ``workers`` threads (default:
+    the CPU count): chunks are disjoint key ranges, each replaced in a transaction of its own,
+    so they need no order, and one chunk's copy is one core's work on each side. ``replaced``
+    is told each one as it is done, with how many are (in this thread)."""
+
+    def one(item: tuple[TableComparison, ChunkDifference]) -> RepairedChunk:
+        comparison, difference = item
+        assert comparison.plan is not None
+        deleted, copied = replace_chunk(
+            settings, source_snapshot, comparison.plan, difference.chunk
+        )
+        return RepairedChunk(comparison.table, difference.where, deleted, copied)
+
+    done: list[RepairedChunk] = []
+    count = max(1, min(len(todo), workers or os.cpu_count() or 1))
+    with ThreadPoolExecutor(count, thread_name_prefix="pgcdc-repair") as pool:
+        for chunk in pool.map(one, todo):
+            done.append(chunk)
+            if replaced is not None:
+                replaced(len(done), chunk)
+    return done
 
 
 def replace_chunk(
     settings: ReplicationSettings, source_snapshot: str, plan: ChunkPlan, chunk: Any
 ) -> tuple[int, int]:
-    """One chunk, in one target transaction: its rows deleted, the source's copied in."""
+    """One chunk, in one target transaction: its rows deleted, the source's copied in. In
+    binary format, or in text where a type's binary form does not cross (the chunk's
+    transaction is then rolled back and done again)."""
+    try:
+        return _replace_once(settings, source_snapshot, plan, chunk, "binary")
+    except BINARY_MISMATCH:
+        return _replace_once(settings, source_snapshot, plan, chunk, "text")
+
+
+def _replace_once(
+    settings: ReplicationSettings,
+    source_snapshot: str,
+    plan: ChunkPlan,
+    chunk: Any,
+    copy_format: str,
+) -> tuple[int, int]:
     where = chunk_filter(plan, chunk)
     with (
         connect(settings.source_dsn, role="source", autocommit=True) as src,
@@ -126,13 +169,14 @@ def replace_chunk(
             if plan.row_filter is None
             else sql.SQL("{} AND {}").format(where, row_filter_sql(plan.row_filter))
         )
-        select = sql.SQL("COPY (SELECT {} FROM ONLY {} WHERE {}) TO STDOUT").format(
-            columns, plan.table.sql, source_where
+        options = sql.SQL(" (FORMAT {})").format(sql.SQL(copy_format))
+        select = sql.SQL("COPY (SELECT {} FROM ONLY {} WHERE {}) TO STDOUT{}").format(
+            columns, plan.table.sql, source_where, options
         )
         with (
             snapshot_transaction(src, source_snapshot),
             tgt.cursor().copy(
-                sql.SQL("COPY {} ({}) FROM STDIN").format(plan.table.sql, columns)
+                sql.SQL("COPY {} ({}) FROM STDIN{}").format(plan.table.sql, columns, options)
             ) as into,
         ):
             copied = stream_copy_out(src, select, into.write)

@@ -532,11 +532,13 @@ def copy_bundle(tasks: Sequence[CopyTask]) -> list[RangeCopyResult]:
     ]
 
 
-_BINARY_MISMATCH = (
+BINARY_MISMATCH = (
     errors.UndefinedFunction,  # no binary send/receive function for a type
     errors.InvalidBinaryRepresentation,  # the target reads fewer bytes than were sent
     errors.ProtocolViolation,  # ... or more ("insufficient data left in message")
 )
+"""What a binary ``COPY`` between two servers fails with when a type's binary form does not
+cross (the copy then starts over in text format)."""
 
 
 def copy_range(task: CopyTask) -> RangeCopyResult:
@@ -563,7 +565,7 @@ def copy_range(task: CopyTask) -> RangeCopyResult:
             rows, nbytes, kept = _copy_once(task, copy_format)
             used = copy_format
             break
-        except _BINARY_MISMATCH as exc:
+        except BINARY_MISMATCH as exc:
             if attempt + 1 == len(attempts):
                 raise _range_error(task, exc) from None
         except psycopg.Error as exc:
