@@ -46,6 +46,7 @@ from .defs.checks import (
     store_retention,
 )
 from .defs.jobs import (
+    RECOVER_JOB,
     build_add_tables_job,
     build_finish_job,
     build_follow_job,
@@ -56,7 +57,7 @@ from .defs.jobs import (
 from .defs.metadata import database_of
 from .defs.resources import default_resources
 from .defs.run_liveness import RANGE_LOCK_TAG
-from .defs.sensors import CATCHUP_JOB, build_slot_sensor
+from .defs.sensors import CATCHUP_JOB, build_slot_sensor, sensor_job
 from .engine.catalog import ColumnInfo, table_columns
 from .engine.connect import ConnectError, connect
 from .engine.identifiers import TableName
@@ -185,7 +186,12 @@ def build_definitions(
         asset_checks=checks,
         jobs=jobs,
         sensors=[
-            build_slot_sensor(settings.sensor_interval, settings.dead_run_grace, settings.mode)
+            build_slot_sensor(
+                settings.sensor_interval,
+                settings.dead_run_grace,
+                settings.mode,
+                [j for j in jobs if j.name in (sensor_job(settings.mode), RECOVER_JOB)],
+            )
         ],
         resources=default_resources(settings),
     )

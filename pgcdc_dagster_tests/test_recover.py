@@ -188,3 +188,62 @@ def test_a_recovery_killed_before_or_after_its_origin_is_redone_by_the_next(
     code, _, err = run_cli(capsys, "catchup")
     assert code == 0, err
     assert _content(target_dsn) == _content(source_dsn)
+
+
+def test_the_sensor_recovers_a_lost_slot_with_no_hands_where_the_setting_allows_it(
+    lost_env, capsys, monkeypatch
+):
+    """The slot sensor's tick on a lost slot: without ``PGCDC_AUTO_RECOVER`` it skips, naming
+    ``pgcdc recover``; with it, it asks for a run of the ``recover`` job, which (run as the
+    daemon runs it, in process) ends equal; the next tick is back to catching up."""
+    from dagster import DagsterInstance, build_sensor_context
+
+    from pgcdc_dagster.definitions import defs
+
+    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
+        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
+        conn.execute("CREATE TABLE lines (line text)")
+        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO lines VALUES ('one')")
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
+    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+
+    def tick():
+        loaded = defs()
+        sensor = loaded.resolve_sensor_def("slot_progress_sensor")
+        with (
+            DagsterInstance.get() as instance,
+            build_sensor_context(
+                instance=instance, resources={"pgcdc": loaded.resources["pgcdc"]}
+            ) as context,
+        ):
+            return loaded, sensor(context)
+
+    _, skipped = tick()
+    assert not skipped.run_requests
+    said = skipped.skip_reason.skip_message
+    assert "is invalidated" in said and "PGCDC_AUTO_RECOVER=on" in said, said
+
+    monkeypatch.setenv("PGCDC_AUTO_RECOVER", "on")
+    loaded, asked = tick()
+    (request,) = asked.run_requests or [asked.skip_reason]
+    assert getattr(request, "job_name", None) == "recover", request
+    with DagsterInstance.get() as instance:
+        ran = loaded.get_job_def("recover").execute_in_process(
+            instance=instance, run_config=request.run_config, tags=request.tags
+        )
+    assert ran.success
+    assert _content(target_dsn) == _content(source_dsn)
+
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET note = 'after' WHERE id = 7")
+    _, then = tick()  # not lost any more: the next range's catch-up
+    assert [r.job_name for r in then.run_requests] == ["catchup"], then
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    assert _content(target_dsn) == _content(source_dsn)

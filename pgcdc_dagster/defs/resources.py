@@ -11,6 +11,7 @@ from dagster_pyspark import LazyPySparkResource
 from pydantic import PrivateAttr
 
 from ..engine.settings import (
+    DEFAULT_DECODING_WORK_MEM,
     DEFAULT_FOLLOW_RETRY_S,
     DEFAULT_MEMORY_LIMIT,
     DEFAULT_PARTITIONS_KEPT,
@@ -54,6 +55,18 @@ class ReplicationResource(ConfigurableResource):
     """Seconds a follow retries a server that went away; ``None``: forever."""
     partitions_kept: int | None = DEFAULT_PARTITIONS_KEPT
     """At most about this many ``lsn_ranges`` partitions stay registered; ``None``: all."""
+    decoding_work_mem: int = DEFAULT_DECODING_WORK_MEM
+    """Bytes of ``logical_decoding_work_mem`` for the sessions that read the slot."""
+    retained_wal_limit: int = 8 * 1024 * 1024 * 1024
+    """``slot_health`` fails above this many bytes of WAL retained by the slot."""
+    ddl: str = "auto"
+    """``auto`` or ``strict``: what an apply does with DDL it cannot follow column by column."""
+    auto_add: bool = False
+    """A table the publication sends that the target lacks is copied in by the apply."""
+    auto_recover: bool = False
+    """The slot sensor recovers a lost slot by itself (runs the ``recover`` job)."""
+    dropped_columns: str = "drop"
+    """``drop`` or ``keep``: a column dropped on the source, on the target."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -116,6 +129,12 @@ class PgcdcResource(ConfigurableResource):
             follow_table_events=self.replication.follow_table_events,  # type: ignore[arg-type]
             follow_retry=self.replication.follow_retry,
             partitions_kept=self.replication.partitions_kept,
+            decoding_work_mem=self.replication.decoding_work_mem,
+            retained_wal_limit=self.replication.retained_wal_limit,
+            ddl=self.replication.ddl,  # type: ignore[arg-type]
+            auto_add=self.replication.auto_add,
+            auto_recover=self.replication.auto_recover,
+            dropped_columns=self.replication.dropped_columns,  # type: ignore[arg-type]
         )
 
 
@@ -192,6 +211,12 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             follow_table_events=settings.follow_table_events,
             follow_retry=settings.follow_retry,
             partitions_kept=settings.partitions_kept,
+            decoding_work_mem=settings.decoding_work_mem,
+            retained_wal_limit=settings.retained_wal_limit,
+            ddl=settings.ddl,
+            auto_add=settings.auto_add,
+            auto_recover=settings.auto_recover,
+            dropped_columns=settings.dropped_columns,
         ),
         store=OutputStoreResource(path=settings.store),
     )

@@ -25,7 +25,7 @@ the ``slot_health`` and the ``store_retention`` checks, recording each when its 
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +44,7 @@ from dagster import (
 from ..engine.control import pipeline
 from ..engine.control.next_step import CaughtUp
 from ..engine.control.range_lock import lock_holders
+from ..engine.control.recover import recovery_needed
 from ..engine.failpoints import failpoint
 from .checks import (
     REPLICATED_TABLES,
@@ -55,7 +56,7 @@ from .checks import (
     store_retention_result,
 )
 from .failures import ENGINE_ERRORS
-from .jobs import FOLLOW_JOB
+from .jobs import FOLLOW_JOB, RECOVER_JOB
 from .keys import SLOT_KEY, source_key
 from .metadata import number, text
 from .range_events import register_range
@@ -71,17 +72,28 @@ DAEMON_TICK_FLOOR_S = 5
 "Frequency" line promise ticks that never come."""
 
 
-def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # type: ignore[no-untyped-def]
+def sensor_job(mode: str) -> str:
+    """The job the slot sensor keeps going in ``mode`` (``PGCDC_MODE``)."""
+    return FOLLOW_JOB if mode == "follow" else CATCHUP_JOB
+
+
+def build_slot_sensor(  # type: ignore[no-untyped-def]
+    interval_s: int, grace_s: float, mode: str, jobs: Sequence[Any]
+):
+    """The slot sensor, targeting ``jobs``: the catch-up job (range mode) or the follow job
+    (follow mode), and the ``recover`` job, which it runs when the slot is lost and
+    ``PGCDC_AUTO_RECOVER`` allows it."""
     follow = mode == "follow"
+    main_job = sensor_job(mode)
 
     @sensor(
         name="slot_progress_sensor",
-        job_name=FOLLOW_JOB if follow else CATCHUP_JOB,
+        jobs=list(jobs),
         minimum_interval_seconds=max(interval_s, DAEMON_TICK_FLOOR_S),
         default_status=DefaultSensorStatus.RUNNING,
         description="Keeps catch-up going: a follow run alive (follow mode) or the next "
         "per-range catch-up run (range mode); fails runs whose worker died; reports the slot's "
-        "lag and retained WAL.",
+        "lag and retained WAL; recovers a lost slot where PGCDC_AUTO_RECOVER allows it.",
     )
     def slot_progress_sensor(
         context: SensorEvaluationContext,
@@ -90,6 +102,19 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
         settings = pgcdc.settings()
         if (ended := finished_at(settings)) is not None:
             return SensorResult(skip_reason=ended)
+        try:
+            holders = lock_holders(settings.target_dsn, settings.slot)
+            verdicts = judge(
+                context.instance, pgcdc_runs_not_finished(context.instance), holders, grace_s
+            )
+            for dead in fail_dead_runs(context.instance, verdicts, "the slot sensor"):
+                context.log.warning(f"run {dead.run.run_id} marked failed: {dead.reason}")
+            live = [v for v in verdicts if v.state in (ALIVE, QUEUED)]
+            lost = recovery_needed(settings)
+        except ENGINE_ERRORS as exc:
+            return SensorResult(skip_reason=str(exc))
+        if lost is not None:
+            return _recovering(lost, live, settings.auto_recover)
         try:
             positions = pipeline.source_positions(settings, timeout_s=3)
         except ENGINE_ERRORS as exc:
@@ -110,33 +135,46 @@ def build_slot_sensor(interval_s: int, grace_s: float, mode: str = "range"):  # 
                 **outcome,
             )
 
-        try:
-            holders = lock_holders(settings.target_dsn, settings.slot)
-            verdicts = judge(
-                context.instance, pgcdc_runs_not_finished(context.instance), holders, grace_s
+        if live:
+            return result(
+                skip_reason=f"a {live[0].run.job_name} run is in flight: "
+                f"{live[0].run.run_id} ({live[0].reason})",
             )
-            for dead in fail_dead_runs(context.instance, verdicts, "the slot sensor"):
-                context.log.warning(f"run {dead.run.run_id} marked failed: {dead.reason}")
-            live = [v for v in verdicts if v.state in (ALIVE, QUEUED)]
-            if live:
-                return result(
-                    skip_reason=f"a {live[0].run.job_name} run is in flight: "
-                    f"{live[0].run.run_id} ({live[0].reason})",
-                )
-            if holders:
-                return result(skip_reason=f"the range lock is held by {holders[0].holder}")
+        if holders:
+            return result(skip_reason=f"the range lock is held by {holders[0].holder}")
+        try:
             step = pipeline.next_step(settings, positions.flush_lsn, timeout_s=3)
         except ENGINE_ERRORS as exc:
             return result(skip_reason=str(exc))
         if follow:
-            return result(run_requests=[RunRequest()])
+            return result(run_requests=[RunRequest(job_name=main_job)])
         if isinstance(step, CaughtUp):
             return result(skip_reason=f"{step.describe()}: no new WAL")
         register_range(context.instance, settings, step.range)
         failpoint("sensor.after_register")
-        return result(run_requests=[RunRequest(partition_key=step.range.partition_key)])
+        return result(
+            run_requests=[RunRequest(job_name=main_job, partition_key=step.range.partition_key)]
+        )
 
     return slot_progress_sensor
+
+
+def _recovering(lost: str, live: Sequence[Any], allowed: bool) -> SensorResult:
+    """The tick's answer to a lost slot (``lost``, in a line): a run of the ``recover`` job
+    where ``PGCDC_AUTO_RECOVER`` allows it and no pgcdc run is in flight (a recovery already,
+    or a run that would fail on the lost slot: the sensor judges it dead or done first), else
+    why not. A recovery that dies is taken for dead like any run, and the next tick runs
+    another, which starts again at a new point (:mod:`..engine.control.recover`)."""
+    if not allowed:
+        return SensorResult(
+            skip_reason=f"{lost} (PGCDC_AUTO_RECOVER=on lets this sensor run pgcdc recover)"
+        )
+    if live:
+        return SensorResult(
+            skip_reason=f"{lost}: a {live[0].run.job_name} run is in flight: "
+            f"{live[0].run.run_id} ({live[0].reason})"
+        )
+    return SensorResult(run_requests=[RunRequest(job_name=RECOVER_JOB)])
 
 
 SLOT_OBSERVED_EVERY_S = 60.0

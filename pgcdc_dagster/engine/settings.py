@@ -154,6 +154,14 @@ class ReplicationSettings(BaseModel):
     applies), and ``FOR ALL TABLES`` also sends a migration's scratch tables; off, the apply
     stops with one line naming ``pgcdc add-table``, losing nothing, as native replication
     waits for ``REFRESH PUBLICATION``."""
+    auto_recover: bool = False
+    """A lost slot (invalidated, or dropped) is recovered by the slot sensor with no hands: it
+    runs the ``recover`` job (``pgcdc recover``: a new slot, the target compared with the
+    source at its point, only the differing chunks copied) as soon as it sees the loss, and
+    again after a recovery that did not finish (``PGCDC_AUTO_RECOVER=on``). Off by default: a
+    recovery reads every row on both sides, and a user may rather take a new snapshot, or first
+    learn why the slot was lost (``max_slot_wal_keep_size``); off, the sensor skips, naming
+    ``pgcdc recover``."""
     dropped_columns: Literal["drop", "keep"] = "drop"
     """A column dropped on the source: ``drop`` drops it on the target too, in the
     transaction of the range that shows it gone (the target keeps the source's shape);

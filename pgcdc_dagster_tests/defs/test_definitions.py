@@ -171,3 +171,37 @@ def test_owners_are_on_every_asset_and_a_wrong_one_is_named():
     assert set(map(tuple, owners.values())) == {("team:data-platform", "alice@example.com")}
     with pytest.raises(SettingsError, match=r"PGCDC_OWNERS='alice': .* nor team:name"):
         ReplicationSettings.from_env({"PGCDC_OWNERS": "alice"}, require_servers=False)
+
+
+LOAD_TIME_SETTINGS = {"owners", "sensor_interval", "dead_run_grace", "mode"}
+"""Settings the definitions read once, as they load (the sensor's, the assets' owners): every
+other one must reach a run, whose engine reads its settings from the ``pgcdc`` resource."""
+
+
+def test_every_setting_a_run_reads_reaches_it_through_the_resource(monkeypatch):
+    from dagster import build_resources
+
+    from pgcdc_dagster.defs.resources import default_resources
+    from pgcdc_dagster.engine.settings import ReplicationSettings
+
+    monkeypatch.setenv("PGCDC_SOURCE_DSN", "host=source dbname=s")
+    monkeypatch.setenv("PGCDC_TARGET_DSN", "host=target dbname=t")
+    changed = {
+        "PGCDC_DDL": "strict",
+        "PGCDC_AUTO_ADD": "on",
+        "PGCDC_AUTO_RECOVER": "on",
+        "PGCDC_DROPPED_COLUMNS": "keep",
+        "PGCDC_DECODING_WORK_MEM": "65536",
+        "PGCDC_RETAINED_WAL_LIMIT": "123456789",
+        "PGCDC_MEMORY_LIMIT": "987654321",
+        "PGCDC_FOLLOW_READ": "peek",
+        "PGCDC_SLOT": "other_slot",
+    }
+    for name, value in changed.items():
+        monkeypatch.setenv(name, value)
+    settings = ReplicationSettings.from_env()
+    with build_resources({"pgcdc": default_resources(settings)["pgcdc"]}) as resources:
+        in_run = resources.pgcdc.settings()
+    fields = set(ReplicationSettings.model_fields) - LOAD_TIME_SETTINGS
+    assert {f: getattr(in_run, f) for f in fields} == {f: getattr(settings, f) for f in fields}
+    assert in_run.ddl == "strict" and in_run.auto_recover and in_run.decoding_work_mem == 65536

@@ -17,10 +17,10 @@ Why it ends exactly as a base snapshot at the new point would:
    consistent point ``C2``: the snapshot sees exactly the transactions committed before
    ``C2``, and the slot streams exactly those committed after it (the base snapshot's rule).
 4. Every replicated table is compared between the source at ``C2`` and the still target
-   (:func:`~.verify.compare_pair`): per chunk a row count and two 60-bit sums of the rows'
-   md5. Each chunk that differs is replaced in one target transaction of its own with the
-   source's rows of it at ``C2`` (:func:`~.repair.replace_chunk`). The target then holds every
-   replicated table as the source held it at ``C2``.
+   (:func:`~.verify.compare_pair`): per chunk a row count and two sums of the rows' hashes
+   (:mod:`.chunks`). Each chunk that differs is replaced in one target transaction of its own
+   with the source's rows of it at ``C2`` (:func:`~.repair.replace_chunks`). The target then
+   holds every replicated table as the source held it at ``C2``.
 5. The origin is set to ``C2``, then the chain is recorded complete at ``C2``
    (:meth:`~..store.output_store.OutputStore.record_chain`), as the base snapshot's last two
    steps. The follow goes on from ``C2``: every transaction after it once, none before it.
@@ -97,6 +97,21 @@ def slot_lost(settings: ReplicationSettings) -> str | None:
         except SlotError as exc:
             return str(exc)
     return None
+
+
+def recovery_needed(settings: ReplicationSettings) -> str | None:
+    """Why a recovery must run now, in a line: the slot of a complete chain is lost, or a
+    recovery did not finish (the chain says ``recovering``); ``None`` otherwise (no chain, a
+    snapshot under way, a finished replication, a usable slot). The slot sensor asks this
+    each tick, to run the ``recover`` job by itself where ``PGCDC_AUTO_RECOVER`` allows it."""
+    chain = pipeline.store_of(settings).chain()
+    if chain is None or chain.finished or chain.slot != settings.slot:
+        return None
+    if chain.state == RECOVERING:
+        return f"a recovery of slot {settings.slot} (started {chain.started_at}) did not finish"
+    if not chain.complete:
+        return None
+    return slot_lost(settings)
 
 
 def recover(
