@@ -1255,20 +1255,25 @@ def test_a_snapshot_killed_mid_copy_under_writes_resumes_keeping_the_tables_it_c
 ):
     """SIGKILL of the snapshot's process group once its first copy task committed (the small
     tables' bundle), while the 1M-row table copies and a writer commits. The next plain
-    ``pgcdc snapshot`` keeps the tables copied whole (the same target tables: not dropped,
-    not copied again), copies only the rest as of a new point, and the catch-up converges:
-    the insert-only table without a key has exactly the source's rows."""
+    ``pgcdc snapshot`` resumes it, keeping the tables copied whole (the same target tables: not
+    dropped, not copied again), and is killed too, while it copies the rest again; the one after
+    copies only that rest, as of a new point, and the catch-up converges: the insert-only table
+    without a key has exactly the source's rows."""
     fresh = make_site(clusters, tmp_path, bulk=True)
+    kill_after_a_copy = "snapshot.range_copied=kill-group@1"
     with fresh.writer(seed=71) as writer:
-        killed = fresh.pgcdc("snapshot", failpoint="snapshot.range_copied=kill-group@1")
+        killed = fresh.pgcdc("snapshot", failpoint=kill_after_a_copy)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
         before = _table_oids(fresh.settings.target_dsn)
-        resumed = fresh.pgcdc("snapshot")
-        assert resumed.returncode == 0, resumed.stderr
+        resumed = fresh.pgcdc("snapshot", failpoint=kill_after_a_copy)
+        assert resumed.returncode == -signal.SIGKILL, resumed.stderr
+        finished = fresh.pgcdc("snapshot")
+        assert finished.returncode == 0, finished.stderr
     assert writer.committed > 0
     line = next(ln for ln in resumed.stderr.splitlines() if "did not finish" in ln)
     again = line.partition("copying again:")[2].split()
     assert "resuming it" in line and "public.bulk" in again, line
+    assert "were being copied again when that stopped" in finished.stderr, finished.stderr
     after = _table_oids(fresh.settings.target_dsn)
     kept = [t for t in ("accounts", "docs", "history") if f"public.{t}" not in again]
     assert kept, line

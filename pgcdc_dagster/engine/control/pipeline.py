@@ -119,6 +119,10 @@ def take_snapshot(
 
     store = store_of(settings)
     with range_lock(settings, lock_holder):
+        chain = store.chain()
+        if _copying_again(chain, settings.slot) and not resnapshot:
+            assert chain is not None
+            return _finish_copying_again(settings, chain, spark, lock_holder, notify)
         with tables_lock(settings.target_dsn, settings.slot, lock_holder or command_holder()):
             resume, line = (None, None) if resnapshot else snapshot_resume(settings)
             if line and notify is not None:
@@ -168,6 +172,60 @@ def take_snapshot(
                 post_data=_merged(result.post_data, again.post_data),
             )
     return result
+
+
+def _copying_again(chain: Chain | None, slot: str) -> bool:
+    """Whether ``chain`` is ``slot``'s complete snapshot with tables still being copied again."""
+    return (
+        chain is not None
+        and chain.complete
+        and chain.slot == slot
+        and chain.finished is None
+        and bool(chain.resyncing)
+    )
+
+
+def _copying_again_line(settings: ReplicationSettings, chain: Chain) -> str:
+    names = " ".join(str(t) for t in chain.resyncing)
+    return (
+        f"the base snapshot of slot {settings.slot} is taken but {names} were being copied "
+        "again when that stopped: copying them now"
+    )
+
+
+def _finish_copying_again(
+    settings: ReplicationSettings,
+    chain: Chain,
+    spark: SparkSession | Callable[[], SparkSession],
+    lock_holder: str | None,
+    notify: Callable[[str], None] | None,
+) -> BaseSnapshotResult:
+    """``pgcdc snapshot`` on a complete chain with tables still being copied again (a resumed
+    snapshot, or a resync, stopped during its copy): the snapshot is taken but for them, so it
+    copies them (a resync, under the range the caller holds) and reports that."""
+    from ..snapshot.common import BaseSnapshotResult
+
+    assert chain.consistent_point is not None  # a complete chain has one
+    if notify is not None:
+        notify(_copying_again_line(settings, chain))
+    started = time.monotonic()
+    again = resync_tables(
+        settings, chain.resyncing, spark, holding_range=True, lock_holder=lock_holder
+    )
+    return BaseSnapshotResult(
+        slot_name=settings.slot,
+        snapshot_name=chain.snapshot or "",
+        consistent_point=chain.consistent_point,
+        origin_name=settings.origin,
+        publication=settings.publication,
+        tables=again.tables,
+        pre_data=again.pre_data,
+        post_data=again.post_data,
+        sequences={},
+        seconds=time.monotonic() - started,
+        copy_seconds=again.seconds,
+        shapes=again.shapes,
+    )
 
 
 def _merged(first: SchemaRestoreResult, then: SchemaRestoreResult) -> SchemaRestoreResult:
@@ -409,6 +467,10 @@ def snapshot_resume(settings: ReplicationSettings) -> tuple[Resumable | None, st
 def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
     """When an earlier base snapshot of this slot was killed or failed, what the next one
     will do about it (one line, :func:`snapshot_resume`); ``None`` otherwise."""
+    chain = store_of(settings).chain()
+    if _copying_again(chain, settings.slot):
+        assert chain is not None
+        return _copying_again_line(settings, chain)
     return snapshot_resume(settings)[1]
 
 
