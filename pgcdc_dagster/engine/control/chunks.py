@@ -140,9 +140,8 @@ def plan_chunks(
         fractions = [i / pieces for i in range(1, pieces)]
         row = conn.execute(
             sql.SQL(
-                "SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {})::text[] "
-                "FROM ONLY {}{}"
-            ).format(ordered, table.sql, where),
+                "SELECT percentile_disc(%s::float8[]) WITHIN GROUP (ORDER BY {})::text[] FROM {}{}"
+            ).format(ordered, rows_of(conn, table), where),
             (fractions,),
         ).fetchone()
         values = [v for v in (row[0] if row and row[0] else []) if v is not None]
@@ -161,6 +160,18 @@ def plan_chunks(
     )
 
 
+def rows_of(conn: psycopg.Connection[Any], table: TableName) -> sql.Composable:
+    """``table``'s rows as its side holds them, for a ``FROM``: ``ONLY`` the table, since an
+    inheritance child is a replicated table of its own; but a partitioned table holds no rows
+    of its own (``ONLY`` would read none, and find every partitioned table equal), so it is
+    read with its partitions. Asked of each side: the target may partition a table the source
+    does not, or the other way."""
+    row = conn.execute(
+        "SELECT relkind FROM pg_class WHERE oid = %s::regclass", (table.sql.as_string(conn),)
+    ).fetchone()
+    return table.sql if row is not None and row[0] == "p" else sql.SQL("ONLY {}").format(table.sql)
+
+
 def _ordered(column: sql.Composable, collatable: bool) -> sql.Composable:
     return sql.SQL('{} COLLATE "C"').format(column) if collatable else column
 
@@ -174,6 +185,7 @@ def _where(row_filter: str | None, within: sql.Composable | None = None) -> sql.
 
 def _hashed(
     plan: ChunkPlan,
+    relation: sql.Composable,
     *,
     source: bool,
     with_key: bool = False,
@@ -205,11 +217,11 @@ def _hashed(
     # again for each use (the two sums, a keyless chunk), the md5 being most of the cost.
     hashed = (
         "SELECT hashtextextended(t, 0) AS a, hashtextextended(t, 1) AS b{key_out}{chunk_out} "
-        "FROM (SELECT {row}::text AS t{key}{chunk} FROM ONLY {table}{where} OFFSET 0) texts "
+        "FROM (SELECT {row}::text AS t{key}{chunk} FROM {table}{where} OFFSET 0) texts "
         "OFFSET 0"
         if plan.text_hash and plan.column is not None
         else "SELECT md5(convert_to({row}::text, 'UTF8')) AS h{key}{chunk} "
-        "FROM ONLY {table}{where} OFFSET 0"
+        "FROM {table}{where} OFFSET 0"
     )
     rows = sql.SQL(hashed).format(
         row=row,
@@ -217,7 +229,7 @@ def _hashed(
         chunk=chunk,
         key_out=sql.SQL(", k" if with_key else ""),
         chunk_out=sql.SQL(", chunk"),
-        table=plan.table.sql,
+        table=relation,
         where=_where(plan.row_filter if source else None, within),
     )
     if plan.column is not None:
@@ -266,7 +278,7 @@ def chunk_sums(conn: psycopg.Connection[Any], plan: ChunkPlan, *, source: bool) 
         "coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)"
     )
     query = sql.SQL("SELECT chunk, count(*), {} FROM ({}) rows GROUP BY chunk").format(
-        sql.SQL(sums), _hashed(plan, source=source)
+        sql.SQL(sums), _hashed(plan, rows_of(conn, plan.table), source=source)
     )
     return {chunk: (int(n), int(a), int(b)) for chunk, n, a, b in conn.execute(query).fetchall()}
 
@@ -298,7 +310,13 @@ def _chunk_rows(
     row_hash = "a::text || ' ' || b::text" if plan.text_hash and plan.column is not None else "h"
     query = sql.SQL("SELECT k, {} FROM ({}) rows").format(
         sql.SQL(row_hash),
-        _hashed(plan, source=source, with_key=True, within=chunk_filter(plan, chunk)),
+        _hashed(
+            plan,
+            rows_of(conn, plan.table),
+            source=source,
+            with_key=True,
+            within=chunk_filter(plan, chunk),
+        ),
     )
     return {str(k): str(h) for k, h in conn.execute(query).fetchall()}
 

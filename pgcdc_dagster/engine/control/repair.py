@@ -48,7 +48,7 @@ from ..published_columns import row_filter_sql
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
 from ..snapshot.copy import BINARY_MISMATCH, stream_copy_out
-from .chunks import ChunkPlan, chunk_filter
+from .chunks import ChunkPlan, chunk_filter, rows_of
 from .consistent_pair import consistent_pair
 from .verify import COMPARABLE_SESSION, ChunkDifference, TableComparison
 
@@ -162,7 +162,7 @@ def _replace_once(
         tgt.execute("SET LOCAL session_replication_role = replica")
         columns = sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns if c not in generated)
         deleted = tgt.execute(
-            sql.SQL("DELETE FROM ONLY {} WHERE {}").format(plan.table.sql, where)
+            sql.SQL("DELETE FROM {} WHERE {}").format(rows_of(tgt, plan.table), where)
         ).rowcount
         source_where = (
             where
@@ -170,8 +170,8 @@ def _replace_once(
             else sql.SQL("{} AND {}").format(where, row_filter_sql(plan.row_filter))
         )
         options = sql.SQL(" (FORMAT {})").format(sql.SQL(copy_format))
-        select = sql.SQL("COPY (SELECT {} FROM ONLY {} WHERE {}) TO STDOUT{}").format(
-            columns, plan.table.sql, source_where, options
+        select = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT{}").format(
+            columns, rows_of(src, plan.table), source_where, options
         )
         with (
             snapshot_transaction(src, source_snapshot),

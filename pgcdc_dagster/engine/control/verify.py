@@ -43,6 +43,7 @@ from .chunks import (
     differing_keys,
     digest,
     plan_chunks,
+    rows_of,
     same_text_hash,
 )
 from .consistent_pair import ConsistentPair, consistent_pair
@@ -287,7 +288,7 @@ def _in_snapshot(
 
 
 def _count(conn: psycopg.Connection[Any], table: TableName) -> int:
-    row = conn.execute(sql.SQL("SELECT count(*) FROM ONLY {}").format(table.sql)).fetchone()
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(rows_of(conn, table))).fetchone()
     return int(row[0]) if row else 0
 
 
