@@ -245,6 +245,7 @@ def build_consistency_check(tables: Sequence[TableName]) -> Any:
             caught_up=lambda n: context.log.info(
                 f"the target caught up to the verify's consistent point ({n} range(s))"
             ),
+            progressed=lambda progress: context.log.info(progress.line()),
         )
         where = "as the sides stand" if compared.point is None else f"at {compared.point}"
         way = f"; {compared.made_way_by} made way" if compared.made_way_by else ""

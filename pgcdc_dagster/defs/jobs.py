@@ -312,7 +312,13 @@ def build_repair_job() -> JobDefinition:
         options: dict[str, Any] = {"wait_s": config.wait_s, "spark": settings.spark_session}
         try:
             tables = pipeline.replicated_tables(settings)
-            found = verify.compare_online(settings, tables, holder, **options)
+            found = verify.compare_online(
+                settings,
+                tables,
+                holder,
+                progressed=lambda progress: context.log.info(progress.line()),
+                **options,
+            )
             # Chunks only where an online compare cut the table (a table missing on the
             # target has none: pgcdc add-table copies it).
             repairable = [c for c in found.tables if not c.equal and c.plan is not None]

@@ -269,8 +269,83 @@ def chunk_filter(plan: ChunkPlan, chunk: Any) -> sql.Composable:
     )
 
 
-def chunk_sums(conn: psycopg.Connection[Any], plan: ChunkPlan, *, source: bool) -> Sums:
-    """Per chunk of ``plan``: rows and the two sums, read in ``conn``'s snapshot (one scan)."""
+@dataclass(frozen=True)
+class ScanPart:
+    """A block range of one side's table, ``[start, end)`` (``None``: unbounded), read by one
+    query of the compare; ``bytes`` is its size, for progress."""
+
+    start: int | None
+    end: int | None
+    bytes: int
+
+    def within(self) -> sql.Composable | None:
+        """The condition that keeps a row of this part (a TID range scan reads only it)."""
+        limits = []
+        if self.start is not None:
+            limits.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({self.start},0)")))
+        if self.end is not None:
+            limits.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({self.end},0)")))
+        return sql.SQL(" AND ").join(limits) if limits else None
+
+
+PART_BLOCKS = 16384
+"""A side's table is read in parts of this many blocks (128 MiB of 8 KiB pages), one query each:
+the compare can say how far it is, in bytes and time left, and spread a big table over every
+worker. The sums of a chunk add up over the parts."""
+
+_SIZES = """
+SELECT c.relkind,
+       CASE WHEN c.relkind = 'p'
+            THEN (SELECT coalesce(sum(pg_relation_size(t.relid)), 0)
+                  FROM pg_partition_tree(c.oid) t WHERE t.isleaf)
+            ELSE pg_relation_size(c.oid) END,
+       current_setting('block_size')::int
+FROM pg_class c WHERE c.oid = %s::regclass
+"""
+
+
+def scan_parts(
+    conn: psycopg.Connection[Any], table: TableName, blocks: int | None = None
+) -> list[ScanPart]:
+    """``table`` on ``conn``'s side cut into block ranges of ``blocks`` each (default
+    :data:`PART_BLOCKS`), the last one open-ended (blocks added since hold no row the snapshot
+    sees, but cost nothing to read). A partitioned table is one part: each partition has ctids
+    of its own."""
+    blocks = blocks or PART_BLOCKS
+    row = conn.execute(_SIZES, (table.sql.as_string(conn),)).fetchone()
+    if row is None:
+        return [ScanPart(None, None, 0)]
+    relkind, size, block = str(row[0]), int(row[1]), int(row[2])
+    pages = math.ceil(size / block)
+    if relkind != "r" or pages <= blocks:
+        return [ScanPart(None, None, size)]
+    return [
+        ScanPart(
+            start or None,
+            start + blocks if start + blocks < pages else None,
+            min(blocks, pages - start) * block,
+        )
+        for start in range(0, pages, blocks)
+    ]
+
+
+def add_sums(total: Sums, part: Sums) -> Sums:
+    """``total`` with a part's sums added, chunk by chunk."""
+    for chunk, (n, a, b) in part.items():
+        m, x, y = total.get(chunk, (0, 0, 0))
+        total[chunk] = (m + n, x + a, y + b)
+    return total
+
+
+def chunk_sums(
+    conn: psycopg.Connection[Any],
+    plan: ChunkPlan,
+    *,
+    source: bool,
+    part: ScanPart | None = None,
+) -> Sums:
+    """Per chunk of ``plan``: rows and the two sums, read in ``conn``'s snapshot (one scan of
+    the table, or of its ``part``)."""
     sums = (
         "coalesce(sum(a), 0), coalesce(sum(b), 0)"
         if plan.text_hash and plan.column is not None
@@ -278,7 +353,13 @@ def chunk_sums(conn: psycopg.Connection[Any], plan: ChunkPlan, *, source: bool) 
         "coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)"
     )
     query = sql.SQL("SELECT chunk, count(*), {} FROM ({}) rows GROUP BY chunk").format(
-        sql.SQL(sums), _hashed(plan, rows_of(conn, plan.table), source=source)
+        sql.SQL(sums),
+        _hashed(
+            plan,
+            rows_of(conn, plan.table),
+            source=source,
+            within=None if part is None else part.within(),
+        ),
     )
     return {chunk: (int(n), int(a), int(b)) for chunk, n, a, b in conn.execute(query).fetchall()}
 

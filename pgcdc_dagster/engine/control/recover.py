@@ -165,7 +165,14 @@ def recover(
                     point, source_snapshot, export_snapshot(tgt), applied_before, 0, None
                 )
                 compared_at = time.monotonic()
-                found = compare_pair(settings, pair, tables, chunk_rows=chunk_rows, workers=workers)
+                found = compare_pair(
+                    settings,
+                    pair,
+                    tables,
+                    chunk_rows=chunk_rows,
+                    workers=workers,
+                    progressed=lambda progress: tell(progress.line()),
+                )
                 compare_s = time.monotonic() - compared_at
             differing = [(c, d) for c in found for d in c.differing if c.plan is not None]
             tell(

@@ -20,7 +20,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,9 @@ from ..snapshot.common import snapshot_transaction
 from .chunks import (
     ChunkPlan,
     KeyDifference,
+    ScanPart,
     Sums,
+    add_sums,
     chunk_sums,
     differing_chunks,
     differing_keys,
@@ -45,6 +47,7 @@ from .chunks import (
     plan_chunks,
     rows_of,
     same_text_hash,
+    scan_parts,
 )
 from .consistent_pair import ConsistentPair, consistent_pair
 
@@ -177,6 +180,7 @@ def compare_online(
     workers: int | None = None,
     spark: Any = None,
     caught_up: Callable[[int], None] | None = None,
+    progressed: Callable[[CompareProgress], None] | None = None,
 ) -> OnlineComparison:
     """Compare ``tables`` while the replication goes on: both sides at one consistent point
     (:func:`~.consistent_pair.consistent_pair`: the range is held only while the point is
@@ -194,7 +198,9 @@ def compare_online(
                 None, compare_tables(settings, tables), time.monotonic() - started
             )
     with consistent_pair(settings, holder, wait_s=wait_s, spark=spark, caught_up=caught_up) as pair:
-        results = compare_pair(settings, pair, tables, chunk_rows=chunk_rows, workers=workers)
+        results = compare_pair(
+            settings, pair, tables, chunk_rows=chunk_rows, workers=workers, progressed=progressed
+        )
     return OnlineComparison(pair, results, time.monotonic() - started)
 
 
@@ -205,11 +211,14 @@ def compare_pair(
     *,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     workers: int | None = None,
+    progressed: Callable[[CompareProgress], None] | None = None,
 ) -> list[TableComparison]:
     """Compare ``tables`` between the pair's two snapshots, chunk by chunk (:mod:`.chunks`) on
     ``workers`` threads (default: the CPU count), each in sessions of its own that import the
-    snapshots. The pair is held by the caller: :func:`compare_online`, or a recovery
-    (:mod:`.recover`), whose target stands still."""
+    snapshots, each side's table read in parts (:func:`~.chunks.scan_parts`) whose sums add
+    up. The pair is held by the caller: :func:`compare_online`, or a recovery
+    (:mod:`.recover`), whose target stands still. ``progressed`` is told how far the reading
+    is, at most every :data:`PROGRESS_EVERY_S` seconds and once at its end."""
     workers = max(1, workers or os.cpu_count() or 1)
 
     def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
@@ -239,17 +248,41 @@ def compare_pair(
             ),
         )
 
-    def side_sums(table: TableName, side: str, chunks: ChunkPlan) -> Sums:
-        return on(side, lambda conn: chunk_sums(conn, chunks, source=side == "source"))
+    sides = ("source", "target")
 
+    def parts_of(table: TableName, side: str) -> list[ScanPart]:
+        return on(side, lambda conn: scan_parts(conn, table))
+
+    def part_sums(table: TableName, side: str, part: ScanPart) -> tuple[int, Sums]:
+        found = on(
+            side, lambda conn: chunk_sums(conn, plans[table], source=side == "source", part=part)
+        )
+        return part.bytes, found
+
+    started = time.monotonic()
     with ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-verify") as pool:
         plans = dict(zip(present, pool.map(plan, present), strict=True))
+        cuts = [(t, side) for t in present for side in sides]
+        parts = dict(zip(cuts, pool.map(lambda cut: parts_of(*cut), cuts), strict=True))
+        sums: dict[tuple[TableName, str], Sums] = {cut: {} for cut in cuts}
         futures = {
-            (table, side): pool.submit(side_sums, table, side, plans[table])
-            for table in present
-            for side in ("source", "target")
+            pool.submit(part_sums, table, side, part): (table, side)
+            for (table, side), cut_parts in parts.items()
+            for part in cut_parts
         }
-        sums = {key: future.result() for key, future in futures.items()}
+        progress = CompareProgress(0, sum(p.bytes for ps in parts.values() for p in ps), 0.0)
+        reported = started
+        for future in as_completed(futures):
+            done, found = future.result()
+            add_sums(sums[futures[future]], found)
+            progress = CompareProgress(
+                progress.done_bytes + done, progress.total_bytes, time.monotonic() - started
+            )
+            if progressed is not None and time.monotonic() - reported >= PROGRESS_EVERY_S:
+                reported = time.monotonic()
+                progressed(progress)
+        if progressed is not None:
+            progressed(progress)
     results = []
     for table in tables:
         if table not in present:
@@ -271,6 +304,30 @@ def compare_pair(
             )
         )
     return results
+
+
+PROGRESS_EVERY_S = 2.0
+"""How often a compare says how far it is, at most."""
+
+
+@dataclass(frozen=True)
+class CompareProgress:
+    """How far a compare's reading is: bytes of both sides' tables read, of all."""
+
+    done_bytes: int
+    total_bytes: int
+    seconds: float
+
+    def line(self) -> str:
+        """``compared 42% (1,130/2,686 MB, 180 MB/s, ETA 9 s)``."""
+        share = self.done_bytes / self.total_bytes if self.total_bytes else 1.0
+        rate = self.done_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+        left = (self.total_bytes - self.done_bytes) / 1e6 / rate if rate > 0 else 0.0
+        eta = f", ETA {left:,.0f} s" if self.done_bytes < self.total_bytes else ""
+        return (
+            f"compared {share:.0%} ({self.done_bytes / 1e6:,.0f}/{self.total_bytes / 1e6:,.0f} "
+            f"MB, {rate:,.0f} MB/s{eta})"
+        )
 
 
 @contextlib.contextmanager
