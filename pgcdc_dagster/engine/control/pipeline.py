@@ -204,8 +204,10 @@ def _finish_copying_again(
     snapshot, or a resync, stopped during its copy): the snapshot is taken but for them, so it
     copies them (a resync, under the range the caller holds) and reports that."""
     from ..snapshot.common import BaseSnapshotResult
+    from ..snapshot.copied_ranges import forget_all
 
     assert chain.consistent_point is not None  # a complete chain has one
+    forget_all(settings.target_dsn, settings.slot)  # a resumed snapshot killed before it did
     if notify is not None:
         notify(_copying_again_line(settings, chain))
     started = time.monotonic()
