@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 from dagster import (
     AssetSelection,
+    BetaWarning,
     Definitions,
     PreviewWarning,
     define_asset_job,
@@ -110,6 +111,17 @@ def range_run_max_runtime_s(range_max_bytes: int) -> int:
     longer. Ten minutes of fixed allowance, plus the range cap at a pessimistic 256 KiB/s (a
     256 MiB range: 1,624 s), far below what the benchmarks measure (``benchmarks/HISTORY.md``)."""
     return 600 + range_max_bytes // (256 * 1024)
+
+
+# Dagster re-creates a sensor that targets several jobs when it attaches the resources to them
+# (``SensorDefinition.with_updated_jobs``), passing ``owners`` along, which warns that the
+# parameter is in beta though this project never sets it: the slot sensor targets its main job
+# and ``recover``, so every load of the code location, and every command, would print it.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Parameter `owners` of initializer `SensorDefinition.__init__` is currently in beta",
+    category=BetaWarning,
+)
 
 
 def build_definitions(
