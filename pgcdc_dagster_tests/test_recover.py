@@ -67,6 +67,24 @@ def _lose_the_slot(source_dsn: str, slot: str) -> None:
             conn.execute("SELECT pg_reload_conf()")
 
 
+def _replicated_then_lost(env: dict[str, str], capsys) -> tuple[str, str]:
+    """A small replication (a keyed table and a keyless one) snapshotted, then a change that
+    nothing reads before its slot is lost: the source's and the target's DSNs."""
+    source_dsn, target_dsn = env["PGCDC_SOURCE_DSN"], env["PGCDC_TARGET_DSN"]
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
+        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
+        conn.execute("CREATE TABLE lines (line text)")
+        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
+        conn.execute("INSERT INTO lines VALUES ('one')")
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
+    _lose_the_slot(source_dsn, env["PGCDC_SLOT"])
+    return source_dsn, target_dsn
+
+
 def _content(dsn: str) -> tuple:
     with psycopg.connect(dsn) as conn:
         return conn.execute(
@@ -159,18 +177,7 @@ def test_a_recovery_killed_before_or_after_its_origin_is_redone_by_the_next(
     """Killed once the chain says recovering (the lost slot not yet dropped), or once the
     origin is at the new point (the chain not yet complete): the catch-up refuses, naming
     ``pgcdc recover``, and the next recovery ends equal and the replication goes on."""
-    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
-        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
-        conn.execute("CREATE TABLE lines (line text)")
-        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
-        conn.execute("INSERT INTO lines VALUES ('one')")
-    code, _, err = run_cli(capsys, "snapshot")
-    assert code == 0, err
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
-    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+    source_dsn, target_dsn = _replicated_then_lost(lost_env, capsys)
     killed = subprocess.run(
         [PGCDC, "recover", "--chunk-rows", "1000"],
         env={**os.environ, "PGCDC_FAILPOINT": f"{point}=kill"},
@@ -200,18 +207,7 @@ def test_the_sensor_recovers_a_lost_slot_with_no_hands_where_the_setting_allows_
 
     from pgcdc_dagster.definitions import defs
 
-    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
-        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
-        conn.execute("CREATE TABLE lines (line text)")
-        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
-        conn.execute("INSERT INTO lines VALUES ('one')")
-    code, _, err = run_cli(capsys, "snapshot")
-    assert code == 0, err
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
-    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+    source_dsn, target_dsn = _replicated_then_lost(lost_env, capsys)
 
     def tick():
         loaded = defs()

@@ -61,6 +61,12 @@ class ChunkPlan:
     hashing alike: see the module docstring)."""
 
     @property
+    def hashes_text(self) -> bool:
+        """Whether rows are hashed with ``hashtextextended`` (a keyed table, :attr:`text_hash`);
+        otherwise with md5."""
+        return self.text_hash and self.column is not None
+
+    @property
     def chunks(self) -> int:
         return len(self.bounds) + 1 if self.column is not None else 16**self.hex_digits
 
@@ -219,7 +225,7 @@ def _hashed(
         "SELECT hashtextextended(t, 0) AS a, hashtextextended(t, 1) AS b{key_out}{chunk_out} "
         "FROM (SELECT {row}::text AS t{key}{chunk} FROM {table}{where} OFFSET 0) texts "
         "OFFSET 0"
-        if plan.text_hash and plan.column is not None
+        if plan.hashes_text
         else "SELECT md5(convert_to({row}::text, 'UTF8')) AS h{key}{chunk} "
         "FROM {table}{where} OFFSET 0"
     )
@@ -348,7 +354,7 @@ def chunk_sums(
     the table, or of its ``part``)."""
     sums = (
         "coalesce(sum(a), 0), coalesce(sum(b), 0)"
-        if plan.text_hash and plan.column is not None
+        if plan.hashes_text
         else "coalesce(sum(('x' || substr(h, 1, 15))::bit(60)::bigint), 0), "
         "coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)"
     )
@@ -388,7 +394,7 @@ class KeyDifference:
 def _chunk_rows(
     conn: psycopg.Connection[Any], plan: ChunkPlan, chunk: Any, *, source: bool
 ) -> dict[str, str]:
-    row_hash = "a::text || ' ' || b::text" if plan.text_hash and plan.column is not None else "h"
+    row_hash = "a::text || ' ' || b::text" if plan.hashes_text else "h"
     query = sql.SQL("SELECT k, {} FROM ({}) rows").format(
         sql.SQL(row_hash),
         _hashed(
