@@ -352,11 +352,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = None
     if published and args.repair:
         config = {"ops": {"repair_chunks": {"config": {"wait_s": args.wait}}}}
-        result = run_job(REPAIR_JOB, run_config=config, allow_failure=True)
+        with shown():
+            result = run_job(REPAIR_JOB, run_config=config, allow_failure=True)
         for line in _repaired_lines(result):
             print(line)
     elif published:
-        result = run_job("verify", allow_failure=True)
+        with shown():
+            result = run_job("verify", allow_failure=True)
     tables = []
     compared_at = None
     for evaluation in result.get_asset_check_evaluations() if result else []:
@@ -421,7 +423,8 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if args.chunk_rows is not None:
         options["chunk_rows"] = args.chunk_rows
     config = {"ops": {"recover_slot": {"config": options}}}
-    result = run_job(RECOVER_JOB, run_config=config, allow_failure=True)
+    with shown():
+        result = run_job(RECOVER_JOB, run_config=config, allow_failure=True)
     if not result.success:
         raise CliError(f"recover run {result.run_id} failed: {failure_text(result)}")
     summary: dict[str, Any] = {}

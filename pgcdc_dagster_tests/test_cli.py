@@ -48,10 +48,11 @@ def test_snapshot_catchup_status_verify_from_the_command_line(cli_env, capsys):
     assert code == 0 and status["ranges_stored"] == 1
     assert status["replay_lsn"] == last["transform_lsn"]
 
-    code, out, _ = run_cli(capsys, "verify", "--json")
+    code, out, err = run_cli(capsys, "verify", "--json")
     verified = json.loads(out)
     assert code == 0 and verified["equal"] is True
     assert Lsn(verified["compared_at"]) >= Lsn(last["transform_lsn"])
+    assert "pgcdc: verify compare: compared 100%" in err, err  # the compare's progress
 
     with psycopg.connect(cli_env["PGCDC_TARGET_DSN"], autocommit=True) as conn:
         conn.execute("DELETE FROM items WHERE id = 7")

@@ -143,6 +143,7 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
 
     code, out, err = run_cli(capsys, "recover", "--chunk-rows", CHUNK_ROWS, "--json")
     assert code == 0, err
+    assert "pgcdc: recover compare: compared 100%" in err, err
     recovered = json.loads(out)
     assert recovered["chunks_compared"] >= 20, recovered
     # The changed key ranges (each within a chunk or across two) and the keyless table's one

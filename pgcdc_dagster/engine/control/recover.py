@@ -172,6 +172,7 @@ def recover(
                     chunk_rows=chunk_rows,
                     workers=workers,
                     progressed=lambda progress: tell(progress.line()),
+                    work="recover",
                 )
                 compare_s = time.monotonic() - compared_at
             differing = [(c, d) for c in found for d in c.differing if c.plan is not None]

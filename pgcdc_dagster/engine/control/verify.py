@@ -31,6 +31,7 @@ from ..catalog import table_columns
 from ..connect import connect
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..progress import SnapshotProgress, TableProgress, active, publish
 from ..published_columns import published_shapes, row_filter_sql
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
@@ -212,13 +213,15 @@ def compare_pair(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     workers: int | None = None,
     progressed: Callable[[CompareProgress], None] | None = None,
+    work: str = "verify",
 ) -> list[TableComparison]:
     """Compare ``tables`` between the pair's two snapshots, chunk by chunk (:mod:`.chunks`) on
     ``workers`` threads (default: the CPU count), each in sessions of its own that import the
     snapshots, each side's table read in parts (:func:`~.chunks.scan_parts`) whose sums add
     up. The pair is held by the caller: :func:`compare_online`, or a recovery
     (:mod:`.recover`), whose target stands still. ``progressed`` is told how far the reading
-    is, at most every :data:`PROGRESS_EVERY_S` seconds and once at its end."""
+    is, at most every :data:`PROGRESS_EVERY_S` seconds and once at its end, and so is a command's
+    display (:mod:`..progress`, as ``work``'s ``compare`` phase)."""
     workers = max(1, workers or os.cpu_count() or 1)
 
     def on(side: str, work: Callable[[psycopg.Connection[Any]], Any]) -> Any:
@@ -278,11 +281,10 @@ def compare_pair(
             progress = CompareProgress(
                 progress.done_bytes + done, progress.total_bytes, time.monotonic() - started
             )
-            if progressed is not None and time.monotonic() - reported >= PROGRESS_EVERY_S:
+            if time.monotonic() - reported >= PROGRESS_EVERY_S:
                 reported = time.monotonic()
-                progressed(progress)
-        if progressed is not None:
-            progressed(progress)
+                _report(progress, progressed, work)
+        _report(progress, progressed, work)
     results = []
     for table in tables:
         if table not in present:
@@ -328,6 +330,19 @@ class CompareProgress:
             f"compared {share:.0%} ({self.done_bytes / 1e6:,.0f}/{self.total_bytes / 1e6:,.0f} "
             f"MB, {rate:,.0f} MB/s{eta})"
         )
+
+
+def _report(
+    progress: CompareProgress, progressed: Callable[[CompareProgress], None] | None, work: str
+) -> None:
+    if progressed is not None:
+        progressed(progress)
+    if active():
+        both = TableProgress(
+            "both sides", bytes=progress.done_bytes, estimated_bytes=progress.total_bytes
+        )
+        rate = progress.done_bytes / progress.seconds / 1e6 if progress.seconds > 0 else 0.0
+        publish(SnapshotProgress("compare", progress.seconds, [both], rate, progress.line(), work))
 
 
 @contextlib.contextmanager
