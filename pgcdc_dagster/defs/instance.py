@@ -48,9 +48,39 @@ def dagster_instance() -> Any:
             logging.getLogger("dagster").removeFilter(quiet)
         quiet_storage_retries()
         _instance = DagsterInstance.from_ref(ref)
+        complete_storage_schema(_instance)
         keep_storage_connections(_instance)
         record_under_jobs(_instance)
     return _instance
+
+
+def complete_storage_schema(instance: Any) -> None:
+    """Create the tables of Dagster's SQL storage that a process killed while creating them left
+    out (what exists is kept).
+
+    Why: dagster-postgres creates a storage's tables only when its first table is missing, on an
+    autocommit connection, one statement after the other. A first ``pgcdc`` command killed in
+    between (its head start copies while it opens Dagster's storage) leaves some of them, and
+    every later process skips the creation and fails on a missing table (``relation "run_tags"
+    does not exist``): crash anywhere, re-run converges must hold for Dagster's records too.
+    Costs one catalog query a storage when nothing is missing."""
+    from dagster._core.storage.event_log.schema import SqlEventLogStorageMetadata
+    from dagster._core.storage.runs.schema import RunStorageSqlMetadata
+    from dagster._core.storage.schedules.schema import ScheduleStorageSqlMetadata
+    from sqlalchemy import inspect
+
+    storages = (
+        (instance.run_storage, RunStorageSqlMetadata),
+        (instance.event_log_storage, SqlEventLogStorageMetadata),
+        (instance.schedule_storage, ScheduleStorageSqlMetadata),
+    )
+    for storage, metadata in storages:
+        engine = getattr(storage, "_engine", None)
+        if engine is None or engine.dialect.name != "postgresql":
+            continue  # Dagster's local SQLite storage creates its files whole
+        with engine.connect() as conn:
+            if set(metadata.tables) - set(inspect(conn).get_table_names()):
+                metadata.create_all(conn, checkfirst=True)
 
 
 POOL_RECYCLE_S = 3600

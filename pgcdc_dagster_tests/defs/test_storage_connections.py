@@ -70,3 +70,35 @@ def _synchronous_commit(instance: DagsterInstance) -> str:
     storage: Any = instance.event_log_storage
     with storage.index_connection() as conn:
         return str(conn.exec_driver_sql("SHOW synchronous_commit").scalar())
+
+
+def test_a_storage_a_killed_command_left_half_created_is_completed(
+    target_cluster, target_dsn, tmp_path
+) -> None:
+    """dagster-postgres creates its tables one autocommit statement after the other, and only
+    when its first table is missing: tables dropped after a full creation stand for a first
+    command killed in the middle of it. The next instance creates them again, keeping the rest,
+    and its runs and events can be read and recorded."""
+    from dagster import RunsFilter
+
+    from pgcdc_dagster.defs.instance import complete_storage_schema
+
+    database = psycopg.conninfo.conninfo_to_dict(target_dsn)["dbname"]
+    url = f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{database}"
+    ref = InstanceRef.from_dir(
+        str(tmp_path), overrides={"storage": {"postgres": {"postgres_url": url}}}
+    )
+    with DagsterInstance.from_ref(ref) as instance:
+        instance.report_runless_asset_event(AssetMaterialization("before"))
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE run_tags")
+        conn.execute("DROP TABLE asset_keys")
+    with DagsterInstance.from_ref(ref) as instance:
+        complete_storage_schema(instance)
+        assert instance.get_runs(filters=RunsFilter(tags={"a": "b"})) == []
+        instance.report_runless_asset_event(AssetMaterialization("after"))
+        assert instance.get_latest_materialization_event(AssetKey("after")) is not None
+        complete_storage_schema(instance)  # nothing missing: nothing done
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        tables = {r for (r,) in conn.execute("SELECT tablename FROM pg_tables")}
+    assert {"run_tags", "asset_keys", "runs", "event_logs"} <= tables
