@@ -53,13 +53,14 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     settings = ReplicationSettings.from_env()
     resnapshot = bool(args.resnapshot)
 
-    notice = pipeline.unfinished_snapshot(settings)
-    if notice:
-        print(f"pgcdc: {notice}", file=sys.stderr)
+    def notify(line: str) -> None:  # what it does about an earlier, unfinished snapshot
+        print(f"pgcdc: {line}", file=sys.stderr, flush=True)
 
     def start() -> Background[Any]:
         work = Background(
-            lambda: pipeline.take_snapshot(settings, settings.spark_session, resnapshot=resnapshot),
+            lambda: pipeline.take_snapshot(
+                settings, settings.spark_session, resnapshot=resnapshot, notify=notify
+            ),
             name="pgcdc-snapshot",
         )
         offer("snapshot", settings.slot, work)

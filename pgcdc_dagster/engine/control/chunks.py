@@ -57,14 +57,8 @@ class ChunkPlan:
     row_filter: str | None = None
     """The publication's filter: the source side reads only the rows it passes."""
     text_hash: bool = False
-    """Rows hashed with ``hashtextextended`` rather than md5 (a keyed table, both servers
-    hashing alike: see the module docstring)."""
-
-    @property
-    def hashes_text(self) -> bool:
-        """Whether rows are hashed with ``hashtextextended`` (a keyed table, :attr:`text_hash`);
-        otherwise with md5."""
-        return self.text_hash and self.column is not None
+    """Rows hashed with ``hashtextextended`` rather than md5: a keyed table only (a keyless
+    one is cut by its md5's digits), both servers hashing alike (see the module docstring)."""
 
     @property
     def chunks(self) -> int:
@@ -222,10 +216,10 @@ def _hashed(
     # OFFSET 0 keeps the subquery whole: pulled up into its reader, ``h`` would be computed
     # again for each use (the two sums, a keyless chunk), the md5 being most of the cost.
     hashed = (
-        "SELECT hashtextextended(t, 0) AS a, hashtextextended(t, 1) AS b{key_out}{chunk_out} "
+        "SELECT hashtextextended(t, 0) AS a, hashtextextended(t, 1) AS b{key_out}, chunk "
         "FROM (SELECT {row}::text AS t{key}{chunk} FROM {table}{where} OFFSET 0) texts "
         "OFFSET 0"
-        if plan.hashes_text
+        if plan.text_hash
         else "SELECT md5(convert_to({row}::text, 'UTF8')) AS h{key}{chunk} "
         "FROM {table}{where} OFFSET 0"
     )
@@ -234,7 +228,6 @@ def _hashed(
         key=key,
         chunk=chunk,
         key_out=sql.SQL(", k" if with_key else ""),
-        chunk_out=sql.SQL(", chunk"),
         table=relation,
         where=_where(plan.row_filter if source else None, within),
     )
@@ -354,7 +347,7 @@ def chunk_sums(
     the table, or of its ``part``)."""
     sums = (
         "coalesce(sum(a), 0), coalesce(sum(b), 0)"
-        if plan.hashes_text
+        if plan.text_hash
         else "coalesce(sum(('x' || substr(h, 1, 15))::bit(60)::bigint), 0), "
         "coalesce(sum(('x' || substr(h, 16, 15))::bit(60)::bigint), 0)"
     )
@@ -394,7 +387,7 @@ class KeyDifference:
 def _chunk_rows(
     conn: psycopg.Connection[Any], plan: ChunkPlan, chunk: Any, *, source: bool
 ) -> dict[str, str]:
-    row_hash = "a::text || ' ' || b::text" if plan.hashes_text else "h"
+    row_hash = "a::text || ' ' || b::text" if plan.text_hash else "h"
     query = sql.SQL("SELECT k, {} FROM ({}) rows").format(
         sql.SQL(row_hash),
         _hashed(

@@ -185,14 +185,6 @@ def _copying_again(chain: Chain | None, slot: str) -> bool:
     )
 
 
-def _copying_again_line(settings: ReplicationSettings, chain: Chain) -> str:
-    names = " ".join(str(t) for t in chain.resyncing)
-    return (
-        f"the base snapshot of slot {settings.slot} is taken but {names} were being copied "
-        "again when that stopped: copying them now"
-    )
-
-
 def _finish_copying_again(
     settings: ReplicationSettings,
     chain: Chain,
@@ -209,7 +201,11 @@ def _finish_copying_again(
     assert chain.consistent_point is not None  # a complete chain has one
     forget_all(settings.target_dsn, settings.slot)  # a resumed snapshot killed before it did
     if notify is not None:
-        notify(_copying_again_line(settings, chain))
+        names = " ".join(str(t) for t in chain.resyncing)
+        notify(
+            f"the base snapshot of slot {settings.slot} is taken but {names} were being copied "
+            "again when that stopped: copying them now"
+        )
     started = time.monotonic()
     again = resync_tables(
         settings, chain.resyncing, spark, holding_range=True, lock_holder=lock_holder
@@ -464,16 +460,6 @@ def snapshot_resume(settings: ReplicationSettings) -> tuple[Resumable | None, st
         f"an earlier base snapshot of slot {settings.slot} (started {chain.started_at}) did not "
         f"finish ({why}): dropping its slot and partial copy and taking it again"
     )
-
-
-def unfinished_snapshot(settings: ReplicationSettings) -> str | None:
-    """When an earlier base snapshot of this slot was killed or failed, what the next one
-    will do about it (one line, :func:`snapshot_resume`); ``None`` otherwise."""
-    chain = store_of(settings).chain()
-    if _copying_again(chain, settings.slot):
-        assert chain is not None
-        return _copying_again_line(settings, chain)
-    return snapshot_resume(settings)[1]
 
 
 # -- positions and planning -------------------------------------------------------------------

@@ -41,7 +41,7 @@ def ensure_table(conn: psycopg.Connection[Any]) -> None:
             "CREATE TABLE IF NOT EXISTS {} (slot text NOT NULL, consistent_point pg_lsn NOT NULL, "
             "schema_name text NOT NULL, table_name text NOT NULL, "
             "source_schema text NOT NULL, source_name text NOT NULL, "
-            "start_block bigint NOT NULL, end_block bigint, "
+            "start_block bigint NOT NULL, end_block bigint, rows bigint, "
             "PRIMARY KEY (slot, consistent_point, schema_name, table_name, source_schema, "
             "source_name, start_block))"
         ).format(TABLE)
@@ -53,9 +53,26 @@ def _exists(conn: psycopg.Connection[Any]) -> bool:
     return bool(row and row[0])
 
 
-def record_statement(record: CopyRecord, rng: TableRange) -> sql.Composed:
-    """The insert that records ``rng`` as copied, for the copy's own target transaction."""
-    return sql.SQL("INSERT INTO {} VALUES ({}, {}::pg_lsn, {}, {}, {}, {}, {}, {})").format(
+_ROWS_INSERTED = """
+CASE WHEN current_setting('track_counts')::bool THEN
+  (SELECT sum(pg_stat_get_xact_tuples_inserted(t.relid))::bigint
+   FROM pg_partition_tree({}::regclass) t WHERE t.isleaf)
+END"""
+"""The rows this transaction inserted into a table (into its leaves, when the target partitions
+it), from the statistics' counters of the transaction itself: a range's rows, known to the
+server and to no ``psql`` pair. ``NULL`` where the counters are off (``track_counts``)."""
+
+
+def record_statement(record: CopyRecord, rng: TableRange, *, counted: bool = True) -> sql.Composed:
+    """The insert that records ``rng`` as copied, for the copy's own target transaction, with
+    its rows where ``counted``: not where the transaction writes the same table for another
+    range too (a bundle of a partitioned table's leaves), whose counters add both up."""
+    rows = (
+        sql.SQL(_ROWS_INSERTED).format(sql.Literal(rng.table.sql.as_string(None)))
+        if counted
+        else sql.SQL("NULL")
+    )
+    return sql.SQL("INSERT INTO {} VALUES ({}, {}::pg_lsn, {}, {}, {}, {}, {}, {}, {})").format(
         TABLE,
         sql.Literal(record.slot),
         sql.Literal(record.consistent_point),
@@ -65,6 +82,7 @@ def record_statement(record: CopyRecord, rng: TableRange) -> sql.Composed:
         sql.Literal(rng.source.name),
         sql.Literal(rng.start_block or 0),
         sql.Literal(rng.end_block),
+        rows,
     )
 
 
@@ -84,27 +102,30 @@ def complete_tables(
     slot: str,
     consistent_point: Lsn,
     relations: Mapping[TableName, Sequence[TableName]],
-) -> list[TableName]:
+) -> dict[TableName, int | None]:
     """Of ``relations`` (each target table with the source relations copied into it: itself,
     or each leaf of a partitioned table), those copied whole at ``consistent_point`` by the
-    snapshot of ``slot``."""
+    snapshot of ``slot``, each with its rows (``None`` where a range's count is unknown)."""
     if not _exists(conn):
-        return []
-    rows = conn.execute(
+        return {}
+    records = conn.execute(
         sql.SQL(
-            "SELECT schema_name, table_name, source_schema, source_name, start_block, end_block "
-            "FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn"
+            "SELECT schema_name, table_name, source_schema, source_name, start_block, end_block, "
+            "rows FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn"
         ).format(TABLE),
         (slot, str(consistent_point)),
     ).fetchall()
     found: dict[tuple[TableName, TableName], list[tuple[int, int | None]]] = defaultdict(list)
-    for schema, name, source_schema, source_name, start, end in rows:
-        found[(TableName(schema, name), TableName(source_schema, source_name))].append((start, end))
-    return [
-        table
+    counted: dict[TableName, list[int | None]] = defaultdict(list)
+    for schema, name, source_schema, source_name, start, end, rows in records:
+        table = TableName(schema, name)
+        found[(table, TableName(source_schema, source_name))].append((start, end))
+        counted[table].append(rows)
+    return {
+        table: None if None in counted[table] else sum(int(n or 0) for n in counted[table])
         for table, sources in relations.items()
         if sources and all(_tiles(found.get((table, s), [])) for s in sources)
-    ]
+    }
 
 
 def recorded(conn: psycopg.Connection[Any], slot: str, consistent_point: Lsn) -> bool:

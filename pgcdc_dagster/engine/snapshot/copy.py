@@ -4,6 +4,7 @@ target, in one target transaction."""
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
@@ -193,10 +194,13 @@ def _target_preamble(task: CopyTask) -> list[sql.Composed]:
     return [sql.SQL("TRUNCATE ONLY {}").format(task.range.table.sql)]
 
 
-def _target_postamble(task: CopyTask) -> list[sql.Composed]:
+def _target_postamble(task: CopyTask, *, counted: bool = True) -> list[sql.Composed]:
     """What the target's transaction runs after its COPY, before the commit: a base snapshot's
-    record of the range (:mod:`.copied_ranges`), one fact with its rows."""
-    return [] if task.record is None else [record_statement(task.record, task.range)]
+    record of the range (:mod:`.copied_ranges`), one fact with its rows (counted: see
+    :func:`~.copied_ranges.record_statement`)."""
+    if task.record is None:
+        return []
+    return [record_statement(task.record, task.range, counted=counted)]
 
 
 COPY_BATCH_BYTES = 128 * 1024
@@ -482,12 +486,13 @@ def _copy_bundle_piped(tasks: Sequence[CopyTask]) -> list[int] | None:
     when it could not be used or failed (nothing of it committed)."""
     source_steps: list[sql.Composable | str] = []
     target_steps: list[sql.Composable | str] = []
+    written = collections.Counter(task.range.table for task in tasks)
     for task in tasks:
         source_steps += [_select_statement(task, "text"), _END_OF_DATA]
         target_steps += [
             *_target_preamble(task),
             _insert_statement(task, "text"),
-            *_target_postamble(task),
+            *_target_postamble(task, counted=written[task.range.table] == 1),
         ]
     copied = _run_pair(source_steps, target_steps, tasks[0])
     if copied is None:

@@ -70,6 +70,8 @@ class Resumable:
     snapshot_name: str
     kept: tuple[TableName, ...]
     """Copied whole at :attr:`consistent_point`: kept as they are."""
+    kept_rows: dict[TableName, int | None]
+    """Each kept table's rows, as its ranges' records counted them (``None``: unknown)."""
     rest: tuple[TableName, ...]
     """Not copied, or in part: copied again, each as of a point of its own."""
 
@@ -118,19 +120,23 @@ def resumable(
         kept = copied_ranges.complete_tables(tgt, slot_name, copying_at, relations)
     if not kept:
         return "it copied no table whole"
-    rest = tuple(t for t in tables if t not in set(kept))
-    return Resumable(copying_at, snapshot_name, tuple(sorted(kept)), rest)
+    rest = tuple(t for t in tables if t not in kept)
+    return Resumable(copying_at, snapshot_name, tuple(sorted(kept)), kept, rest)
 
 
-def _row_counts(conn: psycopg.Connection[Any], tables: Sequence[TableName]) -> dict[TableName, int]:
-    """Each table's rows on the target (the killed attempt's counts died with it)."""
+def _row_counts(conn: psycopg.Connection[Any], resume: Resumable) -> dict[TableName, int]:
+    """Each kept table's rows: as recorded, else counted on the target (a table whose ranges
+    were copied with the statistics' counters off, :data:`~.copied_ranges._ROWS_INSERTED`)."""
+    known = {t: n for t, n in resume.kept_rows.items() if n is not None}
+    tables = [t for t in resume.kept if t not in known]
     if not tables:
-        return {}
+        return known
     query = sql.SQL(" UNION ALL ").join(
         sql.SQL("SELECT {}, count(*) FROM {}").format(sql.Literal(i), t.sql)
         for i, t in enumerate(tables)
     )
-    return {tables[int(i)]: int(n) for i, n in conn.execute(query).fetchall()}
+    counted = {tables[int(i)]: int(n) for i, n in conn.execute(query).fetchall()}
+    return {**known, **counted}
 
 
 def finish_resumed(
@@ -168,7 +174,7 @@ def finish_resumed(
     failpoint("snapshot.after_post_data")
     sequences = sync_sequences(source_dsn, target_dsn) if sync_sequence_values else {}
     with connect(target_dsn, role="target", autocommit=True) as tgt:
-        rows = _row_counts(tgt, resume.kept)
+        rows = _row_counts(tgt, resume)
         kept = [
             TableCopyResult(table=t, rows=rows[t], bytes=None, seconds=None, copied_by="kept")
             for t in resume.kept
