@@ -18,6 +18,12 @@ that same data, median of ``--repeat`` runs, each run into a fresh target databa
   section (no indexes), then the post-data section (primary keys) replayed with ``psql``: the
   ceiling of the copy phase, and of copy + keys.
 
+Before the timed runs, one untimed pipe run warms both clusters up (``--no-warm-up`` skips it).
+Why: a fresh cluster has no WAL segments to recycle, so its first few GB of WAL cost creating and
+zero-filling each 16 MB file; at scale 200 that made whichever method ran first pay 7-9 target
+CPU-s more than the next (``HISTORY.md``, 2026-11-29 afternoon). Every other repeat runs the
+methods in reverse order, so none always runs first.
+
 Besides wall time, every run records the CPU seconds spent by the source cluster, the target
 cluster and this process's tree (driver, Spark JVM, Spark's Python workers, psql/pg_dump), read
 from ``/proc``, and the WAL the target wrote: where the time goes, measured. ``other`` is the
@@ -729,6 +735,11 @@ def main() -> None:
     )
     parser.add_argument("--rows-per-task", type=int, default=DEFAULT_ROWS_PER_TASK)
     parser.add_argument(
+        "--no-warm-up",
+        action="store_true",
+        help="skip the untimed pipe run before the timed ones (see the module's docstring)",
+    )
+    parser.add_argument(
         "--methods",
         default="ours,native,pipe",
         help="comma-separated subset of ours,native,pipe,cli,cli_warm (in this order within a "
@@ -803,8 +814,13 @@ def main() -> None:
                 "cli": lambda i: run_cli(source, target, i, expected, Path(tmp)),
                 "cli_warm": lambda i: run_cli(source, target, i, expected, Path(tmp), warm=True),
             }
+            if not args.no_warm_up:
+                t0 = time.perf_counter()
+                run_pipe(source, target, -1, expected, pre_data, post_data)
+                fixed_costs["warm_up_seconds"] = round(time.perf_counter() - t0, 3)
             for i in range(args.repeat):
-                for method in methods:
+                # Every other repeat in reverse, so that no method always runs first.
+                for method in methods if i % 2 == 0 else methods[::-1]:
                     runs[method].append(methods_run[method](i))
     finally:
         for cluster in (source, target):

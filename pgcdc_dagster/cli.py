@@ -19,6 +19,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     def notify(line: str) -> None:  # what it does about an earlier, unfinished snapshot
         print(f"pgcdc: {line}", file=sys.stderr, flush=True)
 
+    begun: list[Background[Any]] = []
+
     def start() -> Background[Any]:
         work = Background(
             lambda: pipeline.take_snapshot(
@@ -64,10 +67,17 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
             name="pgcdc-snapshot",
         )
         offer("snapshot", settings.slot, work)
+        begun.append(work)
         return work
 
     config = {"ops": {"base_snapshot": {"config": {"resnapshot": resnapshot}}}}
-    with shown(), _head_start(settings, "snapshot", start) as started:
+    with (
+        shown(),
+        _snapshot_copying() as copying,
+        _head_start(settings, "snapshot", start) as started,
+    ):
+        if started:
+            _until_copying(copying, begun[0])
         clear_the_way(
             dagster_instance(), settings, args.wait, "pgcdc snapshot", waiting=not started
         )
@@ -83,6 +93,44 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         f"PostgreSQL {meta.get('source_version')} to {meta.get('target_version')}"
     )
     return 0
+
+
+HEAD_START_SETTLE_S = 3.0
+"""How long ``pgcdc snapshot`` lets its head start reach the copy before it imports Dagster and
+creates the run (:func:`_until_copying`)."""
+
+
+@contextlib.contextmanager
+def _snapshot_copying() -> Iterator[threading.Event]:
+    """An event set once this process's snapshot reports its copy (or a later phase)."""
+    from .engine import progress
+
+    copying = threading.Event()
+
+    def listener(report: progress.Progress) -> None:
+        if isinstance(report, progress.SnapshotProgress) and report.phase in (
+            "copy",
+            "keys",
+            "done",
+        ):
+            copying.set()
+
+    with progress.listening(listener):
+        yield copying
+
+
+def _until_copying(copying: threading.Event, work: Any) -> None:
+    """Wait, at most :data:`HEAD_START_SETTLE_S`, for the head start to reach its copy (or end).
+
+    Why: until its rows flow, the head start's thread runs many short steps (connections, the
+    slot, ``pg_dump``, the plan), each of which waits for the interpreter lock while Dagster's
+    import (about 1.5 CPU-s of Python) holds it; importing after them starts the copy about half
+    a second sooner, and the import then overlaps the copy, whose work is in other processes
+    (``benchmarks/snapshot.py``: the time to the first copy in HISTORY.md). The bound keeps a
+    snapshot waiting for its slot (open transactions on the source) from hiding its run."""
+    deadline = time.monotonic() + HEAD_START_SETTLE_S
+    while not copying.is_set() and work.running() and time.monotonic() < deadline:
+        copying.wait(0.05)
 
 
 def _on_spark(meta: dict[str, Any], did: str) -> str:

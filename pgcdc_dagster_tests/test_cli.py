@@ -805,3 +805,33 @@ def test_a_table_dropped_and_created_again_on_the_source_is_named_stale(cli_env,
     code, out, _ = run_cli(capsys, "verify", "--json")
     report = json.loads(out)
     assert code == 0 and report["equal"] is True and report["no_longer_published"] == []
+
+
+def test_a_snapshot_command_opens_dagster_once_its_head_start_copies(monkeypatch):
+    """``pgcdc snapshot`` imports Dagster once its head start reports the copy, or has ended,
+    or after HEAD_START_SETTLE_S (a slot waiting for the source's open transactions)."""
+    import threading
+    import time
+
+    from pgcdc_dagster import cli
+    from pgcdc_dagster.engine.control.head_start import Background
+    from pgcdc_dagster.engine.progress import SnapshotProgress, publish
+
+    with cli._snapshot_copying() as copying:
+        publish(SnapshotProgress("schema", 0.1))
+        assert not copying.is_set()
+        publish(SnapshotProgress("copy", 0.2))
+        assert copying.is_set()
+    ended = Background(lambda: None, name="ended")
+    ended.result()
+    started = time.monotonic()
+    cli._until_copying(threading.Event(), ended)
+    assert time.monotonic() - started < 1.0
+    release = threading.Event()
+    waiting = Background(lambda: release.wait(30), name="waiting")
+    monkeypatch.setattr(cli, "HEAD_START_SETTLE_S", 0.3)
+    started = time.monotonic()
+    cli._until_copying(threading.Event(), waiting)
+    assert 0.3 <= time.monotonic() - started < 5.0 and waiting.running()
+    release.set()
+    waiting.result()

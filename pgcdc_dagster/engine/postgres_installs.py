@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,22 +134,27 @@ def _version(bindir: Path) -> str | None:
 @functools.cache
 def installations() -> tuple[Installation, ...]:
     """Every installation found, in the order of the module docstring, each once. Looked up
-    once per process: a snapshot asks for its tools many times (a ``psql`` per copied range)."""
+    once per process: a snapshot asks for its tools many times (a ``psql`` per copied range).
+    The versions are asked of every installation at once: each is a process to start, and a
+    snapshot waits for them before its first copy."""
     seen: set[Path] = set()
-    result = []
+    unique = []
     for bindir, found_by in _candidates():
         try:
             real = bindir.resolve()
             usable = real not in seen and real.is_dir()
         except OSError:
             continue
-        if not usable:
-            continue
-        seen.add(real)
-        version = _version(bindir)
-        if version is not None:
-            result.append(Installation(bindir, version, found_by))
-    return tuple(result)
+        if usable:
+            seen.add(real)
+            unique.append((bindir, found_by))
+    with ThreadPoolExecutor(max_workers=max(1, len(unique))) as pool:
+        versions = list(pool.map(_version, (bindir for bindir, _ in unique)))
+    return tuple(
+        Installation(bindir, version, found_by)
+        for (bindir, found_by), version in zip(unique, versions, strict=True)
+        if version is not None
+    )
 
 
 def _found() -> str:

@@ -298,6 +298,8 @@ class CopyWatcher:
         self._flowing_since = time.monotonic()
         if active():
             self.baseline = {t.table: t.rows for t in self._measure("copy").tables}
+            elapsed = time.monotonic() - self.started
+            publish(SnapshotProgress("copy", elapsed, self._ahead(), work=self.work))
             self._thread = threading.Thread(target=self._run, name="pgcdc-copy-progress")
             self._thread.daemon = True
             self._thread.start()

@@ -64,6 +64,9 @@ class Background(Generic[T]):
         except BaseException as exc:  # handed to result()'s caller
             self._error = exc
 
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self, reason: str) -> None:
         """Wait for the call to end (it cannot be stopped halfway; its error, if any, was
         reported by whoever adopted it, or is dropped with a run that never started)."""
