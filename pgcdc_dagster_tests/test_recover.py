@@ -171,6 +171,59 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
     assert code != 0 and "is not lost" in err, err
 
 
+def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_references_it(
+    lost_env, capsys
+):
+    """A change in every chunk of two tables while the slot is lost: the one no foreign key
+    references is replaced whole (truncated: a new file), the referenced one chunk by chunk
+    (its file kept); both end equal and the replication goes on."""
+    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE parent (id int PRIMARY KEY, v int)")
+        conn.execute("INSERT INTO parent SELECT g, 0 FROM generate_series(1, 10000) g")
+        conn.execute(
+            "CREATE TABLE child (id int PRIMARY KEY, parent_id int REFERENCES parent, v int)"
+        )
+        conn.execute("INSERT INTO child SELECT g, g, 0 FROM generate_series(1, 10000) g")
+        conn.execute("ANALYZE")
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE parent SET v = 1 WHERE id % 100 = 0")
+        conn.execute("UPDATE child SET v = 1 WHERE id % 100 = 0")
+        conn.execute("DELETE FROM child WHERE id = 5000")
+    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+
+    def files() -> tuple:
+        with psycopg.connect(target_dsn) as conn:
+            return conn.execute(
+                "SELECT pg_relation_filenode('parent'), pg_relation_filenode('child')"
+            ).fetchone()
+
+    before = files()
+    code, out, err = run_cli(capsys, "recover", "--chunk-rows", "1000", "--json")
+    assert code == 0, err
+    recovered = json.loads(out)
+    assert recovered["chunks_repaired"] >= 20, recovered  # every chunk of both tables
+    after = files()
+    assert after[0] == before[0] and after[1] != before[1], (before, after)
+
+    def both(dsn: str) -> tuple:
+        with psycopg.connect(dsn) as conn:
+            return conn.execute(
+                "SELECT (SELECT array_agg(p ORDER BY id) FROM parent p),"
+                " (SELECT array_agg(c ORDER BY id) FROM child c)"
+            ).fetchone()
+
+    assert both(target_dsn) == both(source_dsn)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE child SET v = 2 WHERE id = 7")
+        conn.execute("DELETE FROM child WHERE id = 8")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    assert both(target_dsn) == both(source_dsn)
+
+
 @pytest.mark.parametrize("point", ["recover.after_begin", "recover.after_origin"])
 def test_a_recovery_killed_before_or_after_its_origin_is_redone_by_the_next(
     lost_env, capsys, point

@@ -359,14 +359,14 @@ def _repaired_events(
             description="chunks repaired: replaced with the source's rows",
             metadata={
                 "repaired_at": text(point),
-                "chunks_repaired": number(len(chunks)),
+                "chunks_repaired": number(sum(c.chunks for c in chunks)),
                 "rows_deleted": number(sum(c.deleted for c in chunks)),
                 "rows_copied": number(sum(c.copied for c in chunks)),
                 "chunk_list": text("; ".join(c.where for c in chunks)),
             },
         )
         context.log.info(
-            f"{table}: {len(chunks)} chunk(s) replaced at {point}, "
+            f"{table}: {sum(c.chunks for c in chunks)} chunk(s) replaced at {point}, "
             f"{sum(c.deleted for c in chunks)} row(s) deleted, "
             f"{sum(c.copied for c in chunks)} copied"
         )
@@ -409,7 +409,7 @@ def build_recover_job() -> JobDefinition:
                 "recovered_at": text(result.point),
                 "applied_before": text(result.applied_before or "none"),
                 "chunks_compared": number(result.chunks_compared),
-                "chunks_repaired": number(len(result.repaired)),
+                "chunks_repaired": number(sum(c.chunks for c in result.repaired)),
                 "rows_copied": number(result.rows_copied),
                 "compare_seconds": MetadataValue.float(round(result.compare_seconds, 3)),
                 "repair_seconds": MetadataValue.float(round(result.repair_seconds, 3)),

@@ -24,6 +24,15 @@ Crash anywhere: a chunk's transaction commits whole or not at all, so a chunk no
 still differs, and the next verify finds it and the next repair replaces it; the temporary slot
 and the snapshots go with their sessions.
 
+A table where at least :data:`WHOLE_TABLE_SHARE` of the chunks differ is replaced whole
+instead, in one transaction (``TRUNCATE``, then the source's rows at ``C2`` copied in): the
+same argument with the whole table as the chunk. Why: a chunk's rows are deleted through the
+key's index and copied into a table whose dead rows and index keep growing, about seven times
+a plain copy's cost per row (``benchmarks/recover.py``, spread changes), so past that share the
+whole table is the cheaper repair. A table another table's foreign key references is always
+repaired by chunks (``TRUNCATE`` refuses it); readers of a table replaced whole wait for its
+transaction (``TRUNCATE`` takes its lock), where a chunk holds only its own rows.
+
 What it costs: the follow stands still while the chunks copy, each of about
 :data:`~.verify.DEFAULT_CHUNK_ROWS` rows. Holding back each chunk's changes in every apply
 instead (copying without the range, as an added table is) would not pause the follow; it is
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,6 +71,8 @@ class RepairedChunk:
     """Rows of the chunk the target held."""
     copied: int
     """Rows of the chunk the source holds at the repair's point, copied in their place."""
+    chunks: int = 1
+    """How many differing chunks this stands for: more than one for a table replaced whole."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,47 @@ def repair_chunks(
     return RepairResult(pair.point, tuple(repaired), time.monotonic() - started, pair.made_way_by)
 
 
+WHOLE_TABLE_SHARE = 0.25
+"""A table with at least this share of its chunks differing is replaced whole (see the module
+docstring): the measured cost of a chunk replaced, about seven times that of its rows in a
+whole-table copy, puts the break-even near a seventh; a quarter leaves the chunks' path, which
+locks no more than the chunk, to any repair that is not clearly cheaper whole."""
+
+_REFERENCED = """
+SELECT EXISTS (SELECT FROM pg_constraint WHERE contype = 'f' AND confrelid = %s::regclass)
+"""
+
+Job = tuple[TableComparison, ChunkDifference | None]
+"""A chunk to replace, or (``None``) the whole table."""
+
+
+def _jobs(
+    settings: ReplicationSettings,
+    todo: Sequence[tuple[TableComparison, ChunkDifference]],
+    differing: Counter[TableName],
+) -> list[Job]:
+    """``todo`` with every table that qualifies (:data:`WHOLE_TABLE_SHARE` of its chunks in
+    ``differing``, more than one, and no foreign key references it) as one job of its own, in
+    place of its chunks."""
+    whole: set[TableName] = set()
+    with connect(settings.target_dsn, role="target", autocommit=True) as tgt:
+        for comparison, _ in todo:
+            table = comparison.table
+            count = differing[table]
+            if table in whole or count < 2 or count < WHOLE_TABLE_SHARE * comparison.chunks:
+                continue
+            row = tgt.execute(_REFERENCED, (table.sql.as_string(tgt),)).fetchone()
+            if row is not None and not row[0]:
+                whole.add(table)
+    jobs: list[Job] = []
+    for comparison, difference in todo:
+        if comparison.table not in whole:
+            jobs.append((comparison, difference))
+        elif all(done.table != comparison.table for done, _ in jobs):
+            jobs.append((comparison, None))
+    return jobs
+
+
 def replace_chunks(
     settings: ReplicationSettings,
     source_snapshot: str,
@@ -109,23 +162,30 @@ def replace_chunks(
     workers: int | None = None,
     replaced: Callable[[int, RepairedChunk], None] | None = None,
 ) -> list[RepairedChunk]:
-    """Replace each chunk of ``todo`` (:func:`replace_chunk`), on ``workers`` threads (default:
-    the CPU count): chunks are disjoint key ranges, each replaced in a transaction of its own,
-    so they need no order, and one chunk's copy is one core's work on each side. ``replaced``
-    is told each one as it is done, with how many are (in this thread)."""
+    """Replace each chunk of ``todo`` (:func:`replace_chunk`), or a table whole where most of
+    it differs (:data:`WHOLE_TABLE_SHARE`), on ``workers`` threads (default: the CPU count):
+    chunks are disjoint key ranges, each replaced in a transaction of its own, so they need no
+    order, and one chunk's copy is one core's work on each side. ``replaced`` is told each one
+    as it is done, with how many are (in this thread); a table replaced whole is one, its
+    ``where`` saying so."""
 
-    def one(item: tuple[TableComparison, ChunkDifference]) -> RepairedChunk:
-        comparison, difference = item
+    def one(job: Job) -> RepairedChunk:
+        comparison, difference = job
         assert comparison.plan is not None
-        deleted, copied = replace_chunk(
-            settings, source_snapshot, comparison.plan, difference.chunk
-        )
+        chunk = None if difference is None else difference.chunk
+        deleted, copied = replace_chunk(settings, source_snapshot, comparison.plan, chunk)
+        if difference is None:
+            count = differing[comparison.table]
+            where = f"the whole table ({count} of {comparison.chunks} chunks differed)"
+            return RepairedChunk(comparison.table, where, deleted, copied, count)
         return RepairedChunk(comparison.table, difference.where, deleted, copied)
 
+    differing = Counter(comparison.table for comparison, _ in todo)
+    jobs = _jobs(settings, todo, differing) if todo else []
     done: list[RepairedChunk] = []
-    count = max(1, min(len(todo), workers or os.cpu_count() or 1))
+    count = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     with ThreadPoolExecutor(count, thread_name_prefix="pgcdc-repair") as pool:
-        for chunk in pool.map(one, todo):
+        for chunk in pool.map(one, jobs):
             done.append(chunk)
             if replaced is not None:
                 replaced(len(done), chunk)
@@ -135,9 +195,10 @@ def replace_chunks(
 def replace_chunk(
     settings: ReplicationSettings, source_snapshot: str, plan: ChunkPlan, chunk: Any
 ) -> tuple[int, int]:
-    """One chunk, in one target transaction: its rows deleted, the source's copied in. In
-    binary format, or in text where a type's binary form does not cross (the chunk's
-    transaction is then rolled back and done again)."""
+    """One chunk (``None``: the whole table), in one target transaction: its rows deleted (the
+    whole table truncated), the source's copied in. In binary format, or in text where a
+    type's binary form does not cross (the chunk's transaction is then rolled back and done
+    again)."""
     try:
         return _replace_once(settings, source_snapshot, plan, chunk, "binary")
     except BINARY_MISMATCH:
@@ -151,7 +212,7 @@ def _replace_once(
     chunk: Any,
     copy_format: str,
 ) -> tuple[int, int]:
-    where = chunk_filter(plan, chunk)
+    where = sql.SQL("true") if chunk is None else chunk_filter(plan, chunk)
     with (
         connect(settings.source_dsn, role="source", autocommit=True) as src,
         connect(settings.target_dsn, role="target") as tgt,
@@ -161,9 +222,12 @@ def _replace_once(
         tgt.execute(COMPARABLE_SESSION)
         tgt.execute("SET LOCAL session_replication_role = replica")
         columns = sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns if c not in generated)
-        deleted = tgt.execute(
-            sql.SQL("DELETE FROM {} WHERE {}").format(rows_of(tgt, plan.table), where)
-        ).rowcount
+        if chunk is None:
+            deleted = _truncated(tgt, plan.table)
+        else:
+            deleted = tgt.execute(
+                sql.SQL("DELETE FROM {} WHERE {}").format(rows_of(tgt, plan.table), where)
+            ).rowcount
         source_where = (
             where
             if plan.row_filter is None
@@ -182,6 +246,15 @@ def _replace_once(
             copied = stream_copy_out(src, select, into.write)
         tgt.commit()
     return max(deleted, 0), copied
+
+
+def _truncated(tgt: Any, table: TableName) -> int:
+    """Empty ``table`` (its partitions too) in ``tgt``'s transaction; returns the rows it held,
+    counted under the truncate's lock (a read of the table, a small part of copying it)."""
+    tgt.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(table.sql))
+    row = tgt.execute(sql.SQL("SELECT count(*) FROM {}").format(table.sql)).fetchone()
+    tgt.execute(sql.SQL("TRUNCATE {}").format(table.sql))
+    return int(row[0]) if row is not None else 0
 
 
 def repaired_tables(chunks: Sequence[RepairedChunk]) -> list[TableName]:
