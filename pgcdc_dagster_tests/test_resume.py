@@ -1265,6 +1265,18 @@ def test_a_snapshot_killed_mid_copy_under_writes_resumes_keeping_the_tables_it_c
         killed = fresh.pgcdc("snapshot", failpoint=kill_after_a_copy)
         assert killed.returncode == -signal.SIGKILL, killed.stderr
         before = _table_oids(fresh.settings.target_dsn)
+        # Each copied range recorded its rows, from its own transaction's counters.
+        with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+            recorded = conn.execute(
+                "SELECT table_name, sum(rows), count(*) - count(rows) "
+                "FROM pgcdc_ddl.copied_ranges GROUP BY 1"
+            ).fetchall()
+            assert recorded, "no range recorded"
+            for table, rows, unknown in recorded:
+                count = conn.execute(
+                    sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))
+                ).fetchone()
+                assert unknown == 0 and (rows,) == count, (table, rows, unknown, count)
         resumed = fresh.pgcdc("snapshot", failpoint=kill_after_a_copy)
         assert resumed.returncode == -signal.SIGKILL, resumed.stderr
         finished = fresh.pgcdc("snapshot")

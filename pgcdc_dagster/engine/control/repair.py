@@ -27,11 +27,11 @@ and the snapshots go with their sessions.
 A table where at least :data:`WHOLE_TABLE_SHARE` of the chunks differ is replaced whole
 instead, in one transaction (``TRUNCATE``, then the source's rows at ``C2`` copied in): the
 same argument with the whole table as the chunk. Why: a chunk's rows are deleted through the
-key's index and copied into a table whose dead rows and index keep growing, about seven times
-a plain copy's cost per row (``benchmarks/recover.py``, spread changes), so past that share the
-whole table is the cheaper repair. A table another table's foreign key references is always
-repaired by chunks (``TRUNCATE`` refuses it); readers of a table replaced whole wait for its
-transaction (``TRUNCATE`` takes its lock), where a chunk holds only its own rows.
+key's index and copied into a table whose dead rows and index keep growing, so past that share
+the whole table is the cheaper repair (``benchmarks/recover.py``, spread changes). A table
+another table's foreign key references is always repaired by chunks (``TRUNCATE`` refuses it);
+readers of a table replaced whole wait for its transaction (``TRUNCATE`` takes its lock), where
+a chunk holds only its own rows.
 
 What it costs: the follow stands still while the chunks copy, each of about
 :data:`~.verify.DEFAULT_CHUNK_ROWS` rows. Holding back each chunk's changes in every apply
@@ -113,15 +113,22 @@ def repair_chunks(
     return RepairResult(pair.point, tuple(repaired), time.monotonic() - started, pair.made_way_by)
 
 
-WHOLE_TABLE_SHARE = 0.25
+WHOLE_TABLE_SHARE = 0.5
 """A table with at least this share of its chunks differing is replaced whole (see the module
-docstring): the measured cost of a chunk replaced, about seven times that of its rows in a
-whole-table copy, puts the break-even near a seventh; a quarter leaves the chunks' path, which
-locks no more than the chunk, to any repair that is not clearly cheaper whole."""
+docstring). Measured on 10M rows (``benchmarks/recover.py``): every chunk replaced one by one
+took 25-29 s, the table replaced whole 14.7 s, so the whole table is cheaper from about half
+of its chunks on; below that the chunks' path, which locks only the chunk, is kept."""
 
 _REFERENCED = """
-SELECT EXISTS (SELECT FROM pg_constraint WHERE contype = 'f' AND confrelid = %s::regclass)
+SELECT EXISTS (
+    SELECT FROM pg_constraint
+    WHERE contype = 'f' AND confrelid IN (
+        SELECT %(table)s::regclass UNION ALL SELECT relid FROM pg_partition_tree(%(table)s)
+    )
+)
 """
+"""Whether a foreign key references the table or one of its partitions (``TRUNCATE`` refuses
+either; ``pg_partition_tree`` lists nothing for a table that is not partitioned)."""
 
 Job = tuple[TableComparison, ChunkDifference | None]
 """A chunk to replace, or (``None``) the whole table."""
@@ -142,7 +149,7 @@ def _jobs(
             count = differing[table]
             if table in whole or count < 2 or count < WHOLE_TABLE_SHARE * comparison.chunks:
                 continue
-            row = tgt.execute(_REFERENCED, (table.sql.as_string(tgt),)).fetchone()
+            row = tgt.execute(_REFERENCED, {"table": table.sql.as_string(tgt)}).fetchone()
             if row is not None and not row[0]:
                 whole.add(table)
     jobs: list[Job] = []

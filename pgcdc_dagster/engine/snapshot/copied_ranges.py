@@ -56,11 +56,14 @@ def _exists(conn: psycopg.Connection[Any]) -> bool:
 _ROWS_INSERTED = """
 CASE WHEN current_setting('track_counts')::bool THEN
   (SELECT sum(pg_stat_get_xact_tuples_inserted(t.relid))::bigint
-   FROM pg_partition_tree({}::regclass) t WHERE t.isleaf)
+   FROM (SELECT {table}::regclass AS relid
+         UNION SELECT p.relid FROM pg_partition_tree({table}::regclass) p WHERE p.isleaf) t)
 END"""
 """The rows this transaction inserted into a table (into its leaves, when the target partitions
 it), from the statistics' counters of the transaction itself: a range's rows, known to the
-server and to no ``psql`` pair. ``NULL`` where the counters are off (``track_counts``)."""
+server and to no ``psql`` pair. ``NULL`` where the counters are off (``track_counts``). The
+table itself is in the union because ``pg_partition_tree`` lists nothing for a table that is
+not partitioned (its counter adds nothing for one that is: the rows are in its leaves)."""
 
 
 def record_statement(record: CopyRecord, rng: TableRange, *, counted: bool = True) -> sql.Composed:
@@ -68,7 +71,7 @@ def record_statement(record: CopyRecord, rng: TableRange, *, counted: bool = Tru
     its rows where ``counted``: not where the transaction writes the same table for another
     range too (a bundle of a partitioned table's leaves), whose counters add both up."""
     rows = (
-        sql.SQL(_ROWS_INSERTED).format(sql.Literal(rng.table.sql.as_string(None)))
+        sql.SQL(_ROWS_INSERTED).format(table=sql.Literal(rng.table.sql.as_string(None)))
         if counted
         else sql.SQL("NULL")
     )
