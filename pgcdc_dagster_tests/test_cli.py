@@ -548,6 +548,7 @@ def test_verify_repair_replaces_the_differing_chunk_and_the_next_verify_is_equal
         conn.execute("UPDATE items SET name = 'edited' WHERE id = 3")
     code, out, err = run_cli(capsys, "verify", "--repair")
     assert code == 0, err
+    assert "pgcdc: verify repair: replaced 0/1 chunk(s)" in err, err
     with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"]) as conn:
         rows = conn.execute("SELECT count(*) FROM items").fetchone()[0]  # type: ignore[index]
     # One chunk (a small table): all its rows on the target replaced by the source's.

@@ -144,6 +144,7 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
     code, out, err = run_cli(capsys, "recover", "--chunk-rows", CHUNK_ROWS, "--json")
     assert code == 0, err
     assert "pgcdc: recover compare: compared 100%" in err, err
+    assert "pgcdc: recover repair: replaced 0/" in err, err  # the repair's progress
     recovered = json.loads(out)
     assert recovered["chunks_compared"] >= 20, recovered
     # The changed key ranges (each within a chunk or across two) and the keyless table's one
@@ -205,6 +206,7 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
     assert code == 0, err
     recovered = json.loads(out)
     assert recovered["chunks_repaired"] >= 20, recovered  # every chunk of both tables
+    assert "replacing whole: public.child" in err, err
     after = files()
     assert after[0] == before[0] and after[1] != before[1], (before, after)
 

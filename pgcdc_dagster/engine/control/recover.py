@@ -187,7 +187,12 @@ def recover(
                 failpoint("recover.after_chunk")
 
             repaired = replace_chunks(
-                settings, source_snapshot, differing, workers=workers, replaced=replaced
+                settings,
+                source_snapshot,
+                differing,
+                workers=workers,
+                replaced=replaced,
+                work="recover",
             )
             repair_s = time.monotonic() - repair_started
             shapes = published_shapes(src, settings.publication, tables)
