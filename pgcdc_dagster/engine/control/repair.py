@@ -116,9 +116,10 @@ def repair_chunks(
 
 WHOLE_TABLE_SHARE = 0.5
 """A table with at least this share of its chunks differing is replaced whole (see the module
-docstring). Measured on 10M rows (``benchmarks/recover.py``): every chunk replaced one by one
-took 25-29 s, the table replaced whole 14.7 s, so the whole table is cheaper from about half
-of its chunks on; below that the chunks' path, which locks only the chunk, is kept."""
+docstring). On 10M rows, every chunk replaced one by one took about twice as long as the table
+replaced whole (``benchmarks/README.md``, a lost slot), so the whole table is the cheaper
+repair from about half of its chunks on; below that the chunks' path, which locks only the
+chunk, is kept."""
 
 _REFERENCED = """
 SELECT EXISTS (
