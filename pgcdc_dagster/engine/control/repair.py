@@ -178,7 +178,7 @@ def replace_chunks(
     order, and one chunk's copy is one core's work on each side. ``replaced`` is told each one
     as it is done, with how many are (in this thread); a table replaced whole is one, its
     ``where`` saying so. Progress (chunks replaced, rows copied, the time left) is published
-    as ``work``'s ``repair`` phase as each one ends (:func:`_report`)."""
+    as ``work``'s ``repair`` phase as each one ends (:class:`_RepairProgress`)."""
 
     def one(job: Job) -> RepairedChunk:
         comparison, difference = job
@@ -194,36 +194,45 @@ def replace_chunks(
     differing = Counter(comparison.table for comparison, _ in todo)
     jobs = _jobs(settings, todo, differing) if todo else []
     done: list[RepairedChunk] = []
-    started = time.monotonic()
-    _report(work, started, done, len(todo), jobs)
+    progress = _RepairProgress(work, len(todo), [str(c.table) for c, d in jobs if d is None])
     count = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     with ThreadPoolExecutor(count, thread_name_prefix="pgcdc-repair") as pool:
         for chunk in pool.map(one, jobs):
             done.append(chunk)
-            _report(work, started, done, len(todo), jobs)
+            progress.add(chunk)
             if replaced is not None:
                 replaced(len(done), chunk)
     return done
 
 
-def _report(
-    work: str, started: float, done: Sequence[RepairedChunk], chunks: int, jobs: Sequence[Job]
-) -> None:
-    """Publish how far a repair is: ``replaced 12/102 chunk(s), 1,180,000 row(s) copied, ETA
-    14 s``, naming a table being replaced whole (one step, however long its copy)."""
-    if not active():
-        return
-    elapsed = time.monotonic() - started
-    replaced = sum(c.chunks for c in done)
-    rows = sum(c.copied for c in done)
-    note = f"replaced {replaced}/{chunks} chunk(s), {rows:,} row(s) copied"
-    if 0 < replaced < chunks:
-        note += f", ETA {elapsed / replaced * (chunks - replaced):,.0f} s"
-    ended = {c.table for c in done if c.chunks > 1}  # the tables replaced whole so far
-    whole = [str(c.table) for c, d in jobs if d is None and c.table not in ended]
-    if whole:
-        note += f"; replacing whole: {', '.join(whole)}"
-    publish(SnapshotProgress("repair", elapsed, note=note, work=work))
+class _RepairProgress:
+    """How far a repair is, published as each chunk ends: ``replaced 12/102 chunk(s),
+    1,180,000 row(s) copied, ETA 14 s``, naming the tables still being replaced whole (one
+    step each, however long its copy). Running totals: a big table has many chunks."""
+
+    def __init__(self, work: str, chunks: int, whole: list[str]) -> None:
+        self.work, self.chunks, self.whole = work, chunks, whole
+        self.started = time.monotonic()
+        self.replaced = self.rows = 0
+        self._publish()
+
+    def add(self, chunk: RepairedChunk) -> None:
+        self.replaced += chunk.chunks
+        self.rows += chunk.copied
+        if chunk.chunks > 1:  # a table replaced whole
+            self.whole.remove(str(chunk.table))
+        self._publish()
+
+    def _publish(self) -> None:
+        if not active():
+            return
+        elapsed = time.monotonic() - self.started
+        note = f"replaced {self.replaced}/{self.chunks} chunk(s), {self.rows:,} row(s) copied"
+        if 0 < self.replaced < self.chunks:
+            note += f", ETA {elapsed / self.replaced * (self.chunks - self.replaced):,.0f} s"
+        if self.whole:
+            note += f"; replacing whole: {', '.join(self.whole)}"
+        publish(SnapshotProgress("repair", elapsed, note=note, work=self.work))
 
 
 def replace_chunk(
