@@ -177,7 +177,8 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
 ):
     """A change in every chunk of two tables while the slot is lost: the one no foreign key
     references is replaced whole (truncated: a new file), the referenced one chunk by chunk
-    (its file kept); both end equal and the replication goes on."""
+    (its file kept); a recovery killed inside a replacement is redone by the next; both tables
+    end equal and the replication goes on."""
     source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE parent (id int PRIMARY KEY, v int)")
@@ -202,6 +203,18 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
             ).fetchone()
 
     before = files()
+    # Killed inside a replacement (the whole table's is in flight with the first chunks), rolled
+    # back: the catch-up refuses, the next recover redoes it.
+    killed = subprocess.run(
+        [PGCDC, "recover", "--chunk-rows", "1000"],
+        env={**os.environ, "PGCDC_FAILPOINT": "repair.in_transaction=kill"},
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert "replacing whole: public.child" in killed.stderr, killed.stderr
+    code, _, err = run_cli(capsys, "catchup")
+    assert code != 0 and "pgcdc recover" in err, err
     code, out, err = run_cli(capsys, "recover", "--chunk-rows", "1000", "--json")
     assert code == 0, err
     recovered = json.loads(out)

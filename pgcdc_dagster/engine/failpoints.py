@@ -71,6 +71,8 @@ POINTS: dict[str, str] = {
     "storage; the next batches not yet",
     "recover.after_begin": "the chain says recovering; the lost slot is not dropped yet",
     "recover.after_chunk": "a differing chunk is replaced on the target; others are not yet",
+    "repair.in_transaction": "a chunk's or a whole table's replacement is written on the target "
+    "(the table truncated, the source's rows copied in), not committed",
     "recover.after_origin": "the origin is at the recovery's point; the chain not complete yet",
 }
 """Every crash point of the engine and what is durable when it fires."""

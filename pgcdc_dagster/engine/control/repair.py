@@ -52,6 +52,7 @@ from typing import Any
 from psycopg import sql
 
 from ..connect import connect
+from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..progress import SnapshotProgress, active, publish
@@ -287,6 +288,7 @@ def _replace_once(
             ) as into,
         ):
             copied = stream_copy_out(src, select, into.write)
+        failpoint("repair.in_transaction")
         tgt.commit()
     return max(deleted, 0), copied
 
