@@ -145,21 +145,26 @@ def _jobs(
     """``todo`` with every table that qualifies (:data:`WHOLE_TABLE_SHARE` of its chunks in
     ``differing``, more than one, and no foreign key references it) as one job of its own, in
     place of its chunks."""
+    chunks = {comparison.table: comparison.chunks for comparison, _ in todo}
+    candidates = [
+        table
+        for table, count in differing.items()
+        if count >= 2 and count >= WHOLE_TABLE_SHARE * chunks[table]
+    ]
     whole: set[TableName] = set()
-    with connect(settings.target_dsn, role="target", autocommit=True) as tgt:
-        for comparison, _ in todo:
-            table = comparison.table
-            count = differing[table]
-            if table in whole or count < 2 or count < WHOLE_TABLE_SHARE * comparison.chunks:
-                continue
-            row = tgt.execute(_REFERENCED, {"table": table.sql.as_string(tgt)}).fetchone()
-            if row is not None and not row[0]:
-                whole.add(table)
+    if candidates:
+        with connect(settings.target_dsn, role="target", autocommit=True) as tgt:
+            for table in candidates:
+                row = tgt.execute(_REFERENCED, {"table": table.sql.as_string(tgt)}).fetchone()
+                if row is not None and not row[0]:
+                    whole.add(table)
     jobs: list[Job] = []
+    placed: set[TableName] = set()
     for comparison, difference in todo:
         if comparison.table not in whole:
             jobs.append((comparison, difference))
-        elif all(done.table != comparison.table for done, _ in jobs):
+        elif comparison.table not in placed:
+            placed.add(comparison.table)
             jobs.append((comparison, None))
     return jobs
 
@@ -294,11 +299,14 @@ def _replace_once(
 
 
 def _truncated(tgt: Any, table: TableName) -> int:
-    """Empty ``table`` (its partitions too) in ``tgt``'s transaction; returns the rows it held,
-    counted under the truncate's lock (a read of the table, a small part of copying it)."""
-    tgt.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(table.sql))
-    row = tgt.execute(sql.SQL("SELECT count(*) FROM {}").format(table.sql)).fetchone()
-    tgt.execute(sql.SQL("TRUNCATE {}").format(table.sql))
+    """Empty ``table`` in ``tgt``'s transaction, as :func:`~.chunks.rows_of` reads it (its
+    partitions too, never an inheritance child: that is a replicated table of its own); returns
+    the rows it held, counted under the truncate's lock (a read of the table, a small part of
+    copying it)."""
+    rows = rows_of(tgt, table)
+    tgt.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(rows))
+    row = tgt.execute(sql.SQL("SELECT count(*) FROM {}").format(rows)).fetchone()
+    tgt.execute(sql.SQL("TRUNCATE {}").format(rows))
     return int(row[0]) if row is not None else 0
 
 
