@@ -67,16 +67,28 @@ def _lose_the_slot(source_dsn: str, slot: str) -> None:
             conn.execute("SELECT pg_reload_conf()")
 
 
+def _accounts_and_lines(source_dsn: str, accounts: int, lines: int) -> None:
+    """A keyed table of ``accounts`` rows and a keyless one of ``lines`` rows, analysed."""
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
+        conn.execute(
+            "INSERT INTO accounts SELECT g, g %% 100, 'account ' || g "
+            "FROM generate_series(1, %s) g",
+            (accounts,),
+        )
+        conn.execute("CREATE TABLE lines (line text)")
+        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
+        conn.execute(
+            "INSERT INTO lines SELECT 'line ' || g FROM generate_series(1, %s) g", (lines,)
+        )
+        conn.execute("ANALYZE")
+
+
 def _replicated_then_lost(env: dict[str, str], capsys) -> tuple[str, str]:
     """A small replication (a keyed table and a keyless one) snapshotted, then a change that
     nothing reads before its slot is lost: the source's and the target's DSNs."""
     source_dsn, target_dsn = env["PGCDC_SOURCE_DSN"], env["PGCDC_TARGET_DSN"]
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
-        conn.execute("INSERT INTO accounts SELECT g, 0, 'a' FROM generate_series(1, 5000) g")
-        conn.execute("CREATE TABLE lines (line text)")
-        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
-        conn.execute("INSERT INTO lines VALUES ('one')")
+    _accounts_and_lines(source_dsn, 5000, 1)
     code, _, err = run_cli(capsys, "snapshot")
     assert code == 0, err
     with psycopg.connect(source_dsn, autocommit=True) as conn:
@@ -100,17 +112,7 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
         lost_env["PGCDC_TARGET_DSN"],
         lost_env["PGCDC_SLOT"],
     )
-    with psycopg.connect(source_dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int, note text)")
-        conn.execute(
-            "INSERT INTO accounts SELECT g, g %% 100, 'account ' || g "
-            "FROM generate_series(1, %s) g",
-            (ROWS,),
-        )
-        conn.execute("CREATE TABLE lines (line text)")
-        conn.execute("ALTER TABLE lines REPLICA IDENTITY FULL")
-        conn.execute("INSERT INTO lines SELECT 'line ' || g FROM generate_series(1, 500) g")
-        conn.execute("ANALYZE")
+    _accounts_and_lines(source_dsn, ROWS, 500)
     code, _, err = run_cli(capsys, "snapshot")
     assert code == 0, err
     with psycopg.connect(source_dsn, autocommit=True) as conn:
