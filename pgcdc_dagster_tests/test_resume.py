@@ -1301,6 +1301,80 @@ def test_a_snapshot_killed_mid_copy_under_writes_resumes_keeping_the_tables_it_c
     assert records == (None,)  # a finished snapshot's records are gone
 
 
+@pytest.mark.parametrize("rewritten", [False, True], ids=["changed", "rewritten"])
+def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_copied(
+    clusters: Clusters, tmp_path: Path, rewritten: bool
+):
+    """The 1M-row table cut into ranges of 100,000 rows, copied two at a time; SIGKILL of the
+    snapshot's process group once one of its ranges committed. Before the next ``pgcdc
+    snapshot``, the source changes that table in the ways that would break a naive
+    continuation: deletes and a vacuum that free space in the first blocks, updates that move
+    rows from the last blocks into them, updates in place, key changes, inserts. The resume
+    keeps the ranges copied (the same target table: not dropped), copies the other blocks,
+    copies the changed keys' rows again, and a catch-up under a writer converges.
+    ``rewritten``: a ``VACUUM FULL`` too, which moves every row to a new file: the table is
+    copied whole again, and says why."""
+    fresh = make_site(clusters, tmp_path, bulk=True)
+    fresh.env.update({"PGCDC_SNAPSHOT_JOBS": "2", "PGCDC_SNAPSHOT_RANGE_ROWS": "100000"})
+    running = fresh.start("snapshot")
+
+    def bulk_range_copied() -> bool:
+        with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+            if conn.execute("SELECT to_regclass('pgcdc_ddl.copied_ranges')").fetchone() == (None,):
+                return False
+            found = conn.execute(
+                "SELECT FROM pgcdc_ddl.copied_ranges WHERE table_name = 'bulk' LIMIT 1"
+            ).fetchone()
+        return found is not None
+
+    try:
+        _wait_for(bulk_range_copied, "a range of the big table to be copied", 120, running)
+    finally:
+        os.killpg(running.pid, signal.SIGKILL)
+        running.communicate()
+    with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+        blocks = conn.execute(
+            "SELECT start_block, end_block FROM pgcdc_ddl.copied_ranges "
+            "WHERE table_name = 'bulk' ORDER BY start_block"
+        ).fetchall()
+        (kept_rows,) = conn.execute("SELECT count(*) FROM bulk").fetchone()
+    # Some of the table's ranges, not all: they would tile [0, ∞) from block 0.
+    assert blocks and not (blocks[0][0] == 0 and blocks[-1][1] is None), blocks
+    assert 0 < kept_rows < 1_000_000, kept_rows
+    before = _table_oids(fresh.settings.target_dsn)
+    with psycopg.connect(fresh.settings.source_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM bulk WHERE id <= 3000")
+        conn.execute("VACUUM bulk")  # the first blocks' space is free for the updates below
+        conn.execute("UPDATE bulk SET v = 'moved ' || id WHERE id > 997000")
+        conn.execute("UPDATE bulk SET v = 'again ' || id WHERE id BETWEEN 400001 AND 400100")
+        conn.execute("UPDATE bulk SET id = id + 2000000 WHERE id BETWEEN 5001 AND 5010")
+        conn.execute(
+            "INSERT INTO bulk SELECT g, md5(g::text) FROM generate_series(1000001, 1002000) g"
+        )
+        if rewritten:
+            conn.execute("VACUUM FULL bulk")
+    with fresh.writer(seed=73) as writer:
+        resumed = fresh.pgcdc("snapshot")
+        assert resumed.returncode == 0, resumed.stderr
+    assert writer.committed > 0
+    line = next(ln for ln in resumed.stderr.splitlines() if "did not finish" in ln)
+    assert "continuing public.bulk from its ranges" in line, line
+    said = next(ln for ln in resumed.stderr.splitlines() if ln.startswith("pgcdc: public.bulk:"))
+    if rewritten:
+        assert "copied whole again: rewritten since" in said, said
+        assert _table_oids(fresh.settings.target_dsn)["bulk"] != before["bulk"]
+    else:
+        assert f"range(s) copied before kept ({kept_rows:,} row(s))" in said, said
+        assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
+    done = fresh.pgcdc("catchup", "--endpos", "current")
+    assert done.returncode == 0, done.stderr
+    fresh.assert_converged()
+    with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+        moved = conn.execute("SELECT count(*) FROM bulk WHERE v LIKE 'moved %'").fetchone()
+        keyed = conn.execute("SELECT count(*) FROM bulk WHERE id > 2000000").fetchone()
+    assert moved == (3000,) and keyed == (10,), (moved, keyed)
+
+
 def test_a_snapshot_killed_alone_mid_copy_leaves_no_copy_running_behind_the_redo(
     clusters: Clusters, tmp_path: Path
 ):

@@ -38,6 +38,8 @@ class ReplicationResource(ConfigurableResource):
     snapshot_parquet: bool = False
     """Also write the base snapshot as Parquet under the store's ``snapshot/``."""
     snapshot_driver_rows: int | None = None
+    snapshot_jobs: int | None = None
+    snapshot_range_rows: int | None = None
     follow_cut_ms: int = 200
     follow_range_bytes: int = 32 * 1024 * 1024
     follow_read: str = "stream"
@@ -119,6 +121,8 @@ class PgcdcResource(ConfigurableResource):
             range_max_bytes=self.replication.range_max_bytes,
             snapshot_parquet=self.replication.snapshot_parquet,
             snapshot_driver_rows=self.replication.snapshot_driver_rows,
+            snapshot_jobs=self.replication.snapshot_jobs,
+            snapshot_range_rows=self.replication.snapshot_range_rows,
             follow_cut_ms=self.replication.follow_cut_ms,
             follow_range_bytes=self.replication.follow_range_bytes,
             follow_read=self.replication.follow_read,  # type: ignore[arg-type]
@@ -201,6 +205,8 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             range_max_bytes=settings.range_max_bytes,
             snapshot_parquet=settings.snapshot_parquet,
             snapshot_driver_rows=settings.snapshot_driver_rows,
+            snapshot_jobs=settings.snapshot_jobs,
+            snapshot_range_rows=settings.snapshot_range_rows,
             follow_cut_ms=settings.follow_cut_ms,
             follow_range_bytes=settings.follow_range_bytes,
             follow_read=settings.follow_read,

@@ -39,6 +39,10 @@ from .errors import PgcdcError
 from .identifiers import TableName, origin_name
 
 PREFIX = "PGCDC_"
+SNAPSHOT_RANGE_ROWS = 500_000
+"""About one to two seconds of COPY per range: big enough that a range's start-up (two
+connections, a snapshot import) is noise, small enough that a large table spreads over every
+core."""
 SPARK_TABLE_ROWS = 2_000_000
 """With a Spark cluster, tables past this many rows are copied by Spark."""
 DEFAULT_SPARK_MIN_CHANGES = 2_000_000
@@ -113,6 +117,27 @@ class ReplicationSettings(BaseModel):
     """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
     starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
     table on Spark. Unset: see :meth:`driver_max_rows`."""
+    snapshot_jobs: PositiveInt | None = None
+    """How many copy streams ``pgcdc`` itself runs at once in a snapshot, an add or a resync
+    (its tables, and the block ranges of a big one: a table is cut into about as many as
+    there are streams). Unset: half the cores (each stream keeps two server backends busy).
+    More helps when the servers are on other machines than ``pgcdc``."""
+    snapshot_range_rows: PositiveInt | None = None
+    """About how many rows one copy range holds at most: a bigger table is cut into block
+    ranges, each copied, and recorded for a resume, in one target transaction. Unset:
+    :data:`SNAPSHOT_RANGE_ROWS` for Spark's tasks, and ``pgcdc``'s own streams join
+    neighbours into one range per stream (fewer, longer copies are faster). Set: every copier
+    keeps ranges of this size, so a snapshot killed in a big table loses at most a range per
+    stream (a resume continues the table from the others: ``docs/operations/outages.md``)."""
+
+    def range_options(self) -> dict[str, Any]:
+        """How a copy cuts tables (:func:`~.snapshot.scheduling.copy_tables`'s options)."""
+        return {
+            "parallelism": self.snapshot_jobs,
+            "target_rows_per_task": self.snapshot_range_rows or SNAPSHOT_RANGE_ROWS,
+            "fine_ranges": self.snapshot_range_rows is not None,
+        }
+
     spark_min_changes: PositiveInt | None = None
     """Ranges with at least this many changes are compacted by Spark's workers, which stage the
     net rows on the target themselves; smaller ones in this process. Unset: see

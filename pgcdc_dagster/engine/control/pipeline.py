@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from ..catalog import ColumnInfo
     from ..snapshot import AddedTablesResult, BaseSnapshotResult
     from ..snapshot.common import SchemaRestoreResult
+    from ..snapshot.continued import Continuing
     from ..snapshot.resume import Resumable
     from ..target.results import ApplyResult
 
@@ -114,6 +115,7 @@ def take_snapshot(
     meanwhile (it copies without the range).
     """
     from ..snapshot import take_base_snapshot
+    from ..snapshot.continued import Continuing
     from ..snapshot.copied_ranges import forget_all as forget_copied
     from ..snapshot.resume import finish_resumed
 
@@ -150,6 +152,7 @@ def take_snapshot(
                         settings.slot, point, name
                     ),
                     driver_max_rows=settings.driver_max_rows(),
+                    **settings.range_options(),
                 )
             rest = resume.rest if resume is not None else ()
             store.record_chain(
@@ -162,9 +165,18 @@ def take_snapshot(
             )
             forget_copied(settings.target_dsn, settings.slot)  # nothing resumes it now
         if rest:
+            assert resume is not None
             again = resync_tables(
-                settings, rest, spark, holding_range=True, lock_holder=lock_holder
+                settings,
+                rest,
+                spark,
+                holding_range=True,
+                lock_holder=lock_holder,
+                continuing=Continuing(resume.consistent_point, resume.partly),
             )
+            if notify is not None:
+                for line in again.continued:
+                    notify(line)
             result = dataclasses.replace(
                 result,
                 tables=(*result.tables, *again.tables),
@@ -246,6 +258,7 @@ def add_tables(
     wait_s: float = 120.0,
     resync: bool = False,
     holding_range: bool = False,
+    continuing: Continuing | None = None,
 ) -> AddedTablesResult:
     """Add ``tables`` to the replication (:mod:`..snapshot.added`): copied as of a consistent
     point of their own, while the applies go on.
@@ -273,7 +286,9 @@ def add_tables(
 
     ``resync``: the tables are replicated already and copied again, each dropped and created
     again on the target (``pgcdc resync``, :func:`resync_tables`). ``holding_range``: the
-    caller holds the range already (an apply that met DDL it cannot follow)."""
+    caller holds the range already (an apply that met DDL it cannot follow). ``continuing``:
+    tables of a resync that a killed base snapshot copied in part, continued where they can
+    be (:mod:`..snapshot.continued`; the caller holds the range, so the slot stays put)."""
     from ..published_columns import unpublished_columns
     from ..snapshot import add_tables as copy_added
     from ..target.held_back import HeldBackApplied, apply_added_changes
@@ -319,6 +334,8 @@ def add_tables(
             begin=begin,
             driver_max_rows=settings.driver_max_rows(),
             resync=resync,
+            continuing=continuing,
+            range_options=settings.range_options(),
         )
         added = [t.table for t in result.tables]
         unpublished = unpublished_columns(result.shapes)
@@ -713,6 +730,7 @@ def resync_tables(
     holding_range: bool = False,
     lock_holder: str | None = None,
     wait_s: float = 120.0,
+    continuing: Continuing | None = None,
 ) -> AddedTablesResult:
     """Copy replicated ``tables`` again while replication goes on (``pgcdc resync``): each
     dropped on the target and copied, definition and rows, as of a consistent point of its
@@ -727,6 +745,7 @@ def resync_tables(
         wait_s=wait_s,
         resync=True,
         holding_range=holding_range,
+        continuing=continuing,
     )
 
 

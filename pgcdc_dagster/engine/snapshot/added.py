@@ -22,11 +22,12 @@ that ends.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
@@ -45,6 +46,7 @@ from .common import (
     TargetNotEmptyError,
     spark_app_of,
 )
+from .continued import Continuing, continuation, ranges_of, recopy_touched
 from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
 from .schema import copy_schema_post_data
 
@@ -80,6 +82,9 @@ class AddedTablesResult:
     together)."""
     held_back_seconds: float = 0.0
     """Time spent applying them, over every pass."""
+    continued: tuple[str, ...] = ()
+    """What became of the tables a killed snapshot copied in part, a line each
+    (:mod:`.continued`)."""
 
     @property
     def rows(self) -> int:
@@ -88,6 +93,18 @@ class AddedTablesResult:
     @property
     def spark_app(self) -> SparkApp | None:
         return spark_app_of(self.tables)
+
+
+def _drop(target_dsn: str, tables: Sequence[TableName]) -> None:
+    """Drop ``tables`` on the target, with the foreign keys other tables have to them: a
+    resync creates them again from the source's definition."""
+    if not tables:
+        return
+    with connect(target_dsn, role="target") as tgt:
+        drop_incoming(tgt, tables)
+        for table in tables:
+            tgt.execute(sql.SQL("DROP TABLE {}").format(table.sql))
+        tgt.commit()
 
 
 def temporary_slot_name(slot_name: str) -> str:
@@ -108,6 +125,8 @@ def add_tables(
     begin: Callable[[Sequence[TableName]], None],
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
     resync: bool = False,
+    continuing: Continuing | None = None,
+    range_options: Mapping[str, Any] | None = None,
 ) -> AddedTablesResult:
     """Copy ``tables`` (schema, rows, keys) onto the target as of a new consistent point, with
     ``publication`` extended to send them first.
@@ -123,7 +142,11 @@ def add_tables(
     ``resync``: the tables are replicated already and are copied again (``pgcdc resync``):
     their rows on the target may be there, and each table is dropped and created again from
     the source's definition as of the new consistent point (the source's DDL it may not have
-    followed included), its foreign keys from other tables too."""
+    followed included), its foreign keys from other tables too. ``continuing``: of those,
+    tables a killed base snapshot copied in part, whose copied block ranges are kept where
+    they can be (:mod:`.continued`; the others are copied whole as the rest).
+    ``range_options``: how the copy cuts tables (``parallelism``, ``target_rows_per_task``,
+    ``fine_ranges``: see :func:`~.scheduling.copy_tables`)."""
     from ..source.preflight import check_source
     from ..source.publication import ensure_publication
     from ..source.slot import create_slot_with_snapshot
@@ -147,13 +170,10 @@ def add_tables(
         # Again, past ``begin``: an apply that read the chain before it (a table published by
         # hand streams already) may have written one since the guard; ``begin`` waited for it.
         existing, populated = populated_tables(tgt, resolved)
+    kept = set(continuing.tables) if continuing is not None else set()
     if resync and existing:
-        with connect(target_dsn, role="target") as tgt:
-            drop_incoming(tgt, existing)
-            for table in existing:
-                tgt.execute(sql.SQL("DROP TABLE {}").format(table.sql))
-            tgt.commit()
-        existing, populated = [], []
+        _drop(target_dsn, [t for t in existing if t not in kept])
+        existing, populated = [t for t in existing if t in kept], []
     if populated:  # what a killed add copied, or such an apply wrote
         with connect(target_dsn, role="target") as tgt:
             drop_incoming(tgt, populated)
@@ -178,17 +198,35 @@ def add_tables(
         source_dsn, temporary_slot_name(slot_name), temporary=True
     ) as exported:
         slot = exported.slot
-        schema, copies, _ = copy_published(
-            spark,
+        with continuation(
             source_dsn,
             target_dsn,
+            slot_name,
             publication,
-            resolved,
+            continuing,
             slot.snapshot_name,
-            progress,
-            existing=existing,
-            driver_max_rows=driver_max_rows,
-        )
+            slot.consistent_point,
+        ) as continued:
+            _drop(target_dsn, list(continued.whole))
+            schema, copies, _ = copy_published(
+                spark,
+                source_dsn,
+                target_dsn,
+                publication,
+                resolved,
+                slot.snapshot_name,
+                progress,
+                existing=[t for t in existing if t not in continued.whole],
+                driver_max_rows=driver_max_rows,
+                kept_blocks=continued.blocks(),
+                **(range_options or {}),
+            )
+            ranges = ranges_of(source_dsn, list(continued.kept), slot.snapshot_name, schema.shapes)
+            recopied = recopy_touched(source_dsn, continued, slot.snapshot_name, ranges)
+        copies = [
+            dataclasses.replace(c, rows=c.rows + recopied[c.table]) if c.table in recopied else c
+            for c in copies
+        ]
     progress.phase("keys")
     post_data = copy_schema_post_data(source_dsn, target_dsn, resolved, foreign_keys=False)
     foreign_keys = add_not_valid(source_dsn, target_dsn, resolved, replicated)
@@ -196,6 +234,7 @@ def add_tables(
     progress.phase("done")
     failpoint("add.after_copy")
     return AddedTablesResult(
+        continued=continued.lines(recopied),
         tables=tuple(copies),
         consistent_point=slot.consistent_point,
         shapes=schema.shapes,

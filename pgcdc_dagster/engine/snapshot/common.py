@@ -18,12 +18,10 @@ from ..errors import PgcdcError, server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published_columns import PublishedShape
-from ..settings import SPARK_TABLE_ROWS
+from ..settings import SNAPSHOT_RANGE_ROWS, SPARK_TABLE_ROWS
 from ..spark.executors import SparkApp
 
-DEFAULT_ROWS_PER_TASK = 500_000
-"""About one to two seconds of COPY per task: big enough that task start-up (two connections, a
-snapshot import) is noise, small enough that a large table spreads over every core."""
+DEFAULT_ROWS_PER_TASK = SNAPSHOT_RANGE_ROWS
 
 CopyFormat = Literal["binary", "text", "csv"]
 SNAPSHOT_MANIFEST = "_SNAPSHOT.json"
@@ -61,6 +59,10 @@ class TableRange:
     row_filter: str | None = None
     """The publication's row filter of ``table`` (:class:`~..source.publication.PublishedShape`):
     only the rows it passes are copied, as only their changes are streamed."""
+    filenode: int | None = None
+    """``source``'s ``relfilenode`` in the snapshot the range was planned in, recorded with the
+    range (:mod:`.copied_ranges`): a resume keeps block ranges only of a relation not rewritten
+    since (:mod:`.continued`)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ target transaction as its ``COPY``, keyed by the slot and its consistent point. 
 and the rows are one fact: a range is recorded if and only if its rows are on the target, even
 when the process, its ``psql`` pair, a Spark executor or the target server dies anywhere. A
 table is copied whole at that point when its recorded ranges tile every one of its relations
-(each leaf of a partitioned table) from block 0 to the end (:func:`complete_tables`): what a
+(each leaf of a partitioned table) from block 0 to the end (:func:`copied`): what a
 killed snapshot resumes from (:mod:`.resume`).
 
 What must hold: a range's record is written only by the transaction that copied it
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -34,18 +35,21 @@ TABLE = sql.Identifier(SCHEMA, "copied_ranges")
 
 
 def ensure_table(conn: psycopg.Connection[Any]) -> None:
-    """Create ``pgcdc_ddl.copied_ranges`` if it is not there (in the caller's transaction)."""
+    """Create ``pgcdc_ddl.copied_ranges`` if it is not there (in the caller's transaction), with
+    the ``filenode`` column a table an earlier release created lacks (its records then keep no
+    partly copied table: :func:`copied`)."""
     conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
     conn.execute(
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (slot text NOT NULL, consistent_point pg_lsn NOT NULL, "
             "schema_name text NOT NULL, table_name text NOT NULL, "
             "source_schema text NOT NULL, source_name text NOT NULL, "
-            "start_block bigint NOT NULL, end_block bigint, rows bigint, "
+            "start_block bigint NOT NULL, end_block bigint, rows bigint, filenode bigint, "
             "PRIMARY KEY (slot, consistent_point, schema_name, table_name, source_schema, "
             "source_name, start_block))"
         ).format(TABLE)
     )
+    conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS filenode bigint").format(TABLE))
 
 
 def _exists(conn: psycopg.Connection[Any]) -> bool:
@@ -75,7 +79,11 @@ def record_statement(record: CopyRecord, rng: TableRange, *, counted: bool = Tru
         if counted
         else sql.SQL("NULL")
     )
-    return sql.SQL("INSERT INTO {} VALUES ({}, {}::pg_lsn, {}, {}, {}, {}, {}, {}, {})").format(
+    return sql.SQL(
+        "INSERT INTO {} (slot, consistent_point, schema_name, table_name, source_schema, "
+        "source_name, start_block, end_block, rows, filenode) "
+        "VALUES ({}, {}::pg_lsn, {}, {}, {}, {}, {}, {}, {}, {})"
+    ).format(
         TABLE,
         sql.Literal(record.slot),
         sql.Literal(record.consistent_point),
@@ -86,6 +94,7 @@ def record_statement(record: CopyRecord, rng: TableRange, *, counted: bool = Tru
         sql.Literal(rng.start_block or 0),
         sql.Literal(rng.end_block),
         rows,
+        sql.Literal(rng.filenode),
     )
 
 
@@ -100,35 +109,74 @@ def _tiles(ranges: Sequence[tuple[int, int | None]]) -> bool:
     return end is None
 
 
-def complete_tables(
+@dataclass(frozen=True)
+class PartlyCopied:
+    """A table (not partitioned) some of whose block ranges a killed snapshot copied: what a
+    resume may keep of it (:mod:`.continued`)."""
+
+    blocks: tuple[tuple[int, int | None], ...]
+    """The block ranges copied, ``[start, end)`` (``None``: to the end), in order."""
+    filenode: int
+    """The relation's ``relfilenode`` when they were read (:attr:`~.common.TableRange.filenode`)."""
+    rows: int | None
+    """Their rows, as recorded (``None``: unknown)."""
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What a killed snapshot's records say it copied, table by table."""
+
+    whole: dict[TableName, int | None]
+    """Tables copied whole, each with its rows (``None`` where a range's count is unknown)."""
+    partly: dict[TableName, PartlyCopied]
+    """Tables copied in part, each read from one relation with one ``relfilenode``."""
+
+
+def copied(
     conn: psycopg.Connection[Any],
     slot: str,
     consistent_point: Lsn,
     relations: Mapping[TableName, Sequence[TableName]],
-) -> dict[TableName, int | None]:
+) -> Copied:
     """Of ``relations`` (each target table with the source relations copied into it: itself,
     or each leaf of a partitioned table), those copied whole at ``consistent_point`` by the
-    snapshot of ``slot``, each with its rows (``None`` where a range's count is unknown)."""
+    snapshot of ``slot``, and those copied in part from themselves alone (a partitioned table,
+    or one whose ranges' file is not recorded, is not one)."""
     if not _exists(conn):
-        return {}
+        return Copied({}, {})
+    ensure_table(conn)  # a table an earlier release created gains its filenode column
     records = conn.execute(
         sql.SQL(
             "SELECT schema_name, table_name, source_schema, source_name, start_block, end_block, "
-            "rows FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn"
+            "rows, filenode FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn"
         ).format(TABLE),
         (slot, str(consistent_point)),
     ).fetchall()
     found: dict[tuple[TableName, TableName], list[tuple[int, int | None]]] = defaultdict(list)
     counted: dict[TableName, list[int | None]] = defaultdict(list)
-    for schema, name, source_schema, source_name, start, end, rows in records:
+    filenodes: dict[TableName, set[int | None]] = defaultdict(set)
+    for schema, name, source_schema, source_name, start, end, rows, filenode in records:
         table = TableName(schema, name)
         found[(table, TableName(source_schema, source_name))].append((start, end))
         counted[table].append(rows)
-    return {
-        table: None if None in counted[table] else sum(int(n or 0) for n in counted[table])
+        filenodes[table].add(filenode)
+
+    def rows_of(table: TableName) -> int | None:
+        return None if None in counted[table] else sum(int(n or 0) for n in counted[table])
+
+    whole = {
+        table: rows_of(table)
         for table, sources in relations.items()
         if sources and all(_tiles(found.get((table, s), [])) for s in sources)
     }
+    partly: dict[TableName, PartlyCopied] = {}
+    for table, sources in relations.items():
+        nodes = filenodes[table]
+        if table in whole or list(sources) != [table] or not found.get((table, table)):
+            continue
+        if len(nodes) == 1 and (node := next(iter(nodes))) is not None:
+            partly[table] = PartlyCopied(tuple(sorted(found[(table, table)])), node, rows_of(table))
+    return Copied(whole, partly)
 
 
 def recorded(conn: psycopg.Connection[Any], slot: str, consistent_point: Lsn) -> bool:

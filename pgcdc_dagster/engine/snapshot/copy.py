@@ -42,7 +42,7 @@ from .export import write_parquet
 
 _RELATIONS = """
 SELECT u.position, leaf.oid, ln.nspname, leaf.relname, leaf.relkind,
-       leaf.relpages, leaf.reltuples,
+       leaf.relpages, leaf.reltuples, leaf.relfilenode::int8,
        pg_relation_size(leaf.oid) / current_setting('block_size')::bigint,
        current_setting('block_size')::int
 FROM unnest(%s::oid[]) WITH ORDINALITY AS u(root, position)
@@ -88,7 +88,8 @@ def plan_table_ranges(
         columns.setdefault(int(relid), []).append((name, type_text, typname, int(typlen)))
     roots = list(oids.items())
     ranges: list[TableRange] = []
-    for position, _, schema, name, relkind, relpages, reltuples, blocks, block_size in relations:
+    for row in relations:
+        position, _, schema, name, relkind, relpages, reltuples, filenode, blocks, block_size = row
         table, root_oid = roots[int(position) - 1]
         if relkind not in ("r", "m"):
             raise SnapshotError(
@@ -105,7 +106,9 @@ def plan_table_ranges(
         row_filter = None if shape is None else shape.row_filter
         if pieces <= 1:
             ranges.append(
-                TableRange(table, source, column_names, None, None, estimated, row_filter)
+                TableRange(
+                    table, source, column_names, None, None, estimated, row_filter, int(filenode)
+                )
             )
             continue
         step = math.ceil(blocks / pieces)
@@ -122,6 +125,7 @@ def plan_table_ranges(
                     end,
                     int(span * per_block),
                     row_filter,
+                    int(filenode),
                 )
             )
     return ranges

@@ -24,11 +24,10 @@ Why this is exactly once, table by table:
   is the argument of an added table, whose copy stands at a later point than the target's
   other tables.
 
-Why a table and not a range is the unit: a range is a ctid block range, and an update moves a
-row to another block. Ranges copied at ``C1`` and the others copied at ``C2`` miss a row that
-moved from a range not yet copied into one that was, and hold twice one that moved the other
-way; only a whole-table compare at ``C2`` could find those rows, and that compare reads as much
-as the copy it would save (``benchmarks/README.md``, recover).
+A table some of whose ranges were copied is among the others, but the resync keeps those
+ranges where it can: it copies the rest of its blocks at ``C2`` and copies again the rows of
+every key changed in ``(C1, C2]``, which the slot, still at ``C1``, holds (:mod:`.continued`,
+with its argument and what makes it copy the table whole instead).
 
 Crash anywhere: until the chain is complete, the next snapshot finds the same kept tables and
 does this again (each step keeps what exists, the origin is set again to ``C1``); after it,
@@ -41,7 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -57,6 +56,7 @@ from ..target.origin import check_origin_rights, check_room_for, set_origin
 from ..target.sequences import sync_sequences
 from . import copied_ranges
 from .common import BaseSnapshotResult, SchemaRestoreResult, TableCopyResult, bulk_load_facts
+from .copied_ranges import PartlyCopied
 from .copy import plan_table_ranges
 from .foreign_keys import complete as complete_foreign_keys
 from .schema import copy_schema_post_data
@@ -74,14 +74,18 @@ class Resumable:
     """Each kept table's rows, as its ranges' records counted them (``None``: unknown)."""
     rest: tuple[TableName, ...]
     """Not copied, or in part: copied again, each as of a point of its own."""
+    partly: dict[TableName, PartlyCopied] = field(default_factory=dict)
+    """Of :attr:`rest`, those copied in part, whose copied ranges the resync keeps where it
+    can (:mod:`.continued`)."""
 
     def line(self, slot_name: str) -> str:
         """What the resume does, in one line for the user."""
         rest = " ".join(str(t) for t in self.rest) or "none"
+        partly = " ".join(str(t) for t in self.partly)
         return (
             f"an earlier base snapshot of slot {slot_name} did not finish: resuming it at "
             f"{self.consistent_point}, keeping the {len(self.kept)} table(s) it copied whole; "
-            f"copying again: {rest}"
+            f"copying again: {rest}" + (f" (continuing {partly} from its ranges)" if partly else "")
         )
 
 
@@ -98,7 +102,7 @@ def resumable(
     resolved replicated tables): the split, or why not (the snapshot is then taken again from
     scratch). Its slot must still exist, unadvanced (a slot never advances before its
     snapshot completes, so another position means another slot of that name) and not lost,
-    and some table must have been copied whole."""
+    and some table must have been copied whole, or a table in part from its own relation."""
     with connect(source_dsn, role="source", autocommit=True) as src:
         row = src.execute(
             "SELECT confirmed_flush_lsn::text, wal_status FROM pg_replication_slots "
@@ -117,11 +121,13 @@ def resumable(
             if rng.source not in relations[rng.table]:
                 relations[rng.table].append(rng.source)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
-        kept = copied_ranges.complete_tables(tgt, slot_name, copying_at, relations)
-    if not kept:
-        return "it copied no table whole"
-    rest = tuple(t for t in tables if t not in kept)
-    return Resumable(copying_at, snapshot_name, tuple(sorted(kept)), kept, rest)
+        found = copied_ranges.copied(tgt, slot_name, copying_at, relations)
+    if not found.whole and not found.partly:
+        return "it copied no table whole, and no range of a table it could continue"
+    rest = tuple(t for t in tables if t not in found.whole)
+    return Resumable(
+        copying_at, snapshot_name, tuple(sorted(found.whole)), found.whole, rest, found.partly
+    )
 
 
 def _row_counts(conn: psycopg.Connection[Any], resume: Resumable) -> dict[TableName, int]:

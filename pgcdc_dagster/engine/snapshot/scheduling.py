@@ -40,6 +40,7 @@ from .common import (
     snapshot_transaction,
     tables_for_spark,
 )
+from .continued import outside
 from .copy import (
     bundle_tasks,
     copy_bundle,
@@ -164,6 +165,7 @@ def copy_tables(
     *,
     parallelism: int | None = None,
     target_rows_per_task: int = DEFAULT_ROWS_PER_TASK,
+    fine_ranges: bool = False,
     copy_format: CopyFormat = "binary",
     export_store: str | os.PathLike[str] | None = None,
     consistent_point: Lsn | None = None,
@@ -173,6 +175,7 @@ def copy_tables(
     shapes: Mapping[TableName, PublishedShape] | None = None,
     waiting: Callable[[str], None] | None = None,
     record: CopyRecord | None = None,
+    kept_blocks: Mapping[TableName, Sequence[tuple[int, int | None]]] | None = None,
 ) -> list[TableCopyResult]:
     """Copy the rows of ``tables`` as of ``snapshot_name`` into the same-named target tables.
 
@@ -210,6 +213,13 @@ def copy_tables(
     ``record``: a base snapshot's; each range is recorded as copied in its own target
     transaction (:mod:`.copied_ranges`), which a resume reads.
 
+    ``fine_ranges``: the driver copies ranges of ``target_rows_per_task`` rows too, not one
+    per worker: a snapshot killed in a big table then loses at most one range per worker
+    (``PGCDC_SNAPSHOT_RANGE_ROWS``).
+
+    ``kept_blocks``: tables a killed snapshot copied in part, with the block ranges it copied,
+    which are left out here (:mod:`.continued`: a resume continues such a table).
+
     ``waiting`` is told what the copy waits for before rows flow (Spark's start and the check
     of its executors), and ``""`` once they flow.
 
@@ -224,6 +234,14 @@ def copy_tables(
         return []
     with connect(source_dsn, role="source", autocommit=True) as src:
         ranges = plan_table_ranges(src, tables, snapshot_name, target_rows_per_task, shapes)
+        if kept_blocks:
+            ranges = [
+                part
+                for rng in ranges
+                for part in (
+                    outside(rng, kept_blocks[rng.table]) if rng.table in kept_blocks else [rng]
+                )
+            ]
         column_types = _column_type_names(src, tables, snapshot_name)
     staging: Path | None = None
     if export_store is not None:
@@ -234,9 +252,13 @@ def copy_tables(
     driver_ranges = [r for r in ranges if r.table not in for_spark]
     workers = _driver_workers(len(driver_ranges), parallelism)
     driver_rows = sum(r.estimated_rows for r in driver_ranges)
-    # The driver cuts no finer than its workers need: one range per table with one worker.
+    # The driver cuts no finer than its workers need: one range per table with one worker
+    # (unless asked for ``fine_ranges``).
     driver_ranges = merge_ranges(
-        driver_ranges, max(target_rows_per_task, math.ceil(driver_rows / workers))
+        driver_ranges,
+        target_rows_per_task
+        if fine_ranges
+        else max(target_rows_per_task, math.ceil(driver_rows / workers)),
     )
 
     new = set(new_tables)

@@ -1,0 +1,449 @@
+"""A table a killed snapshot copied in part, continued as of a later point instead of copied
+again whole.
+
+A base snapshot killed while it copied a big table split into block ranges left some of them
+on the target, read at its slot's consistent point ``C1``, and recorded with their relation's
+``relfilenode`` (:mod:`.copied_ranges`). A resume (:mod:`.resume`) copies that table again
+as a resync does, as of a temporary slot's point ``C2`` (:mod:`.added`), but keeps those
+ranges: the other blocks are copied at ``C2``, and then every row whose key a change in
+``(C1, C2]`` touched is deleted on the target and copied again at ``C2``.
+
+Why the table then holds exactly the source's rows at ``C2``:
+
+* The kept ranges and the ones copied at ``C2`` tile the relation's blocks without overlap
+  (:func:`gaps`), and the relation was not rewritten between ``C1`` and ``C2`` (the same
+  ``relfilenode``: a ``VACUUM FULL``, a ``CLUSTER``, a ``TRUNCATE`` or a rewriting ``ALTER``
+  gives a new one), so a row version keeps its block from ``C1`` to ``C2``.
+* A key no transaction committed in ``(C1, C2]`` touched has the same row version at both
+  points, in exactly one block: it was copied once, at ``C1`` or at ``C2``, and is the
+  source's at ``C2``.
+* Every other row the target holds at that moment (a version deleted or replaced after
+  ``C1``, one inserted before ``C2`` into a block copied then, a version moved by an update
+  from a block not yet copied into one copied, or the other way) belongs to a key such a
+  transaction touched: an insert's, an update's old and new keys, a delete's. The slot still
+  stands at ``C1`` (checked), so peeking it up to ``C2`` decodes every such transaction, as
+  the publication sends it (an update leaving the row filter arrives as a delete): those keys,
+  all of them, are deleted, and the rows the source holds under them at ``C2`` copied, in the
+  same exported snapshot, filter and columns as the rest. The peek may decode a few
+  transactions past ``C2``: a key touched only there is copied again needlessly, never
+  wrongly.
+* The target table has no key yet (it is built after this, as for any table copied), so the
+  versions the two points both copied sit side by side until their key is deleted; a
+  duplicate left by a mistake here would fail that key's build, loudly.
+
+From ``C2`` on the table is a resynced table like any other (:func:`~..control.pipeline.
+add_tables`): its changes committed up to ``C2`` are skipped, those after applied.
+
+What breaks the premise and gets the table copied whole again (named in one line): a new
+``relfilenode``, columns that differ between the source at ``C2`` and the target (DDL since
+``C1``), a table without a usable key (the key the stream identifies rows by: the primary key
+or the replica identity index), a ``TRUNCATE`` of it in the window, a key value the stream
+left out (an unchanged key stored out of line in TOAST), a slot not at ``C1``.
+
+Crash anywhere: nothing of this is recorded; the table is in the resync that the chain
+records (``Chain.resyncing``), and a resync that runs again copies it whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ..catalog import table_columns
+from ..connect import connect
+from ..decode.pgoutput import Delete, Insert, Relation, Truncate, TupleData, Update, decode
+from ..identifiers import TableName
+from ..lsn import Lsn
+from ..published_columns import row_filter_sql
+from .common import TableRange, resolve_oids, snapshot_transaction
+from .copied_ranges import PartlyCopied
+from .copy import plan_table_ranges
+
+Blocks = tuple[int, int | None]
+"""A block range ``[start, end)``; ``None``: to the relation's end."""
+
+
+def gaps(kept: Sequence[Blocks]) -> list[Blocks]:
+    """The block ranges of ``[0, ∞)`` that ``kept`` (ranges without overlap) leaves out."""
+    left: list[Blocks] = []
+    at = 0
+    for start, end in sorted(kept):
+        if start > at:
+            left.append((at, start))
+        if end is None:
+            return left
+        at = max(at, end)
+    left.append((at, None))
+    return left
+
+
+def outside(rng: TableRange, kept: Sequence[Blocks]) -> list[TableRange]:
+    """The parts of ``rng`` outside the ``kept`` blocks, each estimated at its share of
+    ``rng``'s rows (the whole estimate for a part without an end: it only balances tasks)."""
+    low, high = rng.start_block or 0, rng.end_block
+    parts = []
+    for start, end in gaps(kept):
+        first = max(low, start)
+        last = end if high is None else high if end is None else min(high, end)
+        if last is not None and last <= first:
+            continue
+        share = 1.0 if high is None or last is None else (last - first) / max(1, high - low)
+        parts.append(
+            replace(
+                rng,
+                start_block=first or None,
+                end_block=last,
+                estimated_rows=int(rng.estimated_rows * share),
+            )
+        )
+    return parts
+
+
+@dataclass(frozen=True)
+class Continuing:
+    """What a resume asks of the resync that copies its other tables: these, partly copied at
+    ``since`` by the snapshot of the chain's slot, are continued rather than copied again."""
+
+    since: Lsn
+    tables: Mapping[TableName, PartlyCopied]
+
+
+@dataclass(frozen=True)
+class KeyColumn:
+    name: str
+    type_sql: str
+
+
+@dataclass
+class Continuation:
+    """The tables being continued at ``C2``, their touched keys held in temporary tables of
+    ``conn`` (a target session of its own), and why the others are copied whole."""
+
+    conn: psycopg.Connection[Any] | None
+    kept: dict[TableName, PartlyCopied] = field(default_factory=dict)
+    keys: dict[TableName, tuple[KeyColumn, ...]] = field(default_factory=dict)
+    places: dict[TableName, int] = field(default_factory=dict)
+    """Each kept table's number in the temporary table of touched keys."""
+    whole: dict[TableName, str] = field(default_factory=dict)
+    """Tables asked for that are copied whole, each with why, for the user."""
+
+    def blocks(self) -> dict[TableName, tuple[Blocks, ...]]:
+        """The blocks to leave out of each continued table's copy."""
+        return {t: p.blocks for t, p in self.kept.items()}
+
+    def lines(self, recopied: Mapping[TableName, int]) -> tuple[str, ...]:
+        """What became of each table asked for, a line each, with the rows under touched
+        keys copied again (``recopied``)."""
+        said = [
+            f"{t}: continued: the {len(p.blocks)} range(s) copied before kept "
+            f"({'their' if p.rows is None else f'{p.rows:,}'} row(s)), the other blocks copied, and "
+            f"the {recopied.get(t, 0):,} row(s) of keys changed in between copied again"
+            for t, p in self.kept.items()
+        ]
+        said += [f"{t}: copied whole again: {why}" for t, why in self.whole.items()]
+        return tuple(said)
+
+
+_KEY = """
+SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+FROM pg_class c
+JOIN pg_index i ON i.indrelid = c.oid
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum = ANY(i.indkey)
+WHERE c.oid = %(relid)s AND i.indisvalid AND i.indisunique AND i.indpred IS NULL
+  AND CASE c.relreplident WHEN 'i' THEN i.indisreplident
+                          WHEN 'n' THEN false ELSE i.indisprimary END
+ORDER BY array_position(i.indkey::int2[], a.attnum)
+"""
+"""The columns the stream identifies a row by: the replica identity index's, else the primary
+key's (with ``REPLICA IDENTITY FULL`` the old row holds them too)."""
+
+_RELATION = "SELECT relkind, relfilenode::int8 FROM pg_class WHERE oid = %s"
+
+_PEEK = """
+SELECT data
+FROM pg_logical_slot_peek_binary_changes(
+    %(slot)s, %(upto)s::pg_lsn, NULL,
+    'proto_version', '1', 'publication_names', %(publication)s)
+WHERE get_byte(data, 0) = 84  -- T: a TRUNCATE, which lists its tables after
+   OR (get_byte(data, 0) IN (68, 73, 82, 85)  -- D, I, R, U: the relation's oid follows
+       AND substring(data FROM 2 FOR 4) = ANY(%(relids)s::bytea[]))
+"""
+"""The slot's messages about the continued tables, up to ``upto``, peeked (the slot does not
+move): filtered by the source, so only those cross the network."""
+
+
+@contextlib.contextmanager
+def continuation(
+    source_dsn: str,
+    target_dsn: str,
+    slot: str,
+    publication: str,
+    continuing: Continuing | None,
+    snapshot_name: str,
+    point: Lsn,
+) -> Iterator[Continuation]:
+    """In the exported snapshot ``snapshot_name`` of the point ``point`` (``C2``): which of
+    ``continuing``'s tables can be continued (module docstring), with the keys the slot's
+    changes since ``continuing.since`` touched collected on the target. The caller copies the
+    tables' other blocks (:meth:`Continuation.blocks`), then calls :func:`recopy_touched`;
+    the others it copies whole."""
+    if continuing is None or not continuing.tables:
+        yield Continuation(None)
+        return
+    with connect(target_dsn, role="target", autocommit=True) as tgt:
+        found = Continuation(tgt)
+        relids = _checked(source_dsn, tgt, continuing, snapshot_name, found)
+        if found.kept:
+            why = _slot_moved(source_dsn, slot, continuing.since)
+            if why is not None:
+                found.whole.update({t: why for t in found.kept})
+                found.kept.clear()
+            else:
+                _collect_touched(source_dsn, tgt, slot, publication, point, relids, found)
+        yield found
+
+
+def _checked(
+    source_dsn: str,
+    tgt: psycopg.Connection[Any],
+    continuing: Continuing,
+    snapshot_name: str,
+    found: Continuation,
+) -> dict[int, TableName]:
+    """Sort ``continuing``'s tables into ``found``'s kept and whole by what the source says at
+    ``snapshot_name`` and the target now; the kept ones' source oids."""
+    tables = list(continuing.tables)
+    on_target = table_columns(tgt, tables)
+    relids: dict[int, TableName] = {}
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+    ):
+        oids = resolve_oids(src, tables)
+        on_source = table_columns(src, tables)
+        for table, partly in continuing.tables.items():
+            row = src.execute(_RELATION, (oids[table],)).fetchone()
+            key = tuple(
+                KeyColumn(n, t) for n, t in src.execute(_KEY, {"relid": oids[table]}).fetchall()
+            )
+            columns = [(c.name, c.type_sql) for c in on_source.get(table, [])]
+            if row is None or row[0] != "r":
+                found.whole[table] = "it is not a plain table"
+            elif int(row[1]) != partly.filenode:
+                found.whole[table] = "rewritten since: a new file (VACUUM FULL, CLUSTER, ...)"
+            elif columns != [(c.name, c.type_sql) for c in on_target.get(table, [])]:
+                found.whole[table] = "its columns changed since"
+            elif not key:
+                found.whole[table] = "it has no key to find the changed rows by"
+            else:
+                found.kept[table] = partly
+                found.keys[table] = key
+                relids[oids[table]] = table
+    return relids
+
+
+def _slot_moved(source_dsn: str, slot: str, since: Lsn) -> str | None:
+    """Why the slot cannot give the changes since ``since``: it must stand exactly there."""
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        row = src.execute(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+    if row is None or row[0] is None or Lsn.parse(row[0]) != since:
+        return f"the slot is not at {since}, where the ranges were copied"
+    return None
+
+
+def _collect_touched(
+    source_dsn: str,
+    tgt: psycopg.Connection[Any],
+    slot: str,
+    publication: str,
+    point: Lsn,
+    relids: dict[int, TableName],
+    found: Continuation,
+) -> None:
+    """Peek the slot up to ``point`` and write every key its changes to the kept tables touch
+    into a temporary table on ``tgt`` (the table's place in ``found.kept``, then the key's
+    columns), as the messages stream: bounded memory. A table the stream truncates, or whose
+    key a message leaves out, moves to the whole."""
+    width = max(len(k) for k in found.keys.values())
+    columns = sql.SQL(", ").join(_key_name(j) + sql.SQL(" text") for j in range(width))
+    tgt.execute(
+        sql.SQL("CREATE TEMPORARY TABLE {} (pgcdc_table int, {})").format(_TOUCHED, columns)
+    )
+    place = {table: i for i, table in enumerate(found.kept)}
+    relations: dict[int, Relation] = {}
+    params = {
+        "slot": slot,
+        "upto": str(point),
+        "publication": publication,
+        "relids": [oid.to_bytes(4, "big") for oid in relids],
+    }
+    with (
+        tgt.cursor().copy(sql.SQL("COPY {} FROM STDIN").format(_TOUCHED)) as into,
+        connect(source_dsn, role="source") as src,
+        src.cursor(name="pgcdc_touched", binary=True) as cur,
+    ):
+        cur.itersize = 10_000
+        cur.execute(_PEEK, params)
+        for (data,) in cur:
+            message = decode(bytes(data))
+            if isinstance(message, Relation):
+                relations[message.relid] = message
+            elif isinstance(message, Truncate):
+                for relid in message.relids:
+                    if relid in relids and relids[relid] in found.kept:
+                        _give_up(found, relids[relid], "it was truncated since")
+            elif isinstance(message, (Insert, Update, Delete)):
+                table = relids.get(message.relid)
+                if table is None or table not in found.kept:
+                    continue
+                relation = relations.get(message.relid)
+                keys = None if relation is None else _keys(message, relation, found.keys[table])
+                if keys is None:
+                    _give_up(found, table, "a change left its key out (TOAST)")
+                    continue
+                for key in keys:
+                    into.write_row((place[table], *key, *([None] * (width - len(key)))))
+        src.commit()
+    found.places = {t: place[t] for t in found.kept}
+
+
+_TOUCHED = sql.Identifier("pgcdc_touched_keys")
+
+
+def _key_name(j: int) -> sql.Identifier:
+    return sql.Identifier(f"pgcdc_k{j}")
+
+
+def _give_up(found: Continuation, table: TableName, why: str) -> None:
+    """``table`` is copied whole: its keys are no longer collected."""
+    found.kept.pop(table, None)
+    found.keys.pop(table, None)
+    found.whole[table] = why
+
+
+def _keys(
+    message: Insert | Update | Delete, relation: Relation, key: Sequence[KeyColumn]
+) -> list[tuple[str, ...]] | None:
+    """The keys ``message`` touches (an update's old and new), in text; ``None`` when one is
+    not in it."""
+    where = {c.name: i for i, c in enumerate(relation.columns)}
+    if any(c.name not in where for c in key):
+        return None
+    indexes = [where[c.name] for c in key]
+
+    def of(row: TupleData | None) -> tuple[str, ...] | None:
+        if row is None or any(i in row.unchanged_toast for i in indexes):
+            return None
+        values = [row.values[i] for i in indexes]
+        if any(v is None for v in values):
+            return None
+        return tuple(bytes(v).decode() for v in values if v is not None)
+
+    if isinstance(message, Insert):
+        new = of(message.new)
+        return None if new is None else [new]
+    if isinstance(message, Delete):
+        old = of(message.old)
+        return None if old is None else [old]
+    old = of(message.old) if message.old is not None else None
+    new = of(message.new)
+    if new is None:
+        new = old  # a key stored out of line and unchanged: the full old row holds it
+    if new is None:
+        return None
+    return [new] if old is None or old == new else [old, new]
+
+
+def recopy_touched(
+    source_dsn: str,
+    found: Continuation,
+    snapshot_name: str,
+    ranges: Mapping[TableName, TableRange],
+    batch: int = 20_000,
+) -> dict[TableName, int]:
+    """Delete on the target every row of the continued tables under a touched key, and copy
+    the source's rows under those keys in the exported snapshot ``snapshot_name``, with
+    ``ranges``' columns and row filter (any range the table's copy was planned into), in one
+    target transaction; the rows copied, per table. Bounded memory: the keys are read back
+    ``batch`` at a time."""
+    copied: dict[TableName, int] = {}
+    if found.conn is None or not found.kept:
+        return copied
+    tgt = found.conn
+    with (
+        connect(source_dsn, role="source", autocommit=True) as src,
+        snapshot_transaction(src, snapshot_name),
+        tgt.transaction(),
+    ):
+        for table in found.kept:
+            key = found.keys[table]
+            names = [_key_name(j) for j in range(len(key))]
+            matches = sql.SQL(" AND ").join(
+                sql.SQL("t.{} = k.{}::{}").format(sql.Identifier(c.name), n, sql.SQL(c.type_sql))
+                for c, n in zip(key, names, strict=True)
+            )
+            distinct = sql.SQL("SELECT DISTINCT {} FROM {} WHERE pgcdc_table = {}").format(
+                sql.SQL(", ").join(names), _TOUCHED, sql.Literal(found.places[table])
+            )
+            tgt.execute(
+                sql.SQL("DELETE FROM ONLY {} AS t USING ({}) AS k WHERE {}").format(
+                    table.sql, distinct, matches
+                )
+            )
+            rng = ranges[table]
+            select = sql.SQL(
+                "COPY (SELECT {columns} FROM ONLY {table} AS t "
+                "JOIN unnest({arrays}) AS k({names}) ON {matches}{filter}) TO STDOUT "
+                "(FORMAT binary)"
+            ).format(
+                columns=sql.SQL(", ").join(
+                    sql.SQL("t.{}").format(sql.Identifier(c)) for c in rng.columns
+                ),
+                table=rng.source.sql,
+                arrays=sql.SQL(", ").join(sql.SQL("%s::text[]") for _ in key),
+                names=sql.SQL(", ").join(names),
+                matches=matches,
+                filter=(
+                    sql.SQL("")
+                    if rng.row_filter is None
+                    else sql.SQL(" WHERE ") + row_filter_sql(rng.row_filter)
+                ),
+            )
+            insert = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT binary)").format(
+                table.sql, sql.SQL(", ").join(sql.Identifier(c) for c in rng.columns)
+            )
+            rows = 0
+            with tgt.cursor(name=f"pgcdc_touched_{found.places[table]}") as keys:
+                keys.execute(distinct)
+                while chunk := keys.fetchmany(batch):
+                    arrays = [list(column) for column in zip(*chunk, strict=True)]
+                    with src.cursor() as out_cur, tgt.cursor() as into_cur:
+                        with out_cur.copy(select, arrays) as out, into_cur.copy(insert) as into:
+                            for block in out:
+                                into.write(block)
+                        rows += max(0, into_cur.rowcount)
+            copied[table] = rows
+    return copied
+
+
+def ranges_of(
+    source_dsn: str,
+    tables: Sequence[TableName],
+    snapshot_name: str,
+    shapes: Mapping[TableName, Any],
+) -> dict[TableName, TableRange]:
+    """One planned range of each table, for its columns and row filter as the copy reads them
+    (:func:`~.copy.plan_table_ranges`: one place decides them)."""
+    if not tables:
+        return {}
+    with connect(source_dsn, role="source", autocommit=True) as src:
+        planned = plan_table_ranges(src, tables, snapshot_name, shapes=shapes)
+    return {r.table: r for r in planned}
