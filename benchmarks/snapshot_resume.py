@@ -4,14 +4,18 @@ initial sync of the same tables, through the commands a user runs, from fresh pr
 clusters.
 
 pgbench at ``--scale``; its accounts cut into ``--tables`` tables of equal size (``aid`` modulo
-the count, each with its primary key), which are what is replicated: a snapshot resumes table by
-table, so one big table would be copied again whole. The killed run is killed (its whole process
-group) once ``--kill-after`` of the driver's copy tasks committed (``snapshot.range_copied``);
-the resume is timed, then the full snapshot, then native's initial sync; each ends with the
-target's row counts and content hashes checked against the source.
+the count, each with its primary key), which are what is replicated. The killed run is killed
+(its whole process group) once ``--kill-after`` of the driver's copy tasks committed
+(``snapshot.range_copied``); ``--changed-permille`` of each table's rows are then updated on the
+source; the resume is timed, then the full snapshot, then native's initial sync; each ends with
+the target's row counts and content hashes checked against the source.
+
+One big table killed at 80%: ``--tables 1 --range-rows 1000000``: the table is cut into ranges
+of that many rows (``PGCDC_SNAPSHOT_RANGE_ROWS``, for every command timed), and the resume
+continues it from the ranges it copied (``pgcdc_dagster/engine/snapshot/continued.py``).
 
 Usage: ``.venv/bin/python benchmarks/snapshot_resume.py [--scale 100] [--tables 10]
-[--kill-after 8]``
+[--kill-after 8] [--range-rows N] [--changed-permille 10]``
 """
 
 from __future__ import annotations
@@ -59,6 +63,21 @@ def _cut(source_dsn: str, count: int) -> None:
             )
             conn.execute(sql.SQL("ALTER TABLE {} ADD PRIMARY KEY (aid)").format(table))
         conn.execute("VACUUM ANALYZE")
+
+
+def _change(source_dsn: str, count: int, permille: int) -> int:
+    """Update ``permille`` of each table's rows, spread over it (by a hash of the key): what a
+    source changes between the kill and the resume."""
+    changed = 0
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        for name in _tables(count):
+            cur = conn.execute(
+                sql.SQL(
+                    "UPDATE {} SET abalance = abalance + 1 WHERE abs(hashint4(aid)) % 1000 < {}"
+                ).format(sql.Identifier(name), sql.Literal(permille))
+            )
+            changed += cur.rowcount
+    return changed
 
 
 def _content(dsn: str, count: int) -> list[Any]:
@@ -137,6 +156,8 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=100)
     parser.add_argument("--tables", type=int, default=10)
     parser.add_argument("--kill-after", type=int, default=8)
+    parser.add_argument("--range-rows", type=int, default=None)
+    parser.add_argument("--changed-permille", type=int, default=0)
     args = parser.parse_args()
     report: dict[str, Any] = vars(args).copy()
     with (
@@ -162,6 +183,7 @@ def main() -> None:
                 f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/dagster_resume"
             ),
             "PGCDC_SERVER": "off",
+            **({"PGCDC_SNAPSHOT_RANGE_ROWS": str(args.range_rows)} if args.range_rows else {}),
             "_source": source,
             "_target": target,
         }
@@ -174,9 +196,14 @@ def main() -> None:
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         report["killed_after_seconds"] = round(seconds, 2)
+        report["changed_rows"] = _change(source.dsn(), args.tables, args.changed_permille)
         _quiesce(source, target)
         seconds, measured, resumed = _command(env, work, "snapshot")
-        line = next(ln for ln in resumed.stderr.splitlines() if "did not finish" in ln)
+        line = " | ".join(
+            ln
+            for ln in resumed.stderr.splitlines()
+            if "did not finish" in ln or ": continued:" in ln or "copied whole again" in ln
+        )
         assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
         report["resume"] = {
             "command_seconds": round(seconds, 2),

@@ -29,6 +29,7 @@ from pgcdc_dagster.engine.snapshot import (
     snapshot_export_path,
     take_base_snapshot,
 )
+from pgcdc_dagster.engine.snapshot.continued import gaps, outside
 from pgcdc_dagster.engine.source.slot import create_slot_with_snapshot
 from pgcdc_dagster.engine.target.sequences import sync_sequences
 from pgcdc_dagster_tests.procs import descendants
@@ -277,6 +278,22 @@ def test_merged_ranges_tile_each_relation() -> None:
         TableRange(t, leaf_b, columns, None, None, 100),
     ]
     assert merge_ranges(ranges, 1) == ranges
+
+
+def test_the_blocks_a_continued_table_copies_are_exactly_those_its_kept_ranges_leave_out() -> None:
+    """A resume continues a table from the ranges a killed snapshot copied (``continued``): the
+    other blocks, cut from the new plan, must tile what the kept ranges leave out, no more."""
+    t = TableName("public", "t")
+    assert gaps([(10, 20), (30, None)]) == [(0, 10), (20, 30)]
+    assert gaps([(0, 10), (10, 20)]) == [(20, None)]
+    assert gaps([(5, 8)]) == [(0, 5), (8, None)]
+    planned = [
+        TableRange(t, t, ("id",), None, 15, 150),
+        TableRange(t, t, ("id",), 15, None, 100),
+    ]
+    parts = [p for rng in planned for p in outside(rng, [(10, 20), (30, 40)])]
+    assert [(p.start_block, p.end_block) for p in parts] == [(None, 10), (20, 30), (40, None)]
+    assert parts[0].estimated_rows == 100  # 10 of its 15 blocks
 
 
 def test_dataframe_scheduler_for_spark_connect_copies_the_same(

@@ -57,6 +57,7 @@ from psycopg import sql
 from ..catalog import table_columns
 from ..connect import connect
 from ..decode.pgoutput import Delete, Insert, Relation, Truncate, TupleData, Update, decode
+from ..errors import server_message
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..published_columns import row_filter_sql
@@ -141,8 +142,9 @@ class Continuation:
         keys copied again (``recopied``)."""
         said = [
             f"{t}: continued: the {len(p.blocks)} range(s) copied before kept "
-            f"({'their' if p.rows is None else f'{p.rows:,}'} row(s)), the other blocks copied, and "
-            f"the {recopied.get(t, 0):,} row(s) of keys changed in between copied again"
+            f"({'their' if p.rows is None else f'{p.rows:,}'} row(s)), the other blocks "
+            f"copied, and the {recopied.get(t, 0):,} row(s) of keys changed in between copied "
+            "again"
             for t, p in self.kept.items()
         ]
         said += [f"{t}: copied whole again: {why}" for t, why in self.whole.items()]
@@ -204,7 +206,14 @@ def continuation(
                 found.whole.update({t: why for t in found.kept})
                 found.kept.clear()
             else:
-                _collect_touched(source_dsn, tgt, slot, publication, point, relids, found)
+                try:
+                    _collect_touched(source_dsn, tgt, slot, publication, point, relids, found)
+                except psycopg.Error as exc:  # e.g. the slot in use: the whole copy is sure
+                    why = (
+                        f"its changes since could not be read from the slot: {server_message(exc)}"
+                    )
+                    found.whole.update({t: why for t in found.kept})
+                    found.kept.clear()
         yield found
 
 

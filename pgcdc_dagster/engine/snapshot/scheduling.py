@@ -253,13 +253,11 @@ def copy_tables(
     workers = _driver_workers(len(driver_ranges), parallelism)
     driver_rows = sum(r.estimated_rows for r in driver_ranges)
     # The driver cuts no finer than its workers need: one range per table with one worker
-    # (unless asked for ``fine_ranges``).
-    driver_ranges = merge_ranges(
-        driver_ranges,
-        target_rows_per_task
-        if fine_ranges
-        else max(target_rows_per_task, math.ceil(driver_rows / workers)),
-    )
+    # (unless asked for ``fine_ranges``: as planned).
+    if not fine_ranges:
+        driver_ranges = merge_ranges(
+            driver_ranges, max(target_rows_per_task, math.ceil(driver_rows / workers))
+        )
 
     new = set(new_tables)
 

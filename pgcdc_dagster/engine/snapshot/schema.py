@@ -329,8 +329,11 @@ def copy_schema_pre_data(
     indexes or keys). Reads the source as of ``snapshot_name`` when given.
 
     Only the dependency closure of ``tables`` is created (see the module docstring), and only
-    what the target lacks; a table that already exists is left exactly as it is.
+    what the target lacks; a table that already exists is left exactly as it is. No
+    ``tables``, nothing (``pg_dump`` without a table would dump them all).
     """
+    if not tables:
+        return SchemaRestoreResult("pre-data", (), (), (), 0.0)
     started = time.perf_counter()
     with (
         connect(source_dsn, role="source", autocommit=True) as src,
@@ -489,7 +492,11 @@ def copy_schema_post_data(
     an ``INDEX ATTACH`` entry for each (:func:`_partition_entries`). Without the partitions'
     share, a partitioned table's primary key stayed invalid on the target, and the apply
     refused its first range: no unique index to match rows by.
+
+    No ``tables``, nothing to do (``pg_dump`` without a table would dump them all).
     """
+    if not tables:
+        return SchemaRestoreResult("post-data", (), (), (), 0.0)
     started = time.perf_counter()
     with (
         connect(source_dsn, role="source", autocommit=True) as src,
