@@ -113,6 +113,17 @@ def _command(
     return measured.wall, measured.report(), done
 
 
+def _phase_ends(stderr: str) -> dict[str, str]:
+    """The last progress line of each phase the command showed (``pgcdc: <work> <phase>: ...``),
+    which carries the seconds elapsed when it ended."""
+    ends: dict[str, str] = {}
+    for line in stderr.splitlines():
+        head, _, rest = line.partition(": ")[2].partition(": ")
+        if rest and head.split(" ")[0] in ("snapshot", "add-table"):
+            ends[head] = rest
+    return ends
+
+
 def _native(source: Any, target: Any, count: int) -> float:
     """Native logical replication's initial sync of the tables into a fresh database (schema
     from ``pg_dump --schema-only``): seconds from ``CREATE SUBSCRIPTION`` until every table is
@@ -209,6 +220,7 @@ def main() -> None:
             "command_seconds": round(seconds, 2),
             "cpu_seconds": measured["cpu_seconds"],
             "line": line,
+            "phases": _phase_ends(resumed.stderr),
         }
         print(json.dumps({"resume": report["resume"]}), flush=True)
         _quiesce(source, target)
