@@ -46,7 +46,7 @@ from .common import (
     TargetNotEmptyError,
     spark_app_of,
 )
-from .continued import Continuing, continuation, ranges_of, recopy_touched
+from .continued import Continuing, continuation, copy_touched, delete_touched, ranges_of
 from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
 from .schema import copy_schema_post_data
 
@@ -208,6 +208,7 @@ def add_tables(
             slot.consistent_point,
         ) as continued:
             _drop(target_dsn, list(continued.whole))
+            delete_touched(continued)
             schema, copies, _ = copy_published(
                 spark,
                 source_dsn,
@@ -222,7 +223,7 @@ def add_tables(
                 **(range_options or {}),
             )
             ranges = ranges_of(source_dsn, list(continued.kept), slot.snapshot_name, schema.shapes)
-            recopied = recopy_touched(source_dsn, continued, slot.snapshot_name, ranges)
+            recopied = copy_touched(source_dsn, continued, slot.snapshot_name, ranges)
         copies = [
             dataclasses.replace(c, rows=c.rows + recopied[c.table]) if c.table in recopied else c
             for c in copies
