@@ -1306,8 +1306,9 @@ def test_a_snapshot_killed_mid_copy_under_writes_resumes_keeping_the_tables_it_c
 def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_copied(
     clusters: Clusters, tmp_path: Path, case: str
 ):
-    """The 1M-row table cut into ranges of 100,000 rows, copied two at a time; SIGKILL of the
-    snapshot's process group once one of its ranges committed. Before the next ``pgcdc
+    """The 1M-row table cut into ranges of 50,000 rows, copied two at a time; SIGKILL of the
+    snapshot's process group once 12 of its ranges committed (most of its blocks: its key is
+    then built on them first), or, ``rewritten`` and ``alone``, one. Before the next ``pgcdc
     snapshot``, the source changes that table in the ways that would break a naive
     continuation: deletes and a vacuum that free space in the first blocks, updates that move
     rows from the last blocks into them, updates in place, key changes, inserts. The resume
@@ -1317,7 +1318,8 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
     copied whole again, and says why. ``alone``: the big table is the only one replicated, so
     the killed snapshot copied no table whole: it is resumed all the same."""
     fresh = make_site(clusters, tmp_path, bulk=True)
-    fresh.env.update({"PGCDC_SNAPSHOT_JOBS": "2", "PGCDC_SNAPSHOT_RANGE_ROWS": "100000"})
+    fresh.env.update({"PGCDC_SNAPSHOT_JOBS": "2", "PGCDC_SNAPSHOT_RANGE_ROWS": "50000"})
+    kill_after = 12 if case == "changed" else 1
     if case == "alone":
         fresh.env["PGCDC_TABLES"] = "public.bulk"
     running = fresh.start("snapshot")
@@ -1327,12 +1329,12 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
             if conn.execute("SELECT to_regclass('pgcdc_ddl.copied_ranges')").fetchone() == (None,):
                 return False
             found = conn.execute(
-                "SELECT FROM pgcdc_ddl.copied_ranges WHERE table_name = 'bulk' LIMIT 1"
+                "SELECT count(*) FROM pgcdc_ddl.copied_ranges WHERE table_name = 'bulk'"
             ).fetchone()
-        return found is not None
+        return found is not None and found[0] >= kill_after
 
     try:
-        _wait_for(bulk_range_copied, "a range of the big table to be copied", 120, running)
+        _wait_for(bulk_range_copied, "ranges of the big table to be copied", 120, running)
     finally:
         os.killpg(running.pid, signal.SIGKILL)
         running.communicate()
@@ -1370,6 +1372,8 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         assert _table_oids(fresh.settings.target_dsn)["bulk"] != before["bulk"]
     else:
         assert f"range(s) copied before kept ({kept_rows:,} row(s))" in said, said
+        path = "by its key, built first" if case == "changed" else "the kept rows read"
+        assert path in said, said
         assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
     done = fresh.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
