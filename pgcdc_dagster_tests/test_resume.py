@@ -1307,8 +1307,8 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
     clusters: Clusters, tmp_path: Path, case: str
 ):
     """The 1M-row table cut into ranges of 50,000 rows, copied two at a time; SIGKILL of the
-    snapshot's process group once 12 of its ranges committed (most of its blocks: its key is
-    then built on them first), or, ``rewritten`` and ``alone``, one. Before the next ``pgcdc
+    snapshot's process group once 12 of its ranges committed (most of its blocks), or,
+    ``rewritten`` and ``alone``, one. Before the next ``pgcdc
     snapshot``, the source changes that table in the ways that would break a naive
     continuation: deletes and a vacuum that free space in the first blocks, updates that move
     rows from the last blocks into them, updates in place, key changes, inserts. The resume
@@ -1372,8 +1372,6 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         assert _table_oids(fresh.settings.target_dsn)["bulk"] != before["bulk"]
     else:
         assert f"range(s) copied before kept ({kept_rows:,} row(s))" in said, said
-        path = "by its key, built first" if case == "changed" else "the kept rows read"
-        assert path in said, said
         assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
     done = fresh.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr

@@ -46,14 +46,7 @@ from .common import (
     TargetNotEmptyError,
     spark_app_of,
 )
-from .continued import (
-    Continuing,
-    build_keys_first,
-    continuation,
-    copy_touched,
-    delete_touched,
-    ranges_of,
-)
+from .continued import Continuing, continuation, copy_touched, delete_touched, ranges_of
 from .foreign_keys import AddedKeys, add_not_valid, drop_incoming
 from .schema import copy_schema_post_data
 
@@ -215,7 +208,6 @@ def add_tables(
             slot.consistent_point,
         ) as continued:
             _drop(target_dsn, list(continued.whole))
-            build_keys_first(source_dsn, target_dsn, continued, slot.snapshot_name)
             delete_touched(continued)
             schema, copies, _ = copy_published(
                 spark,

@@ -31,7 +31,11 @@ Why the table then holds exactly the source's rows at ``C2``:
   copied exactly once. The peek may decode a few transactions past ``C2``: a key touched
   only there is replaced needlessly, never wrongly.
 * The target table has no key yet (it is built after this, as for any table copied); a
-  duplicate left by a mistake here would fail that key's build, loudly.
+  duplicate left by a mistake here would fail that key's build, loudly. So the touched keys
+  are deleted by a scan of the kept rows (which also sets their hint bits, which the key's
+  build would otherwise do). Building the key on the kept rows first, to delete through it
+  and maintain it during the rest of the copy, measured no faster (``benchmarks/HISTORY.md``,
+  snapshot_resume).
 
 From ``C2`` on the table is a resynced table like any other (:func:`~..control.pipeline.
 add_tables`): its changes committed up to ``C2`` are skipped, those after applied.
@@ -67,7 +71,6 @@ from ..published_columns import row_filter_sql
 from .common import TableRange, resolve_oids, snapshot_transaction
 from .copied_ranges import PartlyCopied
 from .copy import plan_table_ranges
-from .schema import copy_schema_post_data
 
 Blocks = tuple[int, int | None]
 """A block range ``[start, end)``; ``None``: to the relation's end."""
@@ -134,9 +137,6 @@ class Continuation:
     keys: dict[TableName, tuple[KeyColumn, ...]] = field(default_factory=dict)
     places: dict[TableName, int] = field(default_factory=dict)
     """Each kept table's number in the temporary table of touched keys."""
-    key_first: set[TableName] = field(default_factory=set)
-    """Continued tables most of whose blocks are kept: their key is built before the rest is
-    copied (:data:`KEY_FIRST_SHARE`)."""
     read_seconds: float = 0.0
     """Time spent reading the touched keys from the slot."""
     replace_seconds: float = 0.0
@@ -155,8 +155,7 @@ class Continuation:
             f"{t}: continued: the {len(p.blocks)} range(s) copied before kept "
             f"({'their' if p.rows is None else f'{p.rows:,}'} row(s)), the other blocks "
             f"copied, and the {recopied.get(t, 0):,} row(s) of keys changed in between copied "
-            f"again ({'by its key, built first' if t in self.key_first else 'the kept rows read'}; "
-            f"the keys read from the slot in {self.read_seconds:.1f} s, the rows of every "
+            f"again (the keys read from the slot in {self.read_seconds:.1f} s, the rows of every "
             f"table continued replaced in {self.replace_seconds:.1f} s)"
             for t, p in self.kept.items()
         ]
@@ -177,18 +176,7 @@ ORDER BY array_position(i.indkey::int2[], a.attnum)
 """The columns the stream identifies a row by: the replica identity index's, else the primary
 key's (with ``REPLICA IDENTITY FULL`` the old row holds them too)."""
 
-_RELATION = """
-SELECT relkind, relfilenode::int8, pg_relation_size(oid) / current_setting('block_size')::int8
-FROM pg_class WHERE oid = %s
-"""
-
-KEY_FIRST_SHARE = 0.5
-"""A continued table whose kept ranges hold at least this share of its blocks gets its key
-built on them first: the touched keys are then deleted through it, one probe each, and the
-rest of its rows maintain it as they come. Below, they are deleted by a scan of the kept rows
-and the key is built once, after the copy, as for any table: maintaining an index row by row
-costs more than building it, and the scan is short. At scale the scan would read every kept
-row a second time (the key's build reads them too)."""
+_RELATION = "SELECT relkind, relfilenode::int8 FROM pg_class WHERE oid = %s"
 
 _PEEK = """
 SELECT data
@@ -279,15 +267,7 @@ def _checked(
                 found.kept[table] = partly
                 found.keys[table] = key
                 relids[oids[table]] = table
-                if _share(partly.blocks, int(row[2])) >= KEY_FIRST_SHARE:
-                    found.key_first.add(table)
     return relids
-
-
-def _share(kept: Sequence[Blocks], blocks: int) -> float:
-    """The share of a relation's ``blocks`` that the ``kept`` ranges cover."""
-    covered = sum(min(blocks, blocks if end is None else end) - start for start, end in kept)
-    return max(0, covered) / max(1, blocks)
 
 
 def _slot_moved(source_dsn: str, slot: str, since: Lsn) -> str | None:
@@ -421,26 +401,6 @@ def _distinct(found: Continuation, table: TableName) -> sql.Composed:
     )
 
 
-def build_keys_first(
-    source_dsn: str, target_dsn: str, found: Continuation, snapshot_name: str
-) -> None:
-    """Build the key of the continued tables that keep most of their blocks, on those rows
-    (:data:`KEY_FIRST_SHARE`): rows read at one point, so their keys are unique. The table's
-    other indexes come after the copy, as for any table."""
-    if not found.key_first:
-        return
-    started = time.monotonic()
-    copy_schema_post_data(
-        source_dsn,
-        target_dsn,
-        sorted(found.key_first),
-        snapshot_name,
-        foreign_keys=False,
-        keys_only=True,
-    )
-    found.replace_seconds += time.monotonic() - started
-
-
 def delete_touched(found: Continuation) -> None:
     """Delete on the target every row of the continued tables under a touched key, in one
     transaction: before their other blocks are copied, so only rows copied at ``C1`` go (the
@@ -450,12 +410,6 @@ def delete_touched(found: Continuation) -> None:
     started = time.monotonic()
     with found.conn.transaction():
         for table in found.kept:
-            # With the key built first, one probe of it a key: never a scan of the kept rows.
-            probe = "off" if table in found.key_first else "on"
-            for setting in ("enable_hashjoin", "enable_mergejoin", "enable_seqscan"):
-                found.conn.execute(
-                    sql.SQL("SET LOCAL {} = {}").format(sql.Identifier(setting), sql.SQL(probe))
-                )
             found.conn.execute(
                 sql.SQL("DELETE FROM ONLY {} AS t USING ({}) AS k WHERE {}").format(
                     table.sql, _distinct(found, table), _matches(found.keys[table])

@@ -380,17 +380,6 @@ def copy_schema_pre_data(
     )
 
 
-_IDENTITY_KEYS = """
-SELECT 'pg_constraint'::regclass::oid, c.oid
-FROM pg_constraint c JOIN pg_class r ON r.oid = c.conrelid
-WHERE c.contype = 'p' AND r.relreplident <> 'i' AND r.oid = ANY(%s::oid[])
-UNION ALL
-SELECT 'pg_class'::regclass::oid, i.indexrelid
-FROM pg_index i JOIN pg_class r ON r.oid = i.indrelid
-WHERE r.relreplident = 'i' AND i.indisreplident AND r.oid = ANY(%s::oid[])
-"""
-"""The tables' identity keys, as the dump's entries name them (catalog, object)."""
-
 _PG_CLASS = 1259  # the catalogs' own oids, fixed by initdb
 _PG_CONSTRAINT = 2606
 
@@ -488,14 +477,11 @@ def copy_schema_post_data(
     snapshot_name: str | None = None,
     *,
     foreign_keys: bool = True,
-    keys_only: bool = False,
 ) -> SchemaRestoreResult:
     """Create the tables' indexes, primary/unique/exclusion keys, foreign keys, triggers, rules
     and policies on the target, once the rows are in (building an index once is far cheaper than
     maintaining it row by row). ``foreign_keys=False``: not the foreign keys (tables copied at
-    another point than the target's others, see :mod:`.foreign_keys`). ``keys_only``: only the
-    key the stream identifies rows by (the replica identity index, else the primary key), of
-    plain tables, before the rest of their rows (:mod:`.continued`); the rest follows later.
+    another point than the target's others, see :mod:`.foreign_keys`).
 
     What already exists on the target is kept. A foreign key is created only when the table it
     references exists on the target; otherwise it is listed in ``skipped``. Trigger functions
@@ -546,11 +532,6 @@ def copy_schema_post_data(
         }
         if not foreign_keys:
             toc = [e for e in toc if e.objid not in references]
-        if keys_only:
-            oids = list(resolve_oids(src, tables).values())
-            found = src.execute(_IDENTITY_KEYS, (oids, oids)).fetchall()
-            keys = {(int(c), int(o)) for c, o in found}
-            toc = [e for e in toc if (e.classid, e.objid) in keys]
         missing, present = _split_by_presence(tgt, toc, addresses)
         on_target = _present_all(
             tgt, [references[e.objid] for e in missing if e.objid in references]
