@@ -37,8 +37,9 @@ Why the table then holds exactly the source's rows at ``C2``:
   and maintain it during the rest of the copy, measured no faster (``benchmarks/HISTORY.md``,
   snapshot_resume).
 
-From ``C2`` on the table is a resynced table like any other (:func:`~..control.pipeline.
-add_tables`): its changes committed up to ``C2`` are skipped, those after applied.
+From ``C2`` on the table is a resynced table like any other
+(:func:`~..control.pipeline.add_tables`): its changes committed up to ``C2`` are skipped,
+those after applied.
 
 What breaks the premise and gets the table copied whole again (named in one line): a new
 ``relfilenode``, columns that differ between the source at ``C2`` and the target (DDL since
