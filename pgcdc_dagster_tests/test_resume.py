@@ -1372,6 +1372,9 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         assert _table_oids(fresh.settings.target_dsn)["bulk"] != before["bulk"]
     else:
         assert f"range(s) copied before kept ({kept_rows:,} row(s))" in said, said
+        # The steps outside the copy's rows say what they do as they begin.
+        for step in ("changed keys: reading", "kept rows: deleting", "changed rows: copying"):
+            assert f"pgcdc: add-table {step}" in resumed.stderr, resumed.stderr
         assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
     done = fresh.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr

@@ -37,12 +37,14 @@ class SnapshotProgress:
     phase: str
     """``slot`` (its creation waits for the source's open transactions, see
     :mod:`.source.slot_wait`), ``schema``, ``copy``, ``keys`` (post-data: indexes, constraints) or
-    ``done``."""
+    ``done``; around the copy of a table a resume continues, ``changed keys``, ``kept rows`` and
+    ``changed rows`` (:mod:`.snapshot.continued`); ``compare`` and ``repair`` for a verify."""
     elapsed_s: float
     tables: list[TableProgress] = field(default_factory=list)
     mb_per_s: float = 0.0
     note: str = ""
-    """What the phase waits for, when it waits (``slot``)."""
+    """What the phase waits for, when it waits (``slot``), or what it does (a step outside the
+    copy's rows, a repair's count)."""
     work: str = "snapshot"
     """Whose copy: ``snapshot`` (the base snapshot) or ``add-table`` (tables added later)."""
 
@@ -278,6 +280,13 @@ class CopyWatcher:
             publish(SnapshotProgress(phase, elapsed, self._ahead(), work=self.work))
         else:
             publish(self._measure(phase))
+
+    def note(self, phase: str, note: str) -> None:
+        """A step of the copy's work outside a phase of rows (a continued table's changed keys,
+        :mod:`.snapshot.continued`), said as it begins."""
+        if active():
+            elapsed = time.monotonic() - self.started
+            publish(SnapshotProgress(phase, elapsed, note=note, work=self.work))
 
     def _ahead(self) -> list[TableProgress]:
         return [

@@ -198,6 +198,9 @@ def add_tables(
         source_dsn, temporary_slot_name(slot_name), temporary=True
     ) as exported:
         slot = exported.slot
+        if continuing is not None and continuing.tables:
+            names = " ".join(str(t) for t in continuing.tables)
+            progress.note("changed keys", f"reading those of {names} since its copy, from the slot")
         with continuation(
             source_dsn,
             target_dsn,
@@ -208,6 +211,11 @@ def add_tables(
             slot.consistent_point,
         ) as continued:
             _drop(target_dsn, list(continued.whole))
+            if continued.kept:
+                progress.note(
+                    "kept rows",
+                    f"deleting those of the keys {continued.changes:,} change(s) touched",
+                )
             delete_touched(continued)
             schema, copies, _ = copy_published(
                 spark,
@@ -222,6 +230,8 @@ def add_tables(
                 kept_blocks=continued.blocks(),
                 **(range_options or {}),
             )
+            if continued.kept:
+                progress.note("changed rows", "copying those in the kept blocks again")
             ranges = ranges_of(source_dsn, list(continued.kept), slot.snapshot_name, schema.shapes)
             recopied = copy_touched(source_dsn, continued, slot.snapshot_name, ranges)
         copies = [

@@ -138,6 +138,8 @@ class Continuation:
     keys: dict[TableName, tuple[KeyColumn, ...]] = field(default_factory=dict)
     places: dict[TableName, int] = field(default_factory=dict)
     """Each kept table's number in the temporary table of touched keys."""
+    changes: int = 0
+    """The kept tables' changes since ``C1`` whose keys were collected."""
     read_seconds: float = 0.0
     """Time spent reading the touched keys from the slot."""
     replace_seconds: float = 0.0
@@ -333,6 +335,7 @@ def _collect_touched(
                 if keys is None:
                     _give_up(found, table, "a change left its key out (TOAST)")
                     continue
+                found.changes += 1
                 for key in keys:
                     into.write_row((place[table], *key, *([None] * (width - len(key)))))
         src.commit()
