@@ -33,6 +33,7 @@ from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.dagster_run import NOT_FINISHED_STATUSES
 from psycopg import sql
 
+from pgcdc_dagster.defs.keys import BASE_SNAPSHOT_KEY
 from pgcdc_dagster.defs.partitions import LSN_RANGES
 from pgcdc_dagster.defs.run_liveness import PROCESS_TAG
 from pgcdc_dagster.demo.local_cluster import (
@@ -1376,6 +1377,12 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         for step in ("changed keys: reading", "kept rows: deleting", "changed rows: copying"):
             assert f"pgcdc: add-table {step}" in resumed.stderr, resumed.stderr
         assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
+        with fresh.instance() as instance:  # the UI's snapshot table says what was kept
+            event = instance.get_latest_materialization_event(BASE_SNAPSHOT_KEY)
+        assert event is not None and event.asset_materialization is not None
+        records = event.asset_materialization.metadata["tables"].value.records  # type: ignore[attr-defined]
+        kept = {r.data["table"]: r.data["kept_rows"] for r in records}
+        assert kept["public.bulk"] == kept_rows, kept
     done = fresh.pgcdc("catchup", "--endpos", "current")
     assert done.returncode == 0, done.stderr
     if case == "alone":

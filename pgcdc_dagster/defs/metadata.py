@@ -206,8 +206,8 @@ def _narrowed(
 def copied_tables(
     tables: Sequence[TableCopyResult], shapes: Mapping[TableName, PublishedShape]
 ) -> MetadataValue:
-    """A copy's per-table table: rows, bytes and seconds, how each was loaded, and what its
-    publication leaves out."""
+    """A copy's per-table table: rows, bytes and seconds, how each was loaded, the rows a
+    continued table kept from a killed attempt, and what its publication leaves out."""
     return table_of(
         [
             {
@@ -219,6 +219,7 @@ def copied_tables(
                 "tasks": t.tasks,
                 "frozen": t.frozen,
                 "bundled_with": t.bundled_with,
+                "kept_rows": t.kept_rows,
                 **_narrowed(shapes, t.table),
             }
             for t in tables
@@ -232,6 +233,7 @@ def copied_tables(
             "tasks": "int",
             "frozen": "bool",
             "bundled_with": "int",
+            "kept_rows": "int",
             "row_filter": "string",
             "columns_left_out": "string",
         },

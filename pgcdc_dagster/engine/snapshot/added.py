@@ -235,7 +235,11 @@ def add_tables(
             ranges = ranges_of(source_dsn, list(continued.kept), slot.snapshot_name, schema.shapes)
             recopied = copy_touched(source_dsn, continued, slot.snapshot_name, ranges)
         copies = [
-            dataclasses.replace(c, rows=c.rows + recopied[c.table]) if c.table in recopied else c
+            dataclasses.replace(
+                c, rows=c.rows + recopied[c.table], kept_rows=continued.kept[c.table].rows
+            )
+            if c.table in recopied
+            else c
             for c in copies
         ]
     progress.phase("keys")

@@ -161,6 +161,9 @@ class TableCopyResult:
     """Loaded frozen (see :attr:`CopyTask.freeze`): its rows need no hint bits or freezing."""
     bundled_with: int = 0
     """See :attr:`RangeCopyResult.bundled_with`."""
+    kept_rows: int | None = None
+    """Of a table a resume continued (:mod:`.continued`): the rows the killed attempt copied
+    and this one kept (``rows`` counts only what this one copied)."""
 
 
 def spark_app_of(tables: Sequence[TableCopyResult]) -> SparkApp | None:
