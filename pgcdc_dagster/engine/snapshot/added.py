@@ -217,6 +217,7 @@ def add_tables(
                     f"deleting those of the keys {continued.changes:,} change(s) touched",
                 )
             delete_touched(continued)
+            failpoint("continue.after_delete")
             schema, copies, _ = copy_published(
                 spark,
                 source_dsn,
