@@ -1378,7 +1378,7 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
     assert "continuing public.bulk from its ranges" in line, line
     assert ("keeping the 0 table(s)" in line) == (case == "alone"), line
     if case == "alone":  # killed after the delete: the table had lost rows when it was killed
-        assert "pgcdc: add-table kept rows: deleting" in resumed.stderr, resumed.stderr
+        assert "pgcdc: resync kept rows: deleting" in resumed.stderr, resumed.stderr
         assert _table_oids(fresh.settings.target_dsn)["bulk"] != before["bulk"]  # whole again
     elif case == "rewritten":
         said = next(ln for ln in resumed.stderr.splitlines() if "pgcdc: public.bulk:" in ln)
@@ -1389,7 +1389,7 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         assert f"range(s) copied before kept ({kept_rows:,} row(s))" in said, said
         # The steps outside the copy's rows say what they do as they begin.
         for step in ("changed keys: reading", "kept rows: deleting", "changed rows: copying"):
-            assert f"pgcdc: add-table {step}" in resumed.stderr, resumed.stderr
+            assert f"pgcdc: resync {step}" in resumed.stderr, resumed.stderr
         assert _table_oids(fresh.settings.target_dsn)["bulk"] == before["bulk"]  # not dropped
         with fresh.instance() as instance:  # the UI's snapshot table says what was kept
             event = instance.get_latest_materialization_event(BASE_SNAPSHOT_KEY)

@@ -46,7 +46,8 @@ class SnapshotProgress:
     """What the phase waits for, when it waits (``slot``), or what it does (a step outside the
     copy's rows, a repair's count)."""
     work: str = "snapshot"
-    """Whose copy: ``snapshot`` (the base snapshot) or ``add-table`` (tables added later)."""
+    """Whose copy: ``snapshot`` (the base snapshot), ``add-table`` (tables added later) or
+    ``resync`` (tables copied again: ``pgcdc resync``, the rest of a resumed snapshot)."""
 
     @property
     def rows(self) -> int:

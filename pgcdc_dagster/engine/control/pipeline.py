@@ -361,7 +361,10 @@ def add_tables(
                 )
                 publish(
                     SnapshotProgress(
-                        "held back", time.monotonic() - began, note=note, work="add-table"
+                        "held back",
+                        time.monotonic() - began,
+                        note=note,
+                        work="resync" if resync else "add-table",
                     )
                 )
 

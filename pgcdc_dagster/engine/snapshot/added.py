@@ -192,7 +192,7 @@ def add_tables(
         target_dsn,
         resolved,
         time.monotonic() - (time.perf_counter() - started),
-        work="add-table",
+        work="resync" if resync else "add-table",
     )
     with create_slot_with_snapshot(
         source_dsn, temporary_slot_name(slot_name), temporary=True
