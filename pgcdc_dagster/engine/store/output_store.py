@@ -947,7 +947,8 @@ class OutputStore:
         if not chain.complete or chain.consistent_point is None:
             raise StoreError(
                 f"the base snapshot of slot {chain.slot} started at {chain.started_at} did not "
-                "finish (the process was killed or failed): run pgcdc snapshot, which redoes it"
+                "finish (the process was killed or failed): run pgcdc snapshot, which resumes "
+                "it, keeping what it copied, or else takes it again"
             )
         return chain.consistent_point
 

@@ -47,7 +47,7 @@ def read_progress(conn: psycopg.Connection[Any], name: str) -> Lsn | None:
         raise OriginError(
             f"replication origin {name} has no progress: it was created but never set to the "
             "slot's consistent point, so the base snapshot did not finish; run pgcdc snapshot, "
-            "which redoes it"
+            "which resumes it, keeping what it copied, or else takes it again"
         )
     return Lsn.parse(row[0])
 
