@@ -69,6 +69,8 @@ POINTS: dict[str, str] = {
     "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
     "partitions.forgetting": "a batch of partitions and their history deleted from Dagster's "
     "storage; the next batches not yet",
+    "copy.before_commit": "a copy range's rows and record are written on the target, not "
+    "committed (in the process that copies it: the driver's, or a Spark worker's)",
     "continue.after_delete": "a continued table's changed keys are deleted from its kept ranges; "
     "its other blocks are not copied yet",
     "recover.after_begin": "the chain says recovering; the lost slot is not dropped yet",

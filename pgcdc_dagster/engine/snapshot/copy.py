@@ -21,6 +21,7 @@ from psycopg import errors, pq, sql
 from ..catalog import rows_per_block
 from ..connect import connect, libpq_tool_environment
 from ..errors import server_reason
+from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..postgres_installs import ToolsError, libpq_tool
 from ..published_columns import PublishedShape, row_filter_sql
@@ -418,6 +419,7 @@ def _run_pair(
         nbytes = _bytes_written(source)  # waits for the source side to exit, unreaped
         source_ok = source.wait() == 0
         if source_ok:
+            failpoint("copy.before_commit")
             os.write(decide, b"COMMIT;\n")
     except OSError:  # BrokenPipeError included: the target side ended early
         source_ok = False

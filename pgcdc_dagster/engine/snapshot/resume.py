@@ -55,7 +55,13 @@ from ..published_columns import published_shapes
 from ..target.origin import check_origin_rights, check_room_for, set_origin
 from ..target.sequences import sync_sequences
 from . import copied_ranges
-from .common import BaseSnapshotResult, SchemaRestoreResult, TableCopyResult, bulk_load_facts
+from .common import (
+    BaseSnapshotResult,
+    SchemaRestoreResult,
+    SnapshotError,
+    TableCopyResult,
+    bulk_load_facts,
+)
 from .copied_ranges import PartlyCopied
 from .copy import plan_table_ranges
 from .foreign_keys import complete as complete_foreign_keys
@@ -121,6 +127,7 @@ def resumable(
             if rng.source not in relations[rng.table]:
                 relations[rng.table].append(rng.source)
     with connect(target_dsn, role="target", autocommit=True) as tgt:
+        _wait_for_orphaned_copies(tgt, tables)
         found = copied_ranges.copied(tgt, slot_name, copying_at, relations)
     if not found.whole and not found.partly:
         return "it copied no table whole, and no range of a table it could continue"
@@ -128,6 +135,46 @@ def resumable(
     return Resumable(
         copying_at, snapshot_name, tuple(sorted(found.whole)), found.whole, rest, found.partly
     )
+
+
+ORPHANED_COPY_WAIT_S = 120
+"""How long a resume waits for the killed attempt's copies still running on the target."""
+
+
+def _wait_for_orphaned_copies(tgt: psycopg.Connection[Any], tables: Sequence[TableName]) -> None:
+    """Wait until no transaction of the killed attempt still writes ``tables`` on the target,
+    so the records read next are final. A range's transaction can outlive its snapshot's
+    process: its ``COMMIT`` sent just before the kill, or a copier that is not in the killed
+    process group (a Spark worker on another host, whose executor is only told later). No
+    copy starts after the kill (the snapshot it would import died with the process that
+    exported it), and one in flight holds its table's ``ROW EXCLUSIVE`` lock until it ends,
+    which a ``SHARE`` lock waits for. Without this wait, such a range could commit after the
+    resume read the records, and be copied again beside itself (:mod:`.continued`)."""
+    existing = [
+        t
+        for t in tables
+        if tgt.execute("SELECT to_regclass(%s)", (t.sql.as_string(tgt),)).fetchone() != (None,)
+    ]
+    if not existing:
+        return
+    try:
+        with tgt.transaction():
+            tgt.execute(
+                sql.SQL("SET LOCAL lock_timeout = {}").format(
+                    sql.Literal(f"{ORPHANED_COPY_WAIT_S}s")
+                )
+            )
+            tgt.execute(
+                sql.SQL("LOCK TABLE {} IN SHARE MODE").format(
+                    sql.SQL(", ").join(t.sql for t in existing)
+                )
+            )
+    except psycopg.errors.LockNotAvailable:
+        raise SnapshotError(
+            f"a copy into the target's {', '.join(map(str, existing))} still runs after "
+            f"{ORPHANED_COPY_WAIT_S} s (an orphaned Spark task of the killed snapshot, or another "
+            "writer): end it (pg_stat_activity on the target), then run pgcdc snapshot again"
+        ) from None
 
 
 def _row_counts(conn: psycopg.Connection[Any], resume: Resumable) -> dict[TableName, int]:
