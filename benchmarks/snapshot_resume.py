@@ -223,23 +223,20 @@ def main() -> None:
             "phases": _phase_ends(resumed.stderr),
         }
         print(json.dumps({"resume": report["resume"]}), flush=True)
-        _quiesce(source, target)
-        seconds, measured, _ = _command(env, work, "snapshot", "--resnapshot")
-        assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
-        report["full_snapshot"] = {
-            "command_seconds": round(seconds, 2),
-            "cpu_seconds": measured["cpu_seconds"],
-        }
+
+        def full(environment: dict[str, Any]) -> dict[str, Any]:
+            """``pgcdc snapshot --resnapshot``, timed, its target checked."""
+            _quiesce(source, target)
+            seconds, measured, _ = _command(environment, work, "snapshot", "--resnapshot")
+            assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
+            return {"command_seconds": round(seconds, 2), "cpu_seconds": measured["cpu_seconds"]}
+
+        report["full_snapshot"] = full(env)
         print(json.dumps({"full_snapshot": report["full_snapshot"]}), flush=True)
         if args.range_rows:  # what the fine ranges cost a snapshot nobody kills
-            default_env = {k: v for k, v in env.items() if k != "PGCDC_SNAPSHOT_RANGE_ROWS"}
-            _quiesce(source, target)
-            seconds, measured, _ = _command(default_env, work, "snapshot", "--resnapshot")
-            assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
-            report["full_snapshot_default_ranges"] = {
-                "command_seconds": round(seconds, 2),
-                "cpu_seconds": measured["cpu_seconds"],
-            }
+            report["full_snapshot_default_ranges"] = full(
+                {k: v for k, v in env.items() if k != "PGCDC_SNAPSHOT_RANGE_ROWS"}
+            )
         report["native_initial_sync_seconds"] = round(_native(source, target, args.tables), 2)
         report["resume_share_of_full"] = round(
             report["resume"]["command_seconds"] / report["full_snapshot"]["command_seconds"], 3
