@@ -46,6 +46,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..catalog import table_columns
 from ..connect import connect
 from ..failpoints import failpoint
 from ..identifiers import TableName, origin_name
@@ -150,11 +151,8 @@ def _wait_for_orphaned_copies(tgt: psycopg.Connection[Any], tables: Sequence[Tab
     exported it), and one in flight holds its table's ``ROW EXCLUSIVE`` lock until it ends,
     which a ``SHARE`` lock waits for. Without this wait, such a range could commit after the
     resume read the records, and be copied again beside itself (:mod:`.continued`)."""
-    existing = [
-        t
-        for t in tables
-        if tgt.execute("SELECT to_regclass(%s)", (t.sql.as_string(tgt),)).fetchone() != (None,)
-    ]
+    on_target = table_columns(tgt, tables)
+    existing = [t for t in tables if t in on_target]
     if not existing:
         return
     try:
