@@ -4,6 +4,7 @@ a repair replaces only those chunks while the writes and the follow go on."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -106,7 +107,8 @@ def test_verify_under_writes_names_hand_edited_chunks_and_keys_and_repair_fixes_
         assert keys == {("(10)", "missing"), ("(1500)", "changed"), ("(4999999)", "extra")}
         # Three rows in at most three chunks of about 500 rows: the rest compared equal.
         assert 1 <= len(items.differing) <= 3 < items.chunks
-        assert any("10" in chunk.where for chunk in items.differing)
+        (holding_10,) = [c for c in items.differing if ("(10)", "missing") in _listed(c)]
+        assert _holds(holding_10.where, 10), holding_10.where  # named by its key range
         assert len(log.differing) == 1 and "md5 starts with" in log.differing[0].where
         deadline = time.monotonic() + 30
         while follower.summary.ranges <= ranges_before:
@@ -127,6 +129,19 @@ def test_verify_under_writes_names_hand_edited_chunks_and_keys_and_repair_fixes_
             time.sleep(0.1)
     catch_up(settings)
     assert equal_tables(settings) == [("public.items", True), ("public.log", True)]
+
+
+def _listed(chunk) -> set[tuple[str, str]]:
+    return {(k.key, k.kind) for k in chunk.keys}
+
+
+def _holds(where: str, key: int) -> bool:
+    """Whether a keyed chunk's description (``id < '487'``, ``'487' <= id < '990'``,
+    ``id >= '990'``) covers ``key``."""
+    low = re.search(r"'(-?\d+)' <= id|id >= '(-?\d+)'", where)
+    high = re.search(r"id < '(-?\d+)'", where)
+    above = low is None or key >= int(low.group(1) or low.group(2))
+    return above and (high is None or key < int(high.group(1)))
 
 
 def test_a_chunk_whose_binary_form_differs_on_the_target_is_repaired_in_text(
