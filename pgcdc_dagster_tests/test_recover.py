@@ -208,6 +208,37 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
                 "SELECT pg_relation_filenode('parent'), pg_relation_filenode('child')"
             ).fetchone()
 
+    # The target's own indexes on the table replaced whole are set aside and built again, as
+    # they were: a partial one with a comment, a unique constraint with one, an expression
+    # index with a statistics target that the table is clustered on, the replica identity.
+    with psycopg.connect(target_dsn, autocommit=True) as conn:
+        conn.execute("CREATE INDEX child_v ON child (v) WHERE v > 0")
+        conn.execute("COMMENT ON INDEX child_v IS 'partial'")
+        conn.execute("ALTER TABLE child ADD CONSTRAINT child_pv UNIQUE (parent_id, id)")
+        conn.execute("COMMENT ON CONSTRAINT child_pv ON child IS 'unique'")
+        conn.execute("CREATE INDEX child_sum ON child ((v + parent_id)) WITH (fillfactor = 70)")
+        conn.execute("ALTER INDEX child_sum ALTER COLUMN 1 SET STATISTICS 500")
+        conn.execute("ALTER TABLE child CLUSTER ON child_sum")
+        conn.execute("ALTER TABLE child REPLICA IDENTITY USING INDEX child_pkey")
+
+    def child_indexes() -> tuple[set, set]:
+        with psycopg.connect(target_dsn) as conn:
+            shapes = conn.execute(
+                "SELECT pg_get_indexdef(i.indexrelid), i.indisreplident, i.indisclustered,"
+                " i.indisvalid, coalesce(obj_description(i.indexrelid, 'pg_class'),"
+                " obj_description(k.oid, 'pg_constraint')), k.conname,"
+                " (SELECT array_agg(a.attstattarget)::text FROM pg_attribute a"
+                "  WHERE a.attrelid = i.indexrelid)"
+                " FROM pg_index i LEFT JOIN pg_constraint k ON k.conindid = i.indexrelid"
+                " AND k.conrelid = i.indrelid WHERE i.indrelid = 'child'::regclass"
+            ).fetchall()
+            oids = conn.execute(
+                "SELECT indexrelid FROM pg_index WHERE indrelid = 'child'::regclass"
+            ).fetchall()
+        return set(shapes), set(oids)
+
+    indexes_before, index_oids_before = child_indexes()
+    assert len(indexes_before) == 4, indexes_before
     before = files()
     # Killed inside a replacement (the whole table's is in flight with the first chunks), rolled
     # back: the catch-up refuses, the next recover redoes it.
@@ -228,6 +259,9 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
     assert "replacing whole: public.child" in err, err
     after = files()
     assert after[0] == before[0] and after[1] != before[1], (before, after)
+    indexes_after, index_oids_after = child_indexes()
+    assert indexes_after == indexes_before
+    assert not index_oids_after & index_oids_before  # each built again, not kept
 
     def both(dsn: str) -> tuple:
         with psycopg.connect(dsn) as conn:

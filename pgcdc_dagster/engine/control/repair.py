@@ -25,8 +25,9 @@ still differs, and the next verify finds it and the next repair replaces it; the
 and the snapshots go with their sessions.
 
 A table where at least :data:`WHOLE_TABLE_SHARE` of the chunks differ is replaced whole
-instead, in one transaction (``TRUNCATE``, then the source's rows at ``C2`` copied in): the
-same argument with the whole table as the chunk. Why: a chunk's rows are deleted through the
+instead, in one transaction (``TRUNCATE``, its indexes set aside, the source's rows at ``C2``
+copied in, its indexes built again: :mod:`..target.indexes_aside`): the same argument with the
+whole table as the chunk. Why: a chunk's rows are deleted through the
 key's index and copied into a table whose dead rows and index keep growing, so past that share
 the whole table is the cheaper repair (``benchmarks/recover.py``, spread changes). A table
 another table's foreign key references is always repaired by chunks (``TRUNCATE`` refuses it);
@@ -60,6 +61,7 @@ from ..published_columns import row_filter_sql
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
 from ..snapshot.copy import BINARY_MISMATCH, stream_copy_out
+from ..target.indexes_aside import build_again, set_aside
 from .chunks import ChunkPlan, chunk_filter, rows_of
 from .consistent_pair import consistent_pair
 from .verify import COMPARABLE_SESSION, ChunkDifference, TableComparison
@@ -271,8 +273,10 @@ def _replace_once(
         tgt.execute(COMPARABLE_SESSION)
         tgt.execute("SET LOCAL session_replication_role = replica")
         columns = sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns if c not in generated)
+        aside = None
         if chunk is None:
             deleted = _truncated(tgt, plan.table)
+            aside = set_aside(tgt, plan.table)
         else:
             deleted = tgt.execute(
                 sql.SQL("DELETE FROM {} WHERE {}").format(rows_of(tgt, plan.table), where)
@@ -293,6 +297,8 @@ def _replace_once(
             ) as into,
         ):
             copied = stream_copy_out(src, select, into.write)
+        if aside is not None:
+            build_again(tgt, aside)
         failpoint("repair.in_transaction")
         tgt.commit()
     return max(deleted, 0), copied
