@@ -119,8 +119,8 @@ def repair_chunks(
 
 WHOLE_TABLE_SHARE = 0.5
 """A table with at least this share of its chunks differing is replaced whole (see the module
-docstring). On 10M rows, every chunk replaced one by one took about twice as long as the table
-replaced whole (``benchmarks/README.md``, a lost slot), so the whole table is the cheaper
+docstring). On 10M rows, every chunk replaced one by one took at least twice as long as the
+table replaced whole (``benchmarks/README.md``, a lost slot), so the whole table is the cheaper
 repair from about half of its chunks on; below that the chunks' path, which locks only the
 chunk, is kept."""
 
