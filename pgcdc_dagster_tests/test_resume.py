@@ -48,6 +48,8 @@ from pgcdc_dagster.engine.follow.follower import Followed, Follower, RangeTakenE
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
+from pgcdc_dagster.engine.snapshot.common import CopyRecord, TableRange
+from pgcdc_dagster.engine.snapshot.copied_ranges import record_statement
 from pgcdc_dagster.engine.store.output_store import OutputStore
 from pgcdc_dagster.engine.target import staging
 from pgcdc_dagster_tests.locks import holder_session, take_lock
@@ -1435,6 +1437,100 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         moved = conn.execute("SELECT count(*) FROM bulk WHERE v LIKE 'moved %'").fetchone()
         keyed = conn.execute("SELECT count(*) FROM bulk WHERE id > 2000000").fetchone()
     assert moved == (3000,) and keyed == (10,), (moved, keyed)
+
+
+def test_a_range_that_commits_after_the_kill_is_kept_by_the_resume_that_waited_for_it(
+    clusters: Clusters, tmp_path: Path
+):
+    """A copier the kill did not reach (a Spark task on another host) still has a range's
+    transaction open on the target: its rows copied, its record and commit still to come. The next
+    ``pgcdc snapshot`` waits for it before it reads what was copied; the range commits meanwhile,
+    so the resume keeps it instead of copying its blocks again beside it, and the end is equal
+    (no row twice: the key is built after the copy)."""
+    fresh = make_site(clusters, tmp_path, bulk=True)
+    fresh.env.update(
+        {
+            "PGCDC_SNAPSHOT_JOBS": "2",
+            "PGCDC_SNAPSHOT_RANGE_ROWS": "50000",
+            "PGCDC_TABLES": "public.bulk",
+        }
+    )
+    running = fresh.start("snapshot")
+
+    def ranges_copied() -> bool:
+        with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+            if conn.execute("SELECT to_regclass('pgcdc_ddl.copied_ranges')").fetchone() == (None,):
+                return False
+            found = conn.execute("SELECT count(*) FROM pgcdc_ddl.copied_ranges").fetchone()
+        return found is not None and found[0] >= 3
+
+    try:
+        _wait_for(ranges_copied, "ranges of the big table to be copied", 120, running)
+    finally:
+        os.killpg(running.pid, signal.SIGKILL)
+        running.communicate()
+    _wait_for(lambda: _writing(fresh.settings.target_dsn, "bulk") == 0, "the killed copies", 30)
+    with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+        recorded = conn.execute(
+            "SELECT start_block, end_block, slot, consistent_point::text, filenode "
+            "FROM pgcdc_ddl.copied_ranges ORDER BY start_block"
+        ).fetchall()
+    # The orphan's range: the first blocks no record holds (50 of them, or up to the next).
+    start = 0
+    for begin, end, *_ in recorded:
+        if begin > start:
+            break
+        start = end
+    assert start is not None, recorded  # the records do not tile the table: it is unfinished
+    following = [begin for begin, *_ in recorded if begin > start]
+    stop = min([start + 50, *following])
+    _, _, slot, point, filenode = recorded[0]
+    orphan_range = TableRange(
+        TableName("public", "bulk"), TableName("public", "bulk"), ("id", "v"), start, stop, 0,
+        filenode=filenode,
+    )  # fmt: skip
+    select = (
+        "COPY (SELECT id, v FROM bulk WHERE ctid >= %s::tid AND ctid < %s::tid) "
+        "TO STDOUT (FORMAT binary)"
+    )
+    orphan = psycopg.connect(fresh.settings.target_dsn)
+    try:
+        # The source has not changed since the killed snapshot's point: these are its rows.
+        with (
+            psycopg.connect(fresh.settings.source_dsn, autocommit=True) as src,
+            src.cursor().copy(select, (f"({start},0)", f"({stop},0)")) as out,
+            orphan.cursor().copy("COPY bulk (id, v) FROM STDIN (FORMAT binary)") as into,
+        ):
+            for block in out:
+                into.write(block)
+        (orphan_rows,) = orphan.execute("SELECT count(*) FROM bulk").fetchone()
+        resumed = fresh.start("snapshot")
+
+        def waiting() -> bool:  # the resume's SHARE lock, queued behind the orphan's
+            with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
+                (n,) = conn.execute(
+                    "SELECT count(*) FROM pg_locks WHERE relation = to_regclass('bulk') "
+                    "AND mode = 'ShareLock' AND NOT granted"
+                ).fetchone()
+            return n > 0
+
+        _wait_for(waiting, "the resume to wait for the orphaned range", 60, resumed)
+        # The orphan ends as a copy task does: its record, then its commit.
+        orphan.execute(record_statement(CopyRecord(slot, point), orphan_range))
+        orphan.commit()
+    finally:
+        orphan.close()
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    line = next(ln for ln in err.splitlines() if "did not finish" in ln)
+    assert "continuing public.bulk from its ranges" in line, line
+    said = next(ln for ln in err.splitlines() if "pgcdc: public.bulk:" in ln)
+    kept = re.search(r"(\d+) range\(s\) copied before kept \(([\d,]+) row\(s\)\)", said)
+    assert kept is not None, said
+    assert int(kept.group(1)) == len(recorded) + 1, said  # the orphan's range among them
+    assert int(kept.group(2).replace(",", "")) >= orphan_rows, said
+    (bulk,) = verify.compare_tables(fresh.settings, [TableName("public", "bulk")])
+    assert bulk.equal, (bulk.source_rows, bulk.target_rows)
 
 
 def test_a_snapshot_killed_alone_mid_copy_leaves_no_copy_running_behind_the_redo(
