@@ -607,8 +607,14 @@ def test_follow_applies_through_a_dagster_storage_outage_and_records_it_once_bac
             applied_before = pipeline.origin_progress(site.settings) or 0
             time.sleep(STORAGE_DOWN_S)
             assert follow.poll() is None
-            # Applied while Dagster's storage was away, not held back for it.
-            assert (pipeline.origin_progress(site.settings) or 0) > applied_before
+            # Applied while Dagster's storage was away, not held back for it (on a loaded
+            # machine the follow may still be in dagster-postgres' retries after 12 s).
+            _wait_for(
+                lambda: (pipeline.origin_progress(site.settings) or 0) > applied_before,
+                "the follow to apply while Dagster's storage is away",
+                60,
+                follow,
+            )
             clusters.storage.start()
             time.sleep(1.0)
         _wait_for(
@@ -1364,8 +1370,9 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
     finally:
         os.killpg(running.pid, signal.SIGKILL)
         running.communicate()
-    if case == "spark":  # a range's transaction outlived the kill: the records not final yet
-        assert _writing(fresh.settings.target_dsn, "bulk") > 0
+    # On Spark a range's transaction may outlive the kill, so the records are not final yet
+    # (whether one still is here depends on the moment of the kill; the wait for it is
+    # proven by test_a_range_that_commits_after_the_kill_is_kept_by_the_resume_that_waited_for_it).
     with psycopg.connect(fresh.settings.target_dsn, autocommit=True) as conn:
         blocks = conn.execute(
             "SELECT start_block, end_block FROM pgcdc_ddl.copied_ranges "
