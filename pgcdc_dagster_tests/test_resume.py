@@ -1336,7 +1336,7 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
     keeps the ranges copied (the same target table: not dropped), copies the other blocks,
     copies the changed keys' rows again, and a catch-up under a writer converges.
     ``spark``: the big table's ranges are copied by Spark's tasks, each waiting before its
-    commit, so a range's transaction is still open on the target after the kill; the resume
+    commit, so a range's transaction may still be open on the target after the kill; the resume
     waits for it to end (here it rolls back: its ``psql`` pair dies with the worker) before it
     reads what was copied.
     ``rewritten``: a ``VACUUM FULL`` too, which moves every row to a new file: the table is
@@ -1352,7 +1352,7 @@ def test_a_snapshot_killed_inside_a_split_table_continues_it_from_the_ranges_it_
         fresh.env["PGCDC_TABLES"] = "public.bulk"
     if case == "spark":  # the big table's ranges on Spark's tasks, the small ones the driver's
         fresh.env["PGCDC_SNAPSHOT_DRIVER_ROWS"] = "100000"
-    # On Spark, each range waits before its commit: a range's transaction outlives the kill.
+    # On Spark, each range waits before its commit: a range's transaction may outlive the kill.
     slow = "copy.before_commit=sleep(4)" if case == "spark" else None
     running = fresh.start("snapshot", failpoint=slow)
 
