@@ -8,13 +8,13 @@ The snapshot gets this from the order of pg_dump's sections; a table replaced wh
 
 What must hold: the caller's transaction has the table locked ``ACCESS EXCLUSIVE`` and truncated,
 and commits or rolls back the whole: the indexes are dropped and built again inside it, so a
-crash anywhere leaves the table as it was, indexes and all. No other table's foreign key may
-reference the table (the key's index would be a dependency of it): :func:`set_aside` returns
-``None`` then, as it does where an index could not be built again the same from its definition
-(a partitioned table, whose indexes have one per partition; an index in a tablespace of its
-own). What comes back is each index's definition and name (``pg_get_indexdef``, the
-constraint's ``pg_get_constraintdef`` for a key, a unique or an exclusion constraint), the
-replica identity index, the clustered index, the comments and the columns' statistics targets.
+crash anywhere leaves the table as it was, indexes and all. No other table's foreign key
+references it: ``TRUNCATE`` refused it then, before anything here. :func:`set_aside` returns
+``None`` where an index could not be built again the same from its definition (a partitioned
+table, whose indexes have one per partition; an index in a tablespace of its own). What
+comes back is each index's definition and name (``pg_get_indexdef``, the constraint's
+``pg_get_constraintdef`` for a key, a unique or an exclusion constraint), the replica identity
+index, the clustered index, the comments and the columns' statistics targets.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from ..identifiers import TableName
 
 _SHAPE = """
 SELECT c.relkind::text,
-       EXISTS (SELECT 1 FROM pg_constraint f WHERE f.contype = 'f' AND f.confrelid = c.oid),
        EXISTS (SELECT 1 FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
                WHERE i.indrelid = c.oid AND ic.reltablespace <> 0)
 FROM pg_class c WHERE c.oid = %s::regclass
@@ -82,7 +81,7 @@ def set_aside(conn: psycopg.Connection[Any], table: TableName) -> SetAside | Non
     docstring)."""
     name = table.sql.as_string(conn)
     shape = conn.execute(_SHAPE, (name,)).fetchone()
-    if shape is None or shape[0] != "r" or shape[1] or shape[2]:
+    if shape is None or shape[0] != "r" or shape[1]:
         return None
     indexes = tuple(
         _Index(r[0], r[1], r[2], r[3], r[4], r[5], r[6], tuple(zip(r[7], r[8], strict=True)))
