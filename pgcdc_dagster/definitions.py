@@ -44,6 +44,7 @@ from .defs.checks import (
     build_consistency_check,
     build_slot_health,
     replicated_tables,
+    slot_survives_failover,
     store_retention,
 )
 from .defs.jobs import (
@@ -168,12 +169,15 @@ def build_definitions(
         *op_jobs(tables),
         define_asset_job(
             "slot_health",
-            selection=AssetSelection.checks(slot_health, store_retention, replicated_tables),
+            selection=AssetSelection.checks(
+                slot_health, store_retention, replicated_tables, slot_survives_failover
+            ),
             description="Check the replication slot's health, the output store's retention, "
-            "and that the replicated and published tables agree.",
+            "that the replicated and published tables agree, and that the slot survives a "
+            "failover of the source.",
         ),
     ]
-    checks: list[Any] = [slot_health, store_retention, replicated_tables]
+    checks: list[Any] = [slot_health, store_retention, replicated_tables, slot_survives_failover]
     if consistency is not None:
         checks.append(consistency)
         jobs.append(

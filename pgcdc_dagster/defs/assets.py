@@ -219,6 +219,7 @@ def _target_tables(
         settings = pgcdc.settings(spark)
         rng = LsnRange.from_partition_key(context.partition_key)
         try:
+            pipeline.follow_timeline(settings)  # a range stored before a failover: checked
             pipeline.check_range_order(pipeline.store_of(settings), rng)
             received = pipeline.stored_range(settings, rng).manifest.result
             applied = pipeline.apply_stored_range(settings, rng, spark=lambda: spark.spark_session)

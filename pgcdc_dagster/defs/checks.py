@@ -25,6 +25,7 @@ from dagster import (
 
 from ..engine.control import pipeline, verify
 from ..engine.identifiers import TableName
+from ..engine.source.failover import failover_readiness
 from ..engine.source.slot import SlotError
 from ..engine.store.retention import retention_status
 from .failures import ENGINE_ERRORS
@@ -99,6 +100,45 @@ def slot_health_result(
             "lag_bytes": number(positions.lag_bytes),
             "active": text(slot.active),
         },
+    )
+
+
+SLOT_SURVIVES_FAILOVER = "slot_survives_failover"
+
+
+@asset_check(
+    asset=SLOT_KEY,
+    name=SLOT_SURVIVES_FAILOVER,
+    description="A failover of the source to one of its physical standbys keeps the slot and "
+    "loses nothing the target has: the slot is a failover slot (PostgreSQL 17+), each standby "
+    "streams from a slot named in the source's synchronized_standby_slots, and each standby "
+    "the DSN reaches holds a synced, persistent copy of the slot. Warns, naming each setting "
+    "to change; passes when the source has no standby. The slot sensor evaluates it every "
+    "minute.",
+)
+def slot_survives_failover(
+    context: AssetCheckExecutionContext, pgcdc: PgcdcResource
+) -> AssetCheckResult:
+    return slot_survives_failover_result(pgcdc.settings())
+
+
+def slot_survives_failover_result(settings: pipeline.ReplicationSettings) -> AssetCheckResult:
+    if (ended := finished_at(settings)) is not None:
+        return AssetCheckResult(passed=True, description=ended)
+    try:
+        readiness = failover_readiness(settings.source_dsn, settings.slot)
+    except ENGINE_ERRORS as exc:
+        return AssetCheckResult(
+            passed=False,
+            severity=AssetCheckSeverity.WARN,
+            description=f"source unreachable: {exc}",
+        )
+    gaps = readiness.gaps()
+    return AssetCheckResult(
+        passed=not gaps,
+        severity=AssetCheckSeverity.WARN,
+        description="; ".join(gaps) or None,
+        metadata={key: text(value) for key, value in readiness.facts().items()},
     )
 
 

@@ -69,6 +69,8 @@ class ReplicationResource(ConfigurableResource):
     """The slot sensor recovers a lost slot by itself (runs the ``recover`` job)."""
     dropped_columns: str = "drop"
     """``drop`` or ``keep``: a column dropped on the source, on the target."""
+    slot_failover: str = "auto"
+    """``auto``, ``on`` or ``off``: whether the slot is a failover slot (PostgreSQL 17+)."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -139,6 +141,7 @@ class PgcdcResource(ConfigurableResource):
             auto_add=self.replication.auto_add,
             auto_recover=self.replication.auto_recover,
             dropped_columns=self.replication.dropped_columns,  # type: ignore[arg-type]
+            slot_failover=self.replication.slot_failover,  # type: ignore[arg-type]
         )
 
 
@@ -223,6 +226,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             auto_add=settings.auto_add,
             auto_recover=settings.auto_recover,
             dropped_columns=settings.dropped_columns,
+            slot_failover=settings.slot_failover,
         ),
         store=OutputStoreResource(path=settings.store),
     )

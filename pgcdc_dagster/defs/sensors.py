@@ -49,10 +49,12 @@ from ..engine.failpoints import failpoint
 from .checks import (
     REPLICATED_TABLES,
     SLOT_HEALTH,
+    SLOT_SURVIVES_FAILOVER,
     STORE_RETENTION,
     finished_at,
     replicated_tables_result,
     slot_health_result,
+    slot_survives_failover_result,
     store_retention_result,
 )
 from .failures import ENGINE_ERRORS
@@ -220,6 +222,7 @@ SENSOR_CHECKS: dict[str, tuple[str, Callable[[pipeline.ReplicationSettings], Ass
     "health": (SLOT_HEALTH, lambda s: slot_health_result(s, s.retained_wal_limit)),
     "tables": (REPLICATED_TABLES, lambda s: replicated_tables_result(s, timeout_s=3)),
     "retention": (STORE_RETENTION, store_retention_result),
+    "failover": (SLOT_SURVIVES_FAILOVER, slot_survives_failover_result),
 }
 """The checks of ``replication_slot`` the sensor evaluates, by their part of its cursor. A
 table the publication stops sending breaks nothing and is seen by no range (its changes just

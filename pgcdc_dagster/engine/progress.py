@@ -107,11 +107,12 @@ class FollowProgress:
     @property
     def phase(self) -> str:
         """``retrying`` while waiting for a server, ``waiting for ...`` while it made way,
-        ``noted`` for the report that the servers are back or that it goes on (a phase of its
-        own, so a throttled log shows it at once), else ``follow``."""
+        ``noted: <note>`` for a report that the servers are back, that the source failed over
+        or that it goes on (a phase of its own for each note, so a throttled log shows every
+        one at once), else ``follow``."""
         if self.waiting_for:
             return f"waiting for {self.waiting_for}"
-        return "retrying" if self.retrying else "noted" if self.note else "follow"
+        return "retrying" if self.retrying else f"noted: {self.note}" if self.note else "follow"
 
     def line(self) -> str:
         lag = "-" if self.lag_bytes is None else f"{self.lag_bytes / 1e6:,.1f} MB"

@@ -187,6 +187,13 @@ class ReplicationSettings(BaseModel):
     recovery reads every row on both sides, and a user may rather take a new snapshot, or first
     learn why the slot was lost (``max_slot_wal_keep_size``); off, the sensor skips, naming
     ``pgcdc recover``."""
+    slot_failover: Literal["auto", "on", "off"] = "auto"
+    """Whether the slot is a failover slot (PostgreSQL 17+): synchronised to the source's
+    physical standbys that have ``sync_replication_slots`` on, so that a promoted standby has
+    it and the replication goes on from there with no recovery (``PGCDC_SLOT_FAILOVER``).
+    ``auto``: wherever the source supports it; ``on``: fail on a source that does not;
+    ``off``: never. An existing slot is switched to what this says by the next catch-up or
+    follow. What else a safe failover needs: ``docs/operations/failover.md``."""
     dropped_columns: Literal["drop", "keep"] = "drop"
     """A column dropped on the source: ``drop`` drops it on the target too, in the
     transaction of the range that shows it gone (the target keeps the source's shape);

@@ -28,8 +28,10 @@ from ..identifiers import TableName
 from ..lsn import Lsn, LsnRange
 from ..progress import SnapshotProgress, active, publish
 from ..settings import ReplicationSettings, work_mem_setting
+from ..source.failover import failover_readiness
 from ..source.peek import receive
-from ..source.slot import SlotInfo, advance_slot, current_flush_lsn, read_slot
+from ..source.slot import SlotInfo, advance_slot, current_flush_lsn, keep_failover, read_slot
+from ..source.timeline import identify_system
 from ..store.output_store import (
     SNAPSHOT_IN_PROGRESS,
     Chain,
@@ -42,6 +44,7 @@ from ..store.retention import prune_if_due
 from ..target.ddl import ResyncNeeded, SourceDdl
 from ..target.origin import progress_of
 from ..target.staging import drop_shared
+from .failover import follow_timeline
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .range_lock import (
     RangeBusyError,
@@ -126,6 +129,9 @@ def take_snapshot(
             assert chain is not None
             return _finish_copying_again(settings, chain, spark, lock_holder, notify)
         with tables_lock(settings.target_dsn, settings.slot, lock_holder or command_holder()):
+            # Read before the slot exists: a failover during the copy is then seen by the
+            # first catch-up (:mod:`.failover`), from the timeline the slot began on.
+            system = identify_system(settings.source_dsn)
             resume, line = (None, None) if resnapshot else snapshot_resume(settings)
             if line and notify is not None:
                 notify(line)
@@ -152,6 +158,7 @@ def take_snapshot(
                         settings.slot, point, name
                     ),
                     driver_max_rows=settings.driver_max_rows(),
+                    slot_failover=settings.slot_failover,
                     **settings.range_options(),
                 )
             rest = resume.rest if resume is not None else ()
@@ -162,6 +169,8 @@ def take_snapshot(
                 [*(t.table for t in result.tables), *rest],
                 result.shapes,
                 resyncing=rest,
+                timeline=system.timeline,
+                system_id=system.system_id,
             )
             forget_copied(settings.target_dsn, settings.slot)  # nothing resumes it now
         if rest:
@@ -183,6 +192,9 @@ def take_snapshot(
                 seconds=result.seconds + again.seconds,
                 post_data=_merged(result.post_data, again.post_data),
             )
+    if notify is not None:  # what a failover of the source would cost, now the slot exists
+        for gap in failover_readiness(settings.source_dsn, settings.slot).gaps():
+            notify(f"warning: {gap}")
     return result
 
 
@@ -584,6 +596,7 @@ def decoding_session(settings: ReplicationSettings) -> psycopg.Connection[Any]:
 
 
 def receive_range(settings: ReplicationSettings, rng: LsnRange) -> RangeResult:
+    follow_timeline(settings)
     store = store_of(settings)
     check_range_order(store, rng)
     with server_errors("source", settings.source_dsn), decoding_session(settings) as conn:
@@ -1030,11 +1043,24 @@ def next_step(settings: ReplicationSettings, endpos: Lsn, *, timeout_s: int = 10
     )
 
 
-def confirm_stored(settings: ReplicationSettings) -> Lsn | None:
+def confirm_stored(
+    settings: ReplicationSettings, told: Callable[[str], None] | None = None
+) -> Lsn | None:
     """Advance the slot to the last stored range's safe point if it is behind it (a process
     killed between storing a range and advancing the slot, or a source that crashed and came
-    back with an older slot position). Idempotent; never moves the slot backwards. A writer
-    killed in that window may also have left its emptied scratch folder: removed here too."""
+    back with an older slot position, or a promoted standby whose synchronised slot trails).
+    Idempotent; never moves the slot backwards. A writer killed in that window may also have
+    left its emptied scratch folder: removed here too.
+
+    First, what every reader must do before it trusts a stored position: carry the chain onto
+    the source's timeline after a failover (:func:`.failover.follow_timeline`: the ranges past
+    the switch point leave the store, a fork stops here), and make the slot the failover slot
+    ``PGCDC_SLOT_FAILOVER`` asks for (:func:`~..source.slot.keep_failover`); ``told`` hears
+    of a failover in a line."""
+    switch = follow_timeline(settings)
+    if switch is not None and told is not None:
+        told(switch.line())
+    keep_failover(settings.source_dsn, settings.slot, settings.slot_failover)
     store = store_of(settings)
     last = store.last_stored()
     if last is None:

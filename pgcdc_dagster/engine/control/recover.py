@@ -57,6 +57,7 @@ from ..store.output_store import RECOVERING
 from ..target.origin import set_origin
 from . import pipeline
 from .consistent_pair import ConsistentPair, export_snapshot
+from .failover import follow_timeline, forked, record_present_timeline
 from .range_lock import range_lock_or_way
 from .repair import RepairedChunk, replace_chunks
 from .verify import DEFAULT_CHUNK_ROWS, TableComparison, compare_pair
@@ -90,13 +91,14 @@ class RecoverResult:
 
 
 def slot_lost(settings: ReplicationSettings) -> str | None:
-    """Why the slot cannot be used (invalidated, missing), in a line; ``None``: it is usable."""
+    """Why the slot cannot be used (invalidated, missing, or a failover left the target ahead
+    of the source: :func:`.failover.forked`), in a line; ``None``: it is usable."""
     with connect(settings.source_dsn, role="source") as conn:
         try:
             read_slot(conn, settings.slot)
         except SlotError as exc:
             return str(exc)
-    return None
+    return forked(settings)
 
 
 def recovery_needed(settings: ReplicationSettings) -> str | None:
@@ -146,15 +148,21 @@ def recover(
         tables = sorted({*chain.tables, *chain.adding})
         _check_comparable(settings, tables)
         applied_before = pipeline.origin_progress(settings)
+        switch = follow_timeline(settings, recovering=True)
         store.begin_recovering()
         tell(f"recovering slot {settings.slot}: {lost or 'a recovery did not finish'}")
+        if switch is not None:
+            tell(switch.line())
         failpoint("recover.after_begin")
+        system = record_present_timeline(settings)
         with contextlib.ExitStack() as held:
             src = held.enter_context(connect(settings.source_dsn, role="source"))
             tgt = held.enter_context(connect(settings.target_dsn, role="target"))
             with connect(settings.source_dsn, role="source", autocommit=True) as dropping:
                 drop_slot(dropping, settings.slot, wait_seconds=10.0)
-            with create_slot_with_snapshot(settings.source_dsn, settings.slot) as exported:
+            with create_slot_with_snapshot(
+                settings.source_dsn, settings.slot, failover=settings.slot_failover
+            ) as exported:
                 point = exported.slot.consistent_point
                 snapshot_name = exported.slot.snapshot_name
                 held.enter_context(snapshot_transaction(src, snapshot_name))
@@ -198,7 +206,15 @@ def recover(
             shapes = published_shapes(src, settings.publication, tables)
         set_origin(settings.target_dsn, settings.origin, point)
         failpoint("recover.after_origin")
-        store.record_chain(settings.slot, point, snapshot_name, tables, shapes)
+        store.record_chain(
+            settings.slot,
+            point,
+            snapshot_name,
+            tables,
+            shapes,
+            timeline=system.timeline,
+            system_id=system.system_id,
+        )
         made_way_by = lock.made_way_by
     return RecoverResult(
         point,

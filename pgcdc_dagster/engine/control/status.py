@@ -18,7 +18,10 @@ from ..errors import PgcdcError
 from ..lsn import Lsn
 from ..settings import ReplicationSettings
 from ..snapshot.foreign_keys import not_valid_foreign_keys
+from ..source.failover import FailoverReadiness, failover_readiness
+from ..source.slot import SlotError
 from . import pipeline
+from .failover import forked
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,10 @@ class ReplicationStatus:
     """What the target applied: its replication origin's progress."""
     agreement: pipeline.TablesAgreement = field(default_factory=pipeline.TablesAgreement)
     foreign_keys_not_valid: list[str] = field(default_factory=list)
+    failover: FailoverReadiness | None = None
+    """Whether the slot survives a failover of the source (:mod:`..source.failover`)."""
+    timeline: int | None = None
+    """The source timeline the chain's positions belong to."""
 
     def as_dict(self) -> dict[str, Any]:
         """The status as text and numbers, keyed as ``pgcdc status --json`` prints it."""
@@ -76,6 +83,15 @@ class ReplicationStatus:
             "adding": self.agreement.adding_line(),
             "published_otherwise": self.agreement.reshaped_lines(),
             "foreign_keys_not_valid": self.foreign_keys_not_valid,
+            "timeline": self.timeline,
+            **(
+                {
+                    **{f"failover: {k}": v for k, v in self.failover.facts().items()},
+                    "failover_gaps": self.failover.gaps(),
+                }
+                if self.failover is not None
+                else {}
+            ),
         }
 
 
@@ -96,11 +112,20 @@ def replication_status(settings: ReplicationSettings) -> ReplicationStatus:
             finished=chain.finished,
             finished_at=chain.finished_at,
         )
-    positions = pipeline.source_positions(settings)
+    try:
+        positions: pipeline.SourcePositions | None = pipeline.source_positions(settings)
+    except SlotError as exc:  # lost, or a failover to a standby without it: say so, go on
+        positions, lost = None, f"blocked: {exc}"
     complete = chain is not None and chain.complete
     last_range = store.last_chain_range() if complete else None
     try:
-        next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
+        fork = forked(settings)
+        if fork is not None:
+            next_step = f"blocked: {fork}"
+        elif positions is None:
+            next_step = lost
+        else:
+            next_step = pipeline.next_step(settings, positions.flush_lsn).describe()
     except PgcdcError as exc:
         next_step = f"blocked: {exc}"
     return ReplicationStatus(
@@ -116,4 +141,6 @@ def replication_status(settings: ReplicationSettings) -> ReplicationStatus:
         replay_lsn=pipeline.origin_progress(settings),
         agreement=pipeline.tables_agreement(settings),
         foreign_keys_not_valid=not_valid_foreign_keys(settings.target_dsn),
+        failover=failover_readiness(settings.source_dsn, settings.slot),
+        timeline=chain.timeline if chain else None,
     )

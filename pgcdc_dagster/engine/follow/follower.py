@@ -760,7 +760,7 @@ class Follower:
     # -- before streaming: ranges an earlier run stored and did not apply ------------------
 
     def _finish_stored(self) -> Iterator[Followed]:
-        confirm_stored(self.settings)
+        confirm_stored(self.settings, lambda line: self._report(None, note=line))
         store = store_of(self.settings)
         previous = None
         while not self._stop.is_set():

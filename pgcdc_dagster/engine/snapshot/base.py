@@ -308,9 +308,12 @@ def take_base_snapshot(
     begin: Callable[[], None] | None = None,
     slot_created: Callable[[Lsn, str], None] | None = None,
     driver_max_rows: int = DEFAULT_DRIVER_MAX_ROWS,
+    slot_failover: str = "off",
 ) -> BaseSnapshotResult:
     """Take the base snapshot: publication, slot with exported snapshot, schema, rows, keys,
-    and the target's replication origin at the slot's consistent point.
+    and the target's replication origin at the slot's consistent point. ``slot_failover``:
+    ``PGCDC_SLOT_FAILOVER``, whether the slot is a failover slot
+    (:func:`~..source.slot.failover_wanted`).
 
     Refuses to copy into target tables that already hold rows (the copy would duplicate them)
     unless ``resnapshot``, which first drops the slot, truncates the target tables and drops the
@@ -382,7 +385,7 @@ def take_base_snapshot(
         copied_ranges.forget(tgt, slot_name)  # an earlier attempt's: this one starts afresh
         copied_ranges.ensure_table(tgt)
         tgt.commit()
-    exported = create_slot_with_snapshot(source_dsn, slot_name)
+    exported = create_slot_with_snapshot(source_dsn, slot_name, failover=slot_failover)
     slot = exported.slot
     watch_stop = threading.Event()
     try:

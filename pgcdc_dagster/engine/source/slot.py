@@ -30,6 +30,11 @@ Invariants kept here:
 - An invalidated slot (WAL removed, or a recovery conflict) is reported as an error every time it
   is read: its stream has a gap that no amount of retrying fills; the only fix is a new slot and a
   new base snapshot.
+- A permanent slot is a *failover* slot (PostgreSQL 17+: synchronised to physical standbys
+  that have ``sync_replication_slots`` on, so it survives a promotion) where
+  ``PGCDC_SLOT_FAILOVER`` asks for it (:func:`failover_wanted`; ``auto``: wherever the source
+  supports it), and an existing slot is switched to what the setting asks
+  (:func:`keep_failover`). See :mod:`.failover` for what else a failover needs.
 - Slot names are restricted to ``[a-z0-9_]{1,63}`` (PostgreSQL's own rule) and checked before any
   server sees them: replication connections take no bound parameters, so the name is spliced in
   (through psycopg.sql) rather than bound.
@@ -60,8 +65,13 @@ __all__ = [
     "advance_slot",
     "create_slot_with_snapshot",
     "drop_slot",
+    "failover_wanted",
+    "keep_failover",
     "read_slot",
 ]
+
+FAILOVER_SINCE = 170000
+"""The first server version whose logical slots can be failover slots."""
 
 _SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
 
@@ -73,6 +83,9 @@ _CREATE_SLOT_SYNTAXES = (
 )
 _CREATE_TEMPORARY_SLOT_SYNTAXES = tuple(
     syntax.replace("{slot} LOGICAL", "{slot} TEMPORARY LOGICAL") for syntax in _CREATE_SLOT_SYNTAXES
+)
+_CREATE_FAILOVER_SLOT_SYNTAXES = (
+    "CREATE_REPLICATION_SLOT {slot} LOGICAL pgoutput (SNAPSHOT 'export', FAILOVER true)",
 )
 
 
@@ -100,6 +113,8 @@ class SlotInfo:
     wal_status: str | None
     safe_wal_size: int | None
     retained_wal_bytes: int | None
+    failover: bool | None = None
+    """Whether it is a failover slot; ``None`` on a server older than PostgreSQL 17."""
 
 
 @dataclass(frozen=True)
@@ -169,19 +184,46 @@ def _redo_hint(slot_name: str) -> str:
     )
 
 
+def failover_wanted(setting: str, server_version: int) -> bool:
+    """Whether the slot is to be a failover slot under ``PGCDC_SLOT_FAILOVER=setting`` on a
+    server of ``server_version``: ``auto`` wherever the server has them, ``on`` always (a
+    :class:`SlotError` naming the fix on an older server), ``off`` never."""
+    if setting == "off":
+        return False
+    if server_version >= FAILOVER_SINCE:
+        return True
+    if setting == "on":
+        raise SlotError(
+            f"PGCDC_SLOT_FAILOVER=on, but the source runs PostgreSQL {server_version // 10000}, "
+            "whose slots cannot be failover slots (PostgreSQL 17 or later): set "
+            "PGCDC_SLOT_FAILOVER=auto, and after a failover run pgcdc recover"
+        )
+    return False
+
+
 def create_slot_with_snapshot(
-    dsn: str, slot_name: str, *, temporary: bool = False
+    dsn: str, slot_name: str, *, temporary: bool = False, failover: str = "off"
 ) -> ExportedSnapshotSlot:
     """Create the logical slot ``slot_name`` (pgoutput) and export the snapshot it starts from.
 
     The returned object owns the replication connection; keep it open (and use it only as a
     context manager) until every connection of the base copy has imported the snapshot.
     ``temporary``: the slot is dropped by the server when that connection ends, however it
-    ends (a table added later wants only its consistent point and snapshot).
+    ends (a table added later wants only its consistent point and snapshot); such a slot is
+    never a failover slot. ``failover``: ``PGCDC_SLOT_FAILOVER`` (:func:`failover_wanted`).
     """
     _checked_slot_name(slot_name)
     conn = connect(dsn, role="source", replication=True)
-    syntaxes = _CREATE_TEMPORARY_SLOT_SYNTAXES if temporary else _CREATE_SLOT_SYNTAXES
+    try:
+        if temporary:
+            syntaxes = _CREATE_TEMPORARY_SLOT_SYNTAXES
+        elif failover_wanted(failover, conn.info.server_version):
+            syntaxes = _CREATE_FAILOVER_SLOT_SYNTAXES
+        else:
+            syntaxes = _CREATE_SLOT_SYNTAXES
+    except BaseException:
+        conn.close()
+        raise
     try:
         with naming_blockers(dsn, conn.info.backend_pid):
             row = _create_slot(conn, slot_name, syntaxes)
@@ -253,7 +295,8 @@ SELECT s.slot_name, s.slot_type, s.plugin, s.database, s.active,
            s.restart_lsn)::bigint,
        -- Columns of newer servers, read through jsonb so one query fits every version.
        (to_jsonb(s) ->> 'conflicting')::boolean,
-       to_jsonb(s) ->> 'invalidation_reason'
+       to_jsonb(s) ->> 'invalidation_reason',
+       (to_jsonb(s) ->> 'failover')::boolean
 FROM pg_replication_slots s
 WHERE s.slot_name = %s
 """
@@ -279,12 +322,13 @@ def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
         row = conn.execute(_READ_SLOT, (slot_name,)).fetchone()
     if row is None:
         raise SlotError(
-            f"replication slot {slot_name} does not exist on the source: create it with "
-            "create_slot_with_snapshot (run pgcdc snapshot), which also takes the base snapshot "
-            "its changes continue from"
+            f"replication slot {slot_name} does not exist on the source (dropped, or a "
+            "failover to a standby that had no synced copy of it): run pgcdc recover, which "
+            "creates it anew and copies only the rows that differ (before any base snapshot: "
+            "pgcdc snapshot)"
         )
     (name, slot_type, plugin, database, active, restart, confirmed, wal_status, safe_size) = row[:9]
-    retained, conflicting, invalidation_reason = row[9:]
+    retained, conflicting, invalidation_reason, failover = row[9:]
     if slot_type != "logical":
         raise SlotError(
             f"replication slot {slot_name} is a {slot_type} slot, not a logical one: it belongs "
@@ -310,7 +354,47 @@ def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
         wal_status=wal_status,
         safe_wal_size=safe_size,
         retained_wal_bytes=retained,
+        failover=failover,
     )
+
+
+def keep_failover(dsn: str, slot_name: str, setting: str) -> bool | None:
+    """Switch the existing slot ``slot_name`` to what ``PGCDC_SLOT_FAILOVER=setting`` asks
+    (``ALTER_REPLICATION_SLOT``, PostgreSQL 17+), when it is not so already; returns whether
+    it is a failover slot now (``None``: the server has no failover slots, or no such slot).
+    A slot a walsender holds cannot be altered: the caller runs this before it streams."""
+    _checked_slot_name(slot_name)
+    with connect(dsn, role="source", replication=True) as conn:
+        version = conn.info.server_version
+        wanted = failover_wanted(setting, version)
+        if version < FAILOVER_SINCE:
+            return None
+        row = conn.execute(
+            sql.SQL("SELECT failover FROM pg_replication_slots WHERE slot_name = {}").format(
+                sql.Literal(slot_name)
+            )
+        ).fetchone()
+        if row is None:
+            return None
+        if bool(row[0]) == wanted:
+            return wanted
+        alter = sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER {})").format(
+            sql.Identifier(slot_name), sql.SQL("true" if wanted else "false")
+        )
+        deadline = time.monotonic() + RELEASE_WAIT_S  # a killed consumer's walsender ending
+        while True:
+            try:
+                conn.execute(alter)
+                return wanted
+            except errors.ObjectInUse as exc:
+                if time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise SlotError(
+                    f"cannot switch replication slot {slot_name} to failover={wanted} "
+                    f"(PGCDC_SLOT_FAILOVER={setting}): {server_message(exc)}: stop the consumer "
+                    "streaming from it and run the command again"
+                ) from None
 
 
 ADVANCE_PROBE_TIMEOUT = "1s"

@@ -267,6 +267,13 @@ class Chain:
     finished_at: Lsn | None = None
     """The replication was ended (``pgcdc finish``, :mod:`..control.finish`) with the target's
     origin here: its slot is dropped, and nothing follows it again until a new base snapshot."""
+    timeline: int | None = None
+    """The source's WAL timeline the chain's positions belong to: the one its base snapshot
+    (or recovery) was taken on, moved on by :meth:`OutputStore.record_timeline` once a
+    promotion's switch point was dealt with (:mod:`..control.failover`). ``None``: a chain
+    recorded before timelines were."""
+    system_id: str | None = None
+    """The source cluster's ``IDENTIFY_SYSTEM`` identifier when :attr:`timeline` was read."""
 
     @property
     def complete(self) -> bool:
@@ -673,14 +680,18 @@ class OutputStore:
         tables: Sequence[TableName] = (),
         shapes: Mapping[TableName, PublishedShape] | None = None,
         resyncing: Sequence[TableName] = (),
+        *,
+        timeline: int | None = None,
+        system_id: str | None = None,
     ) -> None:
         """Start a new chain of ranges at a base snapshot's consistent point: the snapshot's
-        last step, after the target's origin is set. ``tables``: those it copied; ``shapes``:
-        what the publication sent of those it narrowed then (:attr:`Chain.unpublished`,
-        :attr:`Chain.row_filters`). ``resyncing``: of ``tables``, those a resumed snapshot
-        still has to copy (:mod:`~..snapshot.resume`), recorded as being copied again
-        (:attr:`Chain.adding` and :attr:`Chain.resyncing`): their changes are held back until
-        a resync copies them, as of a point of their own.
+        last step, after the target's origin is set. ``timeline`` and ``system_id``: the
+        source's when the slot was created (:attr:`Chain.timeline`). ``tables``: those it
+        copied; ``shapes``: what the publication sent of those it narrowed then
+        (:attr:`Chain.unpublished`, :attr:`Chain.row_filters`). ``resyncing``: of ``tables``,
+        those a resumed snapshot still has to copy (:mod:`~..snapshot.resume`), recorded as
+        being copied again (:attr:`Chain.adding` and :attr:`Chain.resyncing`): their changes
+        are held back until a resync copies them, as of a point of their own.
 
         Ranges of an earlier chain (before a re-snapshot) stay as history: they end before the
         new consistent point, since a new slot starts at the WAL position of its creation.
@@ -696,9 +707,41 @@ class OutputStore:
             row_filters=row_filters(copied, shapes or {}),
             adding=tuple(sorted(resyncing)),
             resyncing=tuple(sorted(resyncing)),
+            timeline=timeline,
+            system_id=system_id,
         )
         with self.chain_lock():
             self._write_chain(self._record_of(chain))
+
+    def record_timeline(self, timeline: int, system_id: str) -> None:
+        """Record that the chain's positions now belong to the source's ``timeline``
+        (:attr:`Chain.timeline`), keeping everything else the record says, its state
+        included (a recovery under way stays under way)."""
+        with self.chain_lock() as chain:
+            if chain is None:
+                raise StoreError("there is no base snapshot in the store to record a timeline of")
+            record = json.loads((self.root / CHAIN).read_text())
+            record.update(timeline=timeline, system_id=system_id)
+            self._write_chain(record)
+
+    def drop_ranges_after(self, point: Lsn) -> list[LsnRange]:
+        """Take out of the store every range that ends past ``point`` (the switch point of a
+        promotion: what they hold past it is on no timeline the source knows, and their LSNs
+        will name other WAL there), each in one rename (:meth:`hide_range`), and return them.
+        Ranges of earlier chains too: they end where later ones begin, so a walk back from the
+        last stops at the first range that ends at or before ``point``. Idempotent: a crash
+        midway leaves ranges that the next call takes out, and hidden folders that
+        :meth:`sweep_removed` deletes."""
+        dropped = []
+        for rng in self.walk(reverse=True):
+            if rng.end <= point:
+                break
+            dropped.append(rng)
+        for rng in dropped:
+            hidden = self.hide_range(rng)
+            if hidden is not None:
+                remove_folder(hidden)
+        return dropped
 
     @contextlib.contextmanager
     def chain_lock(self) -> Iterator[Chain | None]:
@@ -831,6 +874,9 @@ class OutputStore:
             record["pruned_last_commit"] = None if last is None else str(last)
         if chain.finished_at is not None:
             record["finished_at"] = str(chain.finished_at)
+        if chain.timeline is not None:
+            record["timeline"] = chain.timeline
+            record["system_id"] = chain.system_id
         fields = {
             "tables": chain.tables,
             "unpublished": chain.unpublished,
@@ -928,6 +974,8 @@ class OutputStore:
             },
             finished_at=None if raw.get("finished_at") is None else Lsn.parse(raw["finished_at"]),
             copying_at=None if raw.get("copying_at") is None else Lsn.parse(raw["copying_at"]),
+            timeline=raw.get("timeline"),
+            system_id=raw.get("system_id"),
         )
 
     def consistent_point(self) -> Lsn:

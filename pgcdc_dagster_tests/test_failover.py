@@ -1,0 +1,376 @@
+"""The source fails over to its physical standby (PostgreSQL 18, a primary crashed for real and
+the standby promoted) while the replication runs, through the commands a user runs:
+
+- with a failover slot and ``synchronized_standby_slots``, a running ``pgcdc follow`` rides
+  the failover by itself, from the promoted standby's copy of the slot, with no re-copy;
+- without ``synchronized_standby_slots``, the preflight warns, a real fork (the target applied
+  a transaction the standby never received) stops the catch-up naming ``pgcdc recover``, and
+  the recovery ends equal;
+- PostgreSQL 16 (no failover slots): after a promotion the slot is gone, the line names
+  ``pgcdc recover``, and the recovery converges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pgcdc_dagster.engine.control.range_lock import lock_holders
+from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installation
+from pgcdc_dagster_tests.conftest import command_environment
+from pgcdc_dagster_tests.standby import Pair, primary_with_standby
+from pgcdc_dagster_tests.test_cli import run_cli
+
+PGCDC = str(Path(sys.executable).parent / "pgcdc")
+CONTENT = "SELECT count(*), coalesce(sum(hashtext(a::text)), 0) FROM accounts a"
+
+
+def _content(dsn: str) -> tuple:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(CONTENT).fetchone()  # type: ignore[return-value]
+
+
+def _app_database(pair: Pair) -> str:
+    """A database ``app`` on the primary with a table of 1,000 accounts, replayed on the
+    standby; the multi-host DSN that reaches whichever is the primary."""
+    with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE app")
+    dsn = pair.multi_host_dsn("app")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE accounts (id int PRIMARY KEY, balance int)")
+        conn.execute("INSERT INTO accounts SELECT g, 0 FROM generate_series(1, 1000) g")
+    pair.wait_replayed()
+    return dsn
+
+
+class Writer(threading.Thread):
+    """Commits one insert after another through the multi-host DSN, riding the failover (a
+    commit cut by the crash is retried on the new primary); re-raises its error on join."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.stop = threading.Event()
+        self.committed = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        next_id = 100_000
+        deadline: float | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
+                        deadline = None
+                        while not self.stop.is_set():
+                            conn.execute(
+                                "INSERT INTO accounts VALUES (%s, 1) ON CONFLICT (id) "
+                                "DO UPDATE SET balance = accounts.balance + 1",
+                                (next_id,),
+                            )
+                            self.committed += 1
+                            next_id += 1
+                            time.sleep(0.01)
+                except psycopg.OperationalError:
+                    deadline = deadline or time.monotonic() + 90
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(30)
+        if self.error is not None:
+            raise self.error
+
+
+def _wait_for(what: str, done, timeout: float = 90.0, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def _slot_row(dsn: str, slot: str) -> tuple | None:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT failover, confirmed_flush_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (slot,),
+        ).fetchone()
+
+
+def _synced(pair: Pair, slot: str, advance) -> None:
+    """Until the standby holds a persistent copy of ``slot``: the copy stays temporary until
+    the primary's slot has moved its restart point past where the copy began, which takes a
+    running-transactions record (``pg_log_standby_snapshot``) decoded and confirmed by a
+    consumer (``advance``), then a round of the standby's slot sync worker."""
+    deadline = time.monotonic() + 120
+    while True:
+        with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
+            conn.execute("SELECT pg_log_standby_snapshot()")
+        advance()
+        try:
+            pair.wait_synced_slot(slot, timeout=5)
+            return
+        except TimeoutError:
+            assert time.monotonic() < deadline, "the standby's copy of the slot stayed temporary"
+
+
+@pytest.fixture
+def failover_pair() -> Iterator[Pair]:
+    with primary_with_standby(major=18) as pair:
+        yield pair
+
+
+@pytest.mark.long
+def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a_recopy(
+    failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    pair = failover_pair
+    source = _app_database(pair)
+    with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+        slot = env["PGCDC_SLOT"]
+        code, _, err = run_cli(capsys, "snapshot")
+        assert code == 0, err
+        assert "synchronized_standby_slots" not in err, err  # the source is set up for it
+        assert _slot_row(pair.primary.dsn("app"), slot)[0] is True  # a failover slot
+
+        writer = Writer(source)
+        writer.start()
+        follow = subprocess.Popen(
+            [PGCDC, "follow"],
+            env={**os.environ, "PGCDC_PROGRESS": "lines"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _wait_for(
+                "the follow to take the range",
+                lambda: (
+                    follow.poll() is None
+                    and any(h.holder.startswith("run ") for h in lock_holders(target_dsn, slot))
+                ),
+                timeout=120,
+            )
+            _synced(pair, slot, lambda: None)  # the follow advances the slot
+            _wait_for("applies", lambda: _content(target_dsn)[0] > 1_050)
+            pair.crash_primary()
+            pair.promote()
+            promoted = pair.standby.dsn("app")
+            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_050)
+            committed = writer.committed
+            _wait_for("more writes", lambda: writer.committed > committed + 100)
+            writer.finish()
+            _wait_for(
+                "the target to equal the new primary",
+                lambda: _content(target_dsn) == _content(promoted),
+                timeout=120,
+            )
+            assert follow.poll() is None, "the follow ended during the failover"
+        finally:
+            writer.stop.set()
+            follow.send_signal(signal.SIGTERM)
+            _, follow_err = follow.communicate(timeout=60)
+        assert follow.returncode == 0, follow_err
+        assert "the source failed over: timeline 1 -> 2" in follow_err, follow_err
+        code, out, err = run_cli(capsys, "verify", "--json")
+        assert code == 0, err
+        assert json.loads(out)["equal"] is True, out
+
+
+def test_a_follow_killed_in_the_failover_window_is_finished_by_the_next_catchup(
+    failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    """SIGKILL of the follow while the primary is down and the standby not yet promoted (the
+    follow retrying); after the promotion, a plain ``pgcdc catchup`` converges."""
+    pair = failover_pair
+    source = _app_database(pair)
+    with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+        slot = env["PGCDC_SLOT"]
+        code, _, err = run_cli(capsys, "snapshot")
+        assert code == 0, err
+        writer = Writer(source)
+        writer.start()
+        follow = subprocess.Popen(
+            [PGCDC, "follow"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            _synced(pair, slot, lambda: None)
+            _wait_for("applies", lambda: _content(target_dsn)[0] > 1_050)
+            pair.crash_primary()
+            time.sleep(1.0)  # the follow has lost its source and is retrying
+            assert follow.poll() is None
+            os.killpg(follow.pid, signal.SIGKILL)
+            follow.wait(30)
+            pair.promote()
+            promoted = pair.standby.dsn("app")
+            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_100)
+            writer.finish()
+        finally:
+            writer.stop.set()
+            if follow.poll() is None:
+                os.killpg(follow.pid, signal.SIGKILL)
+            follow.communicate(timeout=30)
+        code, _, err = run_cli(capsys, "catchup")
+        assert code == 0, err
+        assert _content(target_dsn) == _content(pair.standby.dsn("app"))
+        code, out, err = run_cli(capsys, "verify", "--json")
+        assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+@pytest.mark.long
+def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
+    target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    with primary_with_standby(major=18, synchronized=False) as pair:
+        source = _app_database(pair)
+        with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+            slot = env["PGCDC_SLOT"]
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code == 0, err
+            assert "synchronized_standby_slots" in err and "warning" in err, err
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 10")
+            code, _, err = run_cli(capsys, "catchup")
+            assert code == 0, err
+
+            def catch_up() -> None:
+                code, _, err = run_cli(capsys, "catchup")
+                assert code == 0, err
+
+            _synced(pair, slot, catch_up)
+
+            # The fork: the standby stops receiving, the target applies what it never got.
+            pair.stop_standby()
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 2 WHERE id <= 20")
+                conn.execute("INSERT INTO accounts VALUES (5001, 5)")
+            code, _, err = run_cli(capsys, "catchup")
+            assert code == 0, err
+            pair.crash_primary()
+            pair.start_standby()
+            pair.promote()
+            promoted = pair.standby.dsn("app")
+            with psycopg.connect(promoted, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 3 WHERE id BETWEEN 900 AND 910")
+
+            code, _, err = run_cli(capsys, "catchup")
+            assert code != 0
+            assert "failed over" in err and "pgcdc recover" in err, err
+            assert "\n" not in err.strip().removeprefix("pgcdc: "), err
+            code, out, err = run_cli(capsys, "status", "--json")
+            assert code == 0, err
+            assert "pgcdc recover" in json.loads(out)["next_step"], out
+
+            code, _, err = run_cli(capsys, "recover", "--json")
+            assert code == 0, err
+            assert _content(target_dsn) == _content(promoted)
+            with psycopg.connect(promoted, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 4 WHERE id <= 5")
+            code, _, err = run_cli(capsys, "catchup")
+            assert code == 0, err
+            code, out, err = run_cli(capsys, "verify", "--json")
+            assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+def test_a_range_stored_past_the_switch_point_is_dropped_and_never_applied(
+    target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    """A catch-up stores a range the standby never received and is SIGKILLed before it
+    applies it; the standby is promoted. The next catch-up drops that range (its transaction
+    is on no timeline the new primary has), reads again from the promoted standby's copy of the
+    slot, and the target ends equal to the new primary, without that transaction."""
+    with primary_with_standby(major=18, synchronized=False) as pair:
+        source = _app_database(pair)
+        with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+            slot = env["PGCDC_SLOT"]
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code == 0, err
+
+            def catch_up() -> None:
+                code, _, err = run_cli(capsys, "catchup")
+                assert code == 0, err
+
+            _synced(pair, slot, catch_up)
+            pair.stop_standby()
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("INSERT INTO accounts VALUES (7001, 7)")
+            killed = subprocess.run(
+                [PGCDC, "catchup"],
+                env={**os.environ, "PGCDC_FAILPOINT": "catchup.before_apply=kill"},
+                capture_output=True,
+                text=True,
+            )
+            assert killed.returncode == -signal.SIGKILL, killed.stderr
+            pair.crash_primary()
+            pair.start_standby()
+            pair.promote()
+            promoted = pair.standby.dsn("app")
+            with psycopg.connect(promoted, autocommit=True) as conn:
+                conn.execute("INSERT INTO accounts VALUES (7002, 8)")
+
+            code, out, err = run_cli(capsys, "catchup")
+            assert code == 0, err
+            with psycopg.connect(target_dsn) as conn:
+                ids = [r[0] for r in conn.execute("SELECT id FROM accounts WHERE id > 7000")]
+            assert ids == [7002], ids
+            assert _content(target_dsn) == _content(promoted)
+            code, out, err = run_cli(capsys, "verify", "--json")
+            assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+def _has_16_with_basebackup() -> bool:
+    try:
+        return server_installation(16).has("pg_basebackup")
+    except ToolsError:
+        return False
+
+
+@pytest.mark.skipif(not _has_16_with_basebackup(), reason="no PostgreSQL 16 with pg_basebackup")
+def test_a_postgres_16_source_that_fails_over_names_recover_and_converges(
+    target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    with primary_with_standby(major=16, sync_slots=False, synchronized=False) as pair:
+        source = _app_database(pair)
+        with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code == 0, err
+            assert "PostgreSQL 16" in err and "pgcdc recover" in err, err
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 10")
+            code, _, err = run_cli(capsys, "catchup")
+            assert code == 0, err
+            pair.wait_replayed()
+            pair.crash_primary()
+            pair.promote()
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("UPDATE accounts SET balance = 2 WHERE id <= 20")
+
+            code, _, err = run_cli(capsys, "catchup")
+            assert code != 0
+            assert f"slot {env['PGCDC_SLOT']} does not exist" in err, err
+            assert "pgcdc recover" in err and "pgcdc snapshot)" in err, err
+            code, _, err = run_cli(capsys, "recover")
+            assert code == 0, err
+            assert _content(target_dsn) == _content(pair.standby.dsn("app"))
+            code, out, err = run_cli(capsys, "verify", "--json")
+            assert code == 0 and json.loads(out)["equal"] is True, out
