@@ -24,9 +24,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from dagster import AssetCheckSeverity
 
+from pgcdc_dagster.defs.checks import slot_survives_failover_result
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installation
+from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.conftest import command_environment
 from pgcdc_dagster_tests.standby import Pair, primary_with_standby
 from pgcdc_dagster_tests.test_cli import run_cli
@@ -168,6 +171,9 @@ def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a
                 timeout=120,
             )
             _synced(pair, slot, lambda: None)  # the follow advances the slot
+            check = slot_survives_failover_result(ReplicationSettings.from_env())
+            assert check.passed, check.description
+            assert "synced" in check.metadata["standby copies"].value, check.metadata
             _wait_for("applies", lambda: _content(target_dsn)[0] > 1_050)
             pair.crash_primary()
             pair.promote()
@@ -248,6 +254,9 @@ def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
             code, _, err = run_cli(capsys, "snapshot")
             assert code == 0, err
             assert "synchronized_standby_slots" in err and "warning" in err, err
+            check = slot_survives_failover_result(ReplicationSettings.from_env())
+            assert not check.passed and check.severity == AssetCheckSeverity.WARN
+            assert "synchronized_standby_slots = 'pgcdc_standby'" in check.description, check
             with psycopg.connect(source, autocommit=True) as conn:
                 conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 10")
             code, _, err = run_cli(capsys, "catchup")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -353,3 +354,32 @@ def test_the_sensor_recovers_a_lost_slot_with_no_hands_where_the_setting_allows_
     code, _, err = run_cli(capsys, "catchup")
     assert code == 0, err
     assert _content(target_dsn) == _content(source_dsn)
+
+
+def test_a_store_restored_from_an_older_copy_is_named_and_recovered(lost_env, capsys):
+    """The output store goes back to a copy from before some ranges (a restored backup): the
+    slot is confirmed past what the store holds, so those changes can never be read again.
+    The catch-up names ``pgcdc recover``, which makes the target equal to the source."""
+    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
+    store = Path(lost_env["PGCDC_STORE"])
+    _accounts_and_lines(source_dsn, 5000, 10)
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+    older = store.with_name("store-copy")
+    shutil.copytree(store, older)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = -1 WHERE id <= 100")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    shutil.rmtree(store)
+    older.rename(store)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM accounts WHERE id BETWEEN 200 AND 210")
+
+    code, _, err = run_cli(capsys, "catchup")
+    assert code != 0 and "pgcdc recover" in err and "consumed" in err, err
+    code, _, err = run_cli(capsys, "recover")
+    assert code == 0, err
+    assert _content(target_dsn) == _content(source_dsn)
+    code, out, err = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True, out

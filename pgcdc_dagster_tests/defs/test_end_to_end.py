@@ -216,6 +216,7 @@ def test_snapshot_sensor_ranges_and_cutover_keep_target_equal_to_source(replicat
         (AssetKey("replication_slot"), "slot_health", True),
         (AssetKey("replication_slot"), "replicated_tables", True),
         (AssetKey("replication_slot"), "store_retention", True),
+        (AssetKey("replication_slot"), "slot_survives_failover", True),
     }
     assert int(observation.metadata["lag_bytes"].value) > 0
     r.register(first)

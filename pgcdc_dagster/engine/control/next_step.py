@@ -128,7 +128,8 @@ def decide(
         raise CatchUpStateError(
             f"the slot's confirmed position {slot_confirmed} is past the end of the stored "
             f"ranges {chain_end}: changes in between were consumed by something else and are "
-            "not in the store; re-take the base snapshot (pgcdc snapshot --resnapshot)"
+            "not in the store; run pgcdc recover, which compares the target with the source "
+            "and copies what differs"
         )
     first = _first_unapplied(store, chain, origin)
     if first is not None:

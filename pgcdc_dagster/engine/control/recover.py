@@ -91,13 +91,30 @@ class RecoverResult:
 
 
 def slot_lost(settings: ReplicationSettings) -> str | None:
-    """Why the slot cannot be used (invalidated, missing, or a failover left the target ahead
-    of the source: :func:`.failover.forked`), in a line; ``None``: it is usable."""
+    """Why the slot cannot be used, in a line; ``None``: it is usable. Lost: invalidated,
+    missing, confirmed past what the store holds (its changes since were consumed elsewhere),
+    or a failover left the target ahead of the source (:func:`.failover.forked`).
+
+    The slot is read before the store's chain: a follow stores a range before it confirms the
+    slot past it, so a chain read after the slot ends at or past the slot's position unless
+    changes really went missing."""
     with connect(settings.source_dsn, role="source") as conn:
         try:
-            read_slot(conn, settings.slot)
+            confirmed = read_slot(conn, settings.slot).confirmed_flush_lsn
         except SlotError as exc:
             return str(exc)
+    store = pipeline.store_of(settings)
+    chain = store.chain()
+    if confirmed is not None and chain is not None and chain.complete:
+        end = store.chain_end()
+        if confirmed > end:
+            return (
+                f"replication slot {settings.slot} is confirmed up to {confirmed}, past "
+                f"{end}, where the output store's ranges end: the changes between were "
+                "consumed elsewhere (another consumer of the slot, a store deleted or restored "
+                "from an older copy); run pgcdc recover, which compares the target with the "
+                "source and copies what differs"
+            )
     return forked(settings)
 
 

@@ -379,7 +379,8 @@ def _check_position(
             f"range {rng.key} starts at {rng.start}, before slot {slot}'s confirmed position "
             f"{confirmed}, and is not in the store: its changes were consumed elsewhere (another "
             "consumer of the slot, or a store that was deleted). The data between them is lost "
-            "to this slot: re-take the base snapshot (pgcdc snapshot --resnapshot)"
+            "to this slot: run pgcdc recover, which compares the target with the source and "
+            "copies what differs"
         )
     if confirmed < rng.start:
         previous = store.range_ending_at(rng.start)
