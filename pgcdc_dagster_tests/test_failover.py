@@ -118,12 +118,14 @@ def _slot_row(dsn: str, slot: str) -> tuple | None:
 def _synced(pair: Pair, slot: str, advance) -> None:
     """Until the standby holds a persistent copy of ``slot``: the copy stays temporary until
     the primary's slot has moved its restart point past where the copy began, which takes a
-    running-transactions record (``pg_log_standby_snapshot``) decoded and confirmed by a
-    consumer (``advance``), then a round of the standby's slot sync worker."""
+    running-transactions record (``pg_log_standby_snapshot``, flushed) decoded and confirmed
+    by a consumer (``advance``), then a round of the standby's slot sync worker."""
     deadline = time.monotonic() + 120
     while True:
         with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
             conn.execute("SELECT pg_log_standby_snapshot()")
+            # Flushed at once (a running-transactions record alone waits for the WAL writer).
+            conn.execute("SELECT pg_logical_emit_message(false, 'pgcdc-test', '', true)")
         advance()
         try:
             pair.wait_synced_slot(slot, timeout=5)
@@ -345,6 +347,28 @@ def test_a_range_stored_past_the_switch_point_is_dropped_and_never_applied(
             assert _content(target_dsn) == _content(promoted)
             code, out, err = run_cli(capsys, "verify", "--json")
             assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+def test_a_slot_made_without_failover_is_named_and_switched_by_the_next_catchup(
+    failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    pair = failover_pair
+    source = _app_database(pair)
+    with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+        slot = env["PGCDC_SLOT"]
+        monkeypatch.setenv("PGCDC_SLOT_FAILOVER", "off")
+        code, _, err = run_cli(capsys, "snapshot")
+        assert code == 0, err
+        assert f"slot {slot} is not a failover slot" in err, err
+        assert _slot_row(pair.primary.dsn("app"), slot)[0] is False
+        code, out, err = run_cli(capsys, "status", "--json")
+        assert code == 0, err
+        assert any("PGCDC_SLOT_FAILOVER" in gap for gap in json.loads(out)["failover_gaps"])
+
+        monkeypatch.setenv("PGCDC_SLOT_FAILOVER", "auto")
+        code, _, err = run_cli(capsys, "catchup")
+        assert code == 0, err
+        assert _slot_row(pair.primary.dsn("app"), slot)[0] is True
 
 
 def _has_16_with_basebackup() -> bool:

@@ -362,39 +362,37 @@ def keep_failover(dsn: str, slot_name: str, setting: str) -> bool | None:
     """Switch the existing slot ``slot_name`` to what ``PGCDC_SLOT_FAILOVER=setting`` asks
     (``ALTER_REPLICATION_SLOT``, PostgreSQL 17+), when it is not so already; returns whether
     it is a failover slot now (``None``: the server has no failover slots, or no such slot).
-    A slot a walsender holds cannot be altered: the caller runs this before it streams."""
+
+    The server makes an ``ALTER_REPLICATION_SLOT`` of a slot a walsender holds wait until it
+    is let go: so the slot is first waited for here, as any reader waits (:func:`released`),
+    and a slot still held then is an error naming the consumer, never a wait without end."""
     _checked_slot_name(slot_name)
-    with connect(dsn, role="source", replication=True) as conn:
-        version = conn.info.server_version
-        wanted = failover_wanted(setting, version)
-        if version < FAILOVER_SINCE:
+    with connect(dsn, role="source") as conn:
+        wanted = failover_wanted(setting, conn.info.server_version)
+        if conn.info.server_version < FAILOVER_SINCE:
             return None
         row = conn.execute(
-            sql.SQL("SELECT failover FROM pg_replication_slots WHERE slot_name = {}").format(
-                sql.Literal(slot_name)
-            )
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot_name,)
         ).fetchone()
+        conn.commit()
         if row is None:
             return None
         if bool(row[0]) == wanted:
             return wanted
-        alter = sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER {})").format(
-            sql.Identifier(slot_name), sql.SQL("true" if wanted else "false")
+        if released(conn, slot_name).active:
+            raise SlotError(
+                f"cannot switch replication slot {slot_name} to failover={wanted} "
+                f"(PGCDC_SLOT_FAILOVER={setting}): a consumer streams from it; stop it (SELECT "
+                f"active_pid FROM pg_replication_slots WHERE slot_name = '{slot_name}') and "
+                "run the command again"
+            )
+    with connect(dsn, role="source", replication=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER_REPLICATION_SLOT {} (FAILOVER {})").format(
+                sql.Identifier(slot_name), sql.SQL("true" if wanted else "false")
+            )
         )
-        deadline = time.monotonic() + RELEASE_WAIT_S  # a killed consumer's walsender ending
-        while True:
-            try:
-                conn.execute(alter)
-                return wanted
-            except errors.ObjectInUse as exc:
-                if time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                raise SlotError(
-                    f"cannot switch replication slot {slot_name} to failover={wanted} "
-                    f"(PGCDC_SLOT_FAILOVER={setting}): {server_message(exc)}: stop the consumer "
-                    "streaming from it and run the command again"
-                ) from None
+    return wanted
 
 
 ADVANCE_PROBE_TIMEOUT = "1s"
