@@ -40,6 +40,7 @@ from pgcdc_dagster.defs.run_liveness import PROCESS_TAG
 from pgcdc_dagster.demo.local_cluster import (
     LOGICAL_SOURCE_SETTINGS,
     LocalCluster,
+    origin_room,
     temporary_cluster,
 )
 from pgcdc_dagster.engine.control import pipeline, verify
@@ -151,7 +152,8 @@ def clusters() -> Iterator[Clusters]:
     """Clusters of this module alone: its tests crash and restart them."""
     made = [
         temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-resume-source-").start(),
-        temporary_cluster(prefix="pgcdc-resume-target-").start(),
+        # A replication origin for each site of this module (eleven): past the default 10.
+        temporary_cluster(origin_room(20), prefix="pgcdc-resume-target-").start(),
         temporary_cluster(prefix="pgcdc-resume-storage-").start(),
     ]
     try:
@@ -536,7 +538,7 @@ def test_a_follow_killed_while_it_waits_out_an_outage_then_a_catchup_converges(s
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(follow.pid, signal.SIGKILL)
-        clusters.source.start()
+        _started(clusters.source)  # stopped above, unless the test failed before
     assert follow.returncode == -signal.SIGKILL
     _wait_for(
         lambda: not lock_holders(site.settings.target_dsn, site.settings.slot),
@@ -732,21 +734,34 @@ def test_kill_while_dagster_forgets_partitions_then_the_next_command_finishes_th
     site.assert_converged()
 
 
+STORE_ROOM = 40 * 1024
+"""What is left of the small file system when the catch-up starts (bytes)."""
+
+RANDOM_FILLERS = "UPDATE accounts SET filler = md5(random()::text) || md5(random()::text)"
+"""One transaction of 20,000 updates, each with 64 random hex characters (1.28 MB of them):
+at least 640 KB however the store compresses them, sixteen times :data:`STORE_ROOM`, on any
+machine (what a writer commits in a few seconds depends on the machine's speed: once it fit
+in the room)."""
+
+
 def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converges(
     site: Site, tmp_path: Path
 ):
     """The store's file system fills up under a catch-up: the command fails in one line naming
     the store and the fix, leaves no half-written range behind, and once space is freed the
     next plain catch-up stores the range whole and converges. (A small tmpfs holds a copy of
-    the store, which then replaces the site's, so the next tests go on from it.)"""
+    the store, which then replaces the site's, so the next tests go on from it: whatever
+    happened here, since a command on it took the slot past what the site's store holds.)"""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("a small file system to fill needs root and mount(8) for a tmpfs")
     small = tmp_path / "small"
     small.mkdir()
+    site_store = Path(site.env["PGCDC_STORE"])
     # Room for the store the earlier tests left (its size varies with how their ranges were
-    # cut: a fixed 3 MB once failed the copy below, and every later test with it), and 2 MB.
-    stored = sum(f.stat().st_size for f in Path(site.env["PGCDC_STORE"]).rglob("*") if f.is_file())
-    size_kb = (stored * 3 // 2 + 2 * 1024 * 1024) // 1024
+    # cut: a fixed 3 MB once failed the copy below, and every later test with it), and 16 MB
+    # for the catch-up once space is freed (the random fillers' range and its spill files).
+    stored = sum(f.stat().st_size for f in site_store.rglob("*") if f.is_file())
+    size_kb = (stored * 3 // 2 + 16 * 1024 * 1024) // 1024
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(small)],
         capture_output=True,
@@ -755,28 +770,48 @@ def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converg
     )
     if mounted.returncode != 0:  # a container without the capability to mount
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    store = small / "store"
+    filler = small / "filler"
+    env = {"PGCDC_STORE": str(store)}
+    swapped = caught_up = False
     try:
-        store = small / "store"
-        shutil.copytree(site.env["PGCDC_STORE"], store)
-        filler = small / "filler"
+        shutil.copytree(site_store, store)
+        before = set(OutputStore(store).chain_ranges())
         with open(filler, "wb") as out, contextlib.suppress(OSError):  # until 40 KB are left
-            out.write(b"\0" * max(0, shutil.disk_usage(small).free - 40 * 1024))
-        env = {"PGCDC_STORE": str(store)}
+            out.write(b"\0" * max(0, shutil.disk_usage(small).free - STORE_ROOM))
+        assert shutil.disk_usage(small).free <= STORE_ROOM + 64 * 1024
+        with psycopg.connect(site.settings.source_dsn, autocommit=True) as conn:
+            conn.execute(RANDOM_FILLERS)
         with site.writer(seed=85):
-            time.sleep(3.0)
-        full = site.pgcdc("catchup", "--endpos", "current", env=env)
-        assert full.returncode == 1, full.stderr
-        last = full.stderr.strip().splitlines()[-1]
-        assert f"the output store at {store} is out of space storing range" in last, last
-        assert "PGCDC_STORE_RETENTION" in last and "Traceback" not in full.stderr, last
-        assert not [n for n in on_disk(OutputStore(store)) if n.startswith(".tmp-")]
-        filler.unlink()
-        done = site.pgcdc("catchup", "--endpos", "current", env=env)
-        assert done.returncode == 0, done.stderr
-        shutil.rmtree(site.env["PGCDC_STORE"])
-        shutil.copytree(store, site.env["PGCDC_STORE"])
+            time.sleep(1.0)
+        swapped = True  # from here on the slot may be past what the site's store holds
+        try:
+            full = site.pgcdc("catchup", "--endpos", "current", env=env)
+            assert full.returncode == 1, full.stderr
+            last = full.stderr.strip().splitlines()[-1]
+            assert f"the output store at {store} is out of space storing range" in last, last
+            assert "PGCDC_STORE_RETENTION" in last and "Traceback" not in full.stderr, last
+            assert not [n for n in on_disk(OutputStore(store)) if n.startswith(".tmp-")]
+            filler.unlink()
+            done = site.pgcdc("catchup", "--endpos", "current", env=env)
+            assert done.returncode == 0, done.stderr
+            caught_up = True
+            taken = OutputStore(store)
+            new = [taken.get(r) for r in taken.chain_ranges() if r not in before]
+            # What the full catch-up had to store did not fit in the room it had.
+            written = sum(s.manifest.bytes for s in new if s is not None)
+            assert written > 10 * STORE_ROOM, written
+        finally:
+            # The small store is the site's from here on, whatever failed above.
+            filler.unlink(missing_ok=True)
+            shutil.rmtree(site_store)
+            shutil.copytree(store, site_store)
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+        if swapped and not caught_up:
+            # Failed before the store was caught up: the next tests start from a converged
+            # site all the same (a plain catch-up, as after any failed command).
+            site.pgcdc("catchup", "--endpos", "current")
     site.assert_converged()
 
 
@@ -1106,9 +1141,13 @@ def server_gone_under_a_running_catchup(
     with site.writer(seed=seed):
         time.sleep(1.0)
     running = site.start("catchup", "--endpos", "current", failpoint=pause)
-    _wait_for(reached, f"the catch-up to reach {pause}")
-    restart()
-    _, err = running.communicate(timeout=120)
+    try:
+        _wait_for(reached, f"the catch-up to reach {pause}", alive=running)
+        restart()
+        _, err = running.communicate(timeout=120)
+    finally:  # a catch-up left paused would hold the range lock into the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(running.pid, signal.SIGKILL)
     assert running.returncode not in (0, -signal.SIGKILL)
     line = error_line(err)
     assert f"{server} PostgreSQL" in line and "lost the connection" in line, line
