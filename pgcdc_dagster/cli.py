@@ -463,7 +463,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_recover(args: argparse.Namespace) -> int:
-    """Runs the recover job (:mod:`~pgcdc_dagster.engine.control.recover`): a lost slot created
+    """Runs the recover job (:mod:`~pgcdc_dagster.engine.compare.recover`): a lost slot created
     anew, the target compared with the source at its point, only the differing chunks copied.
     Then a follow or a catch-up goes on from that point."""
     from .defs.jobs import RECOVER_JOB

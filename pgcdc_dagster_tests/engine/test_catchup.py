@@ -9,7 +9,8 @@ import time
 
 import psycopg
 
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 

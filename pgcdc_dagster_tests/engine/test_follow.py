@@ -19,7 +19,8 @@ import pyarrow as pa
 import pytest
 
 from pgcdc_dagster.engine import failpoints
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import lent_lock, lock_holders, range_lock
 from pgcdc_dagster.engine.follow import backlog
 from pgcdc_dagster.engine.follow import follower as follow

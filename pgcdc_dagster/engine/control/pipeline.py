@@ -21,6 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar, Union
 
+from ..apply.ddl import ResyncNeeded, SourceDdl
+from ..apply.origin import progress_of
+from ..apply.staging import drop_shared
 from ..connect import connect, server_errors
 from ..errors import PgcdcError
 from ..failpoints import failpoint
@@ -41,9 +44,6 @@ from ..store.output_store import (
     StoreError,
 )
 from ..store.retention import prune_if_due
-from ..target.ddl import ResyncNeeded, SourceDdl
-from ..target.origin import progress_of
-from ..target.staging import drop_shared
 from .failover import follow_timeline
 from .next_step import ApplyStored, CaughtUp, ReceiveNext, Step, decide, plan_next_range
 from .range_lock import (
@@ -61,12 +61,12 @@ if TYPE_CHECKING:
     import psycopg
     from pyspark.sql import SparkSession
 
+    from ..apply.results import ApplyResult
     from ..catalog import ColumnInfo
     from ..snapshot import AddedTablesResult, BaseSnapshotResult
     from ..snapshot.common import SchemaRestoreResult
     from ..snapshot.continued import Continuing
     from ..snapshot.resume import Resumable
-    from ..target.results import ApplyResult
 
 
 T = TypeVar("T")
@@ -278,12 +278,12 @@ def add_tables(
     How, as native logical replication's table sync does it:
 
     1. The tables enter the store chain's ``adding`` before anything changes: from there every
-       apply holds their changes back (:func:`~..target.apply.apply_range`) and applies the other
-       tables', so a follow keeps the rest of the target fresh while they copy.
+       apply holds their changes back (:func:`~..apply.transaction.apply_range`) and applies the
+       other tables', so a follow keeps the rest of the target fresh while they copy.
     2. They are published and copied as of a temporary slot's consistent point ``C``, without
        the range.
     3. Their changes the applies held back, from ``C`` to the target's origin as it stands,
-       are applied from the stored ranges (:func:`~..target.apply.apply_added_changes`), still
+       are applied from the stored ranges (:func:`~..apply.transaction.apply_added_changes`), still
        without the range, in passes while each catches up on enough to take a while.
     4. With the range (the range lock, or a follow holding it that made way, waiting up to
        ``wait_s`` seconds for either: :func:`~.range_lock.range_lock_or_way`), the origin
@@ -301,9 +301,9 @@ def add_tables(
     caller holds the range already (an apply that met DDL it cannot follow). ``continuing``:
     tables of a resync that a killed base snapshot copied in part, continued where they can
     be (:mod:`..snapshot.continued`; the caller holds the range, so the slot stays put)."""
+    from ..apply.held_back import HeldBackApplied, apply_added_changes
     from ..published_columns import unpublished_columns
     from ..snapshot import add_tables as copy_added
-    from ..target.held_back import HeldBackApplied, apply_added_changes
 
     store = store_of(settings)
     store.consistent_point()  # a base snapshot to add to, or the error that says to take one
@@ -624,7 +624,7 @@ def stored_range(settings: ReplicationSettings, rng: LsnRange) -> StoredRange:
 
 
 def source_ddl(settings: ReplicationSettings) -> SourceDdl:
-    """How the applies follow the source's DDL (:mod:`..target.ddl`), from ``settings``."""
+    """How the applies follow the source's DDL (:mod:`..apply.ddl`), from ``settings``."""
     return SourceDdl(
         settings.source_dsn,
         keep_dropped=settings.dropped_columns == "keep",
@@ -640,9 +640,9 @@ def apply_stored_range(
 ) -> ApplyResult:
     """Apply a stored range. Spark is started (through ``spark``, a session or a callable that
     returns one) only for ranges large enough to be worth a Spark job. ``conn``: a target
-    connection kept across ranges (see :func:`~..target.apply.apply_range`).
+    connection kept across ranges (see :func:`~..apply.transaction.apply_range`).
 
-    A table whose DDL in the range cannot be followed column by column (:mod:`..target.ddl`) is
+    A table whose DDL in the range cannot be followed column by column (:mod:`..apply.ddl`) is
     re-copied first (``PGCDC_DDL=auto``: :func:`resync_tables`, under the range the caller
     holds), and the range applied after, the table's changes up to its copy skipped; with
     ``strict``, the apply stops there. Nothing of the range is applied before either."""
@@ -680,17 +680,17 @@ def reshaped_columns(
 
 RECONCILE_EVERY_S = 60.0
 """How often an applying process compares the source's and the target's catalogs for what the
-change stream never shows (:func:`~..target.ddl.reconcile`): a default changed, a generated column
+change stream never shows (:func:`~..apply.ddl.reconcile`): a default changed, a generated column
 added, a column dropped and added again under its name."""
 _reconciled_at: dict[tuple[str, str], float] = {}
 
 
 def _reconcile_due(settings: ReplicationSettings, spark: SparkProvider) -> list[str]:
     """At an apply's start, at most every :data:`RECONCILE_EVERY_S` in this process (the first
-    apply of a process always): :func:`~..target.ddl.reconcile` on the replicated tables; a table it
+    apply of a process always): :func:`~..apply.ddl.reconcile` on the replicated tables; a table it
     finds must be copied again is resynced (``PGCDC_DDL=auto``, under the range the caller
     holds) or refused (``strict``). One line per step."""
-    from ..target.ddl import reconcile
+    from ..apply.ddl import reconcile
 
     key = (settings.store, settings.slot)
     now = time.monotonic()
@@ -771,7 +771,7 @@ def _apply_stored(
     spark: SparkProvider,
     conn: psycopg.Connection[Any] | None,
 ) -> ApplyResult:
-    from ..target.apply import apply_range, on_spark
+    from ..apply.transaction import apply_range, on_spark
 
     stored = stored_range(settings, rng)
     session = None
@@ -887,8 +887,8 @@ class Reshaped:
     """A replicated table whose row filter changed since its copy (:attr:`~.store.Chain.
     row_filters`), or whose column list now sends columns it left out then
     (:attr:`~..store.output_store.Chain.unpublished`). The stream follows the publication from the
-    change on; a column list that leaves out more stops the apply (:mod:`..target.apply`), this does
-    not."""
+    change on; a column list that leaves out more stops the apply
+    (:mod:`..apply.transaction`), this does not."""
 
     table: TableName
     filter_then: str | None

@@ -68,7 +68,7 @@ durable state (with the tables an add added). A follower running under the askin
 (the cutover's own catch-up) does not make way for it. An add asks for the range only once its
 tables are copied (to apply their changes held back meanwhile): while they copy, and after an
 add that ended before finishing, the follow goes on applying the other tables' changes and
-holds theirs back (:func:`~..target.apply.apply_range`).
+holds theirs back (:func:`~..apply.transaction.apply_range`).
 
 Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
 endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
@@ -134,7 +134,7 @@ from .busy_time import BusyTime
 from .outage_clock import OutageClock
 
 if TYPE_CHECKING:
-    from ..target.results import ApplyResult
+    from ..apply.results import ApplyResult
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -274,7 +274,7 @@ class FollowSummary:
     streams: int = 0
     """Times it read the slot by stream once it kept up (``follow_read``)."""
     spark_ranges: int = 0
-    """Ranges whose changes Spark's executors staged (:mod:`..target.spark_staging`)..."""
+    """Ranges whose changes Spark's executors staged (:mod:`..apply.spark_staging`)..."""
     spark_tasks: int = 0
     spark_changes: int = 0
     spark_seconds: float = 0.0

@@ -206,7 +206,7 @@ class RangeManifest:
 SNAPSHOT_IN_PROGRESS = "snapshot_in_progress"
 CHAIN_COMPLETE = "complete"
 RECOVERING = "recovering"
-"""A recovery of a lost slot (:mod:`..control.recover`) began and has not finished: the chain
+"""A recovery of a lost slot (:mod:`..compare.recover`) began and has not finished: the chain
 keeps its tables, and catch-up refuses until ``pgcdc recover`` ends it at a new point."""
 
 
@@ -398,7 +398,7 @@ class StoredRange:
 
     def iter_batches(self, columns: Sequence[str], batch_rows: int = 65_536) -> Iterator[pa.Table]:
         """The range's changes (only ``columns``) in batches of at most ``batch_rows``, file by
-        file: a range of any size read in bounded memory (:mod:`..target.partitioned_staging`)."""
+        file: a range of any size read in bounded memory (:mod:`..apply.partitioned_staging`)."""
         schema = pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
         for path in self.files:
             with pq.ParquetFile(path) as parquet:
@@ -814,7 +814,7 @@ class OutputStore:
 
     def record_renamed(self, renamed: Sequence[tuple[TableName, TableName]]) -> None:
         """Record that tables were renamed on the target as on the source (the apply did it,
-        :mod:`..target.ddl`): their per-table fields move to the new names. After a crash between
+        :mod:`..apply.ddl`): their per-table fields move to the new names. After a crash between
         the apply's commit and this, the chain keeps a name the target no longer has: never
         reported as a stale copy (it is not on the target), and the new name's filter and
         column list are not compared (as for a table copied before they were recorded)."""
