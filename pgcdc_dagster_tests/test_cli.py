@@ -814,7 +814,7 @@ def test_a_snapshot_command_opens_dagster_once_its_head_start_copies(monkeypatch
     import threading
     import time
 
-    from pgcdc_dagster import cli
+    from pgcdc_dagster.cli import snapshot as cli
     from pgcdc_dagster.engine.control.head_start import Background
     from pgcdc_dagster.engine.progress import SnapshotProgress, publish
 
