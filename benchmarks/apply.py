@@ -24,7 +24,7 @@ One process, one pgbench backlog, both paths catching up the same changes from t
    ranges, split into the stages the results carry (receive; compaction, staging, apply statements +
    COMMIT, and the rest of ``apply_range``: target catalog reads, origin and gap checks).
    ``bench_a`` is then compared with the source
-   (:func:`pgcdc_dagster.engine.control.verify.compare_tables`: row counts and a content hash per
+   (:func:`pgcdc_dagster.engine.compare.verify.compare_tables`: row counts and a content hash per
    table);
 4. native: ``CREATE SUBSCRIPTION`` on ``bench_b`` over the pre-made slot (no copy, disabled),
    timed from ``ALTER SUBSCRIPTION ... ENABLE`` until the source's ``confirmed_flush_lsn`` of
@@ -74,7 +74,8 @@ from pgcdc_dagster.demo.local_cluster import (
     temporary_cluster,
 )
 from pgcdc_dagster.demo.run import pgbench
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.spark.session import get_spark

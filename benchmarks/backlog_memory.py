@@ -26,12 +26,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pgcdc_dagster.engine.apply.results import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
 from pgcdc_dagster.engine.control.pipeline import RangeDone  # noqa: E402
 from pgcdc_dagster.engine.follow.backlog import Backlog  # noqa: E402
 from pgcdc_dagster.engine.follow.follower import Followed  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
 from pgcdc_dagster.engine.store.output_store import EndposOutcome, RangeResult  # noqa: E402
-from pgcdc_dagster.engine.target.results import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
 
 TABLES = [f"public.{n}" for n in ("pgbench_accounts", "pgbench_branches", "pgbench_history")]
 TABLES += [f"public.{n}" for n in ("pgbench_tellers", "orders", "customers", "events", "notes")]

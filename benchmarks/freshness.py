@@ -69,8 +69,9 @@ from pgcdc_dagster.demo.run import (
     probe_freshness,
     start_clusters,
 )
+from pgcdc_dagster.engine.compare import verify
 from pgcdc_dagster.engine.connect import libpq_tool_environment
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings

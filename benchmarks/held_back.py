@@ -33,11 +33,11 @@ from typing import Any
 import psycopg
 from apply import DB_OURS, NATIVE_SLOT, bench_clusters, clone_database, prepare, verify_target
 
+from pgcdc_dagster.engine.apply.held_back import apply_added_changes
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.target.held_back import apply_added_changes
 
 ADDED = TableName("public", "pgbench_accounts")
 

@@ -397,7 +397,7 @@ def user_tables(dsn: str) -> list[str]:
 
 
 def fingerprints(dsn: str, tables: list[str]) -> dict[str, list[Any]]:
-    from pgcdc_dagster.engine.control.verify import _COMPARABLE_SESSION
+    from pgcdc_dagster.engine.compare.verify import _COMPARABLE_SESSION
 
     out: dict[str, list[Any]] = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -596,9 +596,9 @@ def child_snapshot(params: dict[str, Any]) -> dict[str, Any]:
 def child_range(params: dict[str, Any]) -> dict[str, Any]:
     from spark_staging import apply_split
 
+    from pgcdc_dagster.engine.apply.transaction import apply_range
     from pgcdc_dagster.engine.lsn import LsnRange
     from pgcdc_dagster.engine.store.output_store import OutputStore
-    from pgcdc_dagster.engine.target.apply import apply_range
 
     path = params["path"]
     store = OutputStore(Path(params["store"]))

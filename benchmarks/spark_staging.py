@@ -41,14 +41,14 @@ from typing import Any
 import psycopg
 from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, bench_clusters, prepare, verify_target
 
+from pgcdc_dagster.engine.apply.held_back import apply_added_changes
+from pgcdc_dagster.engine.apply.transaction import apply_range
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.spark.session import get_spark
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.apply import apply_range
-from pgcdc_dagster.engine.target.held_back import apply_added_changes
 
 OTHER_ORIGIN = "pgcdc_bench_b"
 ADDED = TableName("public", "pgbench_accounts")

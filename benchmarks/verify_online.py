@@ -5,9 +5,9 @@ Engine only: two throwaway clusters, ``pgbench -i`` at ``--scale``, a base snaps
 (:func:`pgcdc_dagster.engine.control.pipeline.take_snapshot`), then, each timed and checked
 equal:
 
-* ``whole_quiet``: :func:`~pgcdc_dagster.engine.control.verify.compare_tables` (one md5 of the
+* ``whole_quiet``: :func:`~pgcdc_dagster.engine.compare.verify.compare_tables` (one md5 of the
   sorted row md5s per table and side), nothing writing;
-* ``online_quiet``: :func:`~pgcdc_dagster.engine.control.verify.compare_online`, nothing
+* ``online_quiet``: :func:`~pgcdc_dagster.engine.compare.verify.compare_online`, nothing
   writing;
 * ``online_busy``: the same while ``pgbench -R --tps`` runs and a follow (a
   :class:`~pgcdc_dagster.engine.follow.follower.Follower` on a thread, under the range lock)
@@ -30,7 +30,8 @@ from typing import Any
 from snapshot import Measured, _quiesce, pgbench_clusters
 
 from pgcdc_dagster.demo.run import pgbench
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.follow.follower import Follower
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.settings import ReplicationSettings

@@ -7,7 +7,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 

@@ -419,7 +419,7 @@ def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, c
     """A follow's ranges are in the run's event log, under its step, while the step keeps
     none of them (Dagster keeps every event a step yields until the step ends: without bound
     for a follow that runs for days)."""
-    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+    from dagster import AssetKey
 
     from pgcdc_dagster.defs import instance as instance_module
     from pgcdc_dagster.defs.instance import dagster_instance
@@ -433,9 +433,7 @@ def test_a_follow_run_records_its_ranges_without_keeping_their_events(cli_env, c
     result = run_job("follow", run_config=config)
     assert result.get_asset_materialization_events() == []
     assert result.get_asset_observation_events()  # the totals, yielded at the end
-    records = dagster_instance().get_event_records(
-        EventRecordsFilter(DagsterEventType.ASSET_MATERIALIZATION, AssetKey("decoded_changes"))
-    )
+    records = dagster_instance().fetch_materializations(AssetKey("decoded_changes"), 1000).records
     mine = [r for r in records if r.event_log_entry.run_id == result.run_id]
     assert mine and all(r.event_log_entry.step_key == "follow_stream" for r in mine)
 
@@ -814,7 +812,7 @@ def test_a_snapshot_command_opens_dagster_once_its_head_start_copies(monkeypatch
     import threading
     import time
 
-    from pgcdc_dagster import cli
+    from pgcdc_dagster.cli import snapshot as cli
     from pgcdc_dagster.engine.control.head_start import Background
     from pgcdc_dagster.engine.progress import SnapshotProgress, publish
 

@@ -43,7 +43,9 @@ from pgcdc_dagster.demo.local_cluster import (
     origin_room,
     temporary_cluster,
 )
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.apply import staging
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import RangeLock, lock_holders, range_lock
 from pgcdc_dagster.engine.follow.follower import Followed, Follower, RangeTakenError
 from pgcdc_dagster.engine.identifiers import TableName
@@ -52,7 +54,6 @@ from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot.common import CopyRecord, TableRange
 from pgcdc_dagster.engine.snapshot.copied_ranges import record_statement
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target import staging
 from pgcdc_dagster_tests.locks import holder_session, take_lock
 from pgcdc_dagster_tests.procs import descendants, gone
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk

@@ -134,7 +134,7 @@ def table_digest(dsn: str, table: str) -> tuple[int, str]:
 
 def rows_on_target(dsn: str) -> dict[str, int]:
     """Rows of every user table on the target (those the command created, if any; not the
-    record of their source columns, :mod:`pgcdc_dagster.engine.target.ddl`'s)."""
+    record of their source columns, :mod:`pgcdc_dagster.engine.apply.ddl`'s)."""
     with psycopg.connect(dsn) as conn:
         tables = conn.execute(
             "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables "

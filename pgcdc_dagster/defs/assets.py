@@ -21,12 +21,13 @@ from dagster import (
     multi_asset,
 )
 
+from ..engine.apply.results import ApplyStatus
 from ..engine.catalog import ColumnInfo
-from ..engine.control import head_start, pipeline, verify
+from ..engine.compare import verify
+from ..engine.control import head_start, pipeline
 from ..engine.control.range_lock import take_over
 from ..engine.identifiers import TableName
 from ..engine.lsn import LsnRange
-from ..engine.target.results import ApplyStatus
 from .checks import consistency_result
 from .failures import ENGINE_ERRORS, as_failure
 from .following import follow_events, new_follower
@@ -274,8 +275,8 @@ def _cutover(tables: Sequence[TableName]) -> Any:
         spark: SparkResource,
         range_lock: RangeLockResource,
     ) -> Iterator[Any]:
+        from ..engine.apply.sequences import sync_sequences
         from ..engine.snapshot.foreign_keys import complete
-        from ..engine.target.sequences import sync_sequences
 
         settings = pgcdc.settings(spark)
         try:

@@ -23,7 +23,8 @@ from dagster import (
     multi_asset_check,
 )
 
-from ..engine.control import pipeline, verify
+from ..engine.compare import verify
+from ..engine.control import pipeline
 from ..engine.identifiers import TableName
 from ..engine.source.failover import failover_readiness
 from ..engine.source.slot import SlotError
@@ -249,7 +250,7 @@ TARGET_MATCHES_SOURCE = "target_matches_source"
 def build_consistency_check(tables: Sequence[TableName]) -> Any:
     """Target equals source, table by table, chunk by chunk. The ``verify`` job compares both
     sides at one consistent point while the replication goes on (a running follow makes way
-    for a moment, :func:`~pgcdc_dagster.engine.control.verify.compare_online`); the cutover
+    for a moment, :func:`~pgcdc_dagster.engine.compare.verify.compare_online`); the cutover
     records it at its endpos. Each table's check can be executed on its own from the UI."""
     by_key = {target_key(t): t for t in tables}
 

@@ -33,9 +33,10 @@ from dagster import (
     op,
 )
 
-from ..engine.control import pipeline, verify
-from ..engine.control.recover import recover
-from ..engine.control.repair import RepairedChunk, repair_chunks, repaired_tables
+from ..engine.compare import verify
+from ..engine.compare.recover import recover
+from ..engine.compare.repair import RepairedChunk, repair_chunks, repaired_tables
+from ..engine.control import pipeline
 from ..engine.identifiers import TableName
 from ..engine.settings import parse_duration
 from ..engine.store.retention import prune

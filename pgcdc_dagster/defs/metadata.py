@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableRecord, TableSchema
 
 if TYPE_CHECKING:
+    from ..engine.apply.results import ApplyResult
     from ..engine.catalog import ColumnInfo
+    from ..engine.compare.verify import TableComparison
     from ..engine.control.finish import FinishResult
-    from ..engine.control.verify import TableComparison
     from ..engine.identifiers import TableName
     from ..engine.published_columns import PublishedShape
     from ..engine.snapshot import AddedTablesResult, BaseSnapshotResult, TableCopyResult
     from ..engine.spark.executors import SparkApp
     from ..engine.store.output_store import RangeResult
     from ..engine.store.retention import PruneResult
-    from ..engine.target.results import ApplyResult
 
 _INT32 = 2**31 - 1
 

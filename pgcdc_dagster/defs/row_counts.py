@@ -17,11 +17,11 @@ from collections.abc import Sequence
 import psycopg
 from dagster import DagsterInstance
 
+from ..engine.apply.results import ApplyResult, ApplyStatus
 from ..engine.catalog import count_rows
 from ..engine.connect import ConnectError, connect
 from ..engine.identifiers import TableName
 from ..engine.settings import ReplicationSettings
-from ..engine.target.results import ApplyResult, ApplyStatus
 from .keys import target_key
 from .metadata import APPLIED_THROUGH, ROW_COUNT
 

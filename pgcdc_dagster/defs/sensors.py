@@ -41,10 +41,10 @@ from dagster import (
     sensor,
 )
 
+from ..engine.compare.recover import recovery_needed
 from ..engine.control import pipeline
 from ..engine.control.next_step import CaughtUp
 from ..engine.control.range_lock import lock_holders
-from ..engine.control.recover import recovery_needed
 from ..engine.failpoints import failpoint
 from .checks import (
     REPLICATED_TABLES,
@@ -166,7 +166,7 @@ def _recovering(lost: str, live: Sequence[Any], allowed: bool) -> SensorResult:
     where ``PGCDC_AUTO_RECOVER`` allows it and no pgcdc run is in flight (a recovery already,
     or a run that would fail on the lost slot: the sensor judges it dead or done first), else
     why not. A recovery that dies is taken for dead like any run, and the next tick runs
-    another, which starts again at a new point (:mod:`..engine.control.recover`)."""
+    another, which starts again at a new point (:mod:`..engine.compare.recover`)."""
     if not allowed:
         return SensorResult(
             skip_reason=f"{lost} (PGCDC_AUTO_RECOVER=on lets this sensor run pgcdc recover)"

@@ -151,7 +151,7 @@ def pgbench(cluster: LocalCluster, *args: str) -> subprocess.Popen[bytes] | None
 
 SCHEMA_CHANGE_AT = 100
 """The side workload's step at which it adds a column on the source (a migration's DDL,
-mid-stream): the follow carries it out on the target by itself (:mod:`..engine.target.ddl`)."""
+mid-stream): the follow carries it out on the target by itself (:mod:`..engine.apply.ddl`)."""
 
 
 def side_workload(dsn: str, stop: threading.Event) -> None:

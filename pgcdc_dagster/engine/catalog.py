@@ -2,7 +2,7 @@
 
 Read-only descriptions for people (the column schema and row counts the UI shows) and for the
 comparison of :mod:`.control.verify`; the apply reads the richer description it needs itself
-(:func:`~pgcdc_dagster.engine.target.apply.read_target_tables`).
+(:func:`~pgcdc_dagster.engine.apply.transaction.read_target_tables`).
 """
 
 from __future__ import annotations

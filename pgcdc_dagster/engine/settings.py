@@ -237,7 +237,7 @@ class ReplicationSettings(BaseModel):
     follow_retry: NonNegativeFloat | None = DEFAULT_FOLLOW_RETRY_S
     """How long a follow without an endpos rides through a source or target that went away
     (a restart, a failover, a network failure) before it fails: it retries with growing
-    pauses (0.5 s doubling to 10 s) and resumes from the durable state, as a new follow
+    pauses (0.5 s, then every second) and resumes from the durable state, as a new follow
     would. The same budget covers Dagster's own storage: the follow goes on applying and
     records its ranges' events once the storage is back. ``0``: fail at once, as
     ``catchup`` always does; ``forever``: never give up. From ``90s``, ``30m``, ``12h``,

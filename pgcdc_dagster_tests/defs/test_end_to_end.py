@@ -39,7 +39,8 @@ from pgcdc_dagster.demo.local_cluster import (
     LocalCluster,
     temporary_cluster,
 )
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import range_lock
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.processes import identity as process_identity

@@ -172,7 +172,7 @@ def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsy
     as an observation of ``decoded_changes`` at most every ``HEARTBEAT_S``."""
     import threading
 
-    from dagster import AssetKey, DagsterEventType, EventRecordsFilter
+    from dagster import AssetKey
 
     from pgcdc_dagster.defs import following
     from pgcdc_dagster.defs import instance as instance_module
@@ -198,9 +198,7 @@ def test_an_idle_follow_records_no_partition_and_says_it_is_alive(cli_env, capsy
     assert result.success
     instance = dagster_instance()
     assert instance.get_dynamic_partitions(LSN_RANGES) == []
-    records = instance.get_event_records(
-        EventRecordsFilter(DagsterEventType.ASSET_OBSERVATION, AssetKey("decoded_changes"))
-    )
+    records = instance.fetch_observations(AssetKey("decoded_changes"), 1000).records
     beats = [
         r.asset_observation
         for r in records

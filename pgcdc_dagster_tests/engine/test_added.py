@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from pgcdc_dagster.engine import failpoints, progress
+from pgcdc_dagster.engine.apply.transaction import ApplyError
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.follow.follower import Followed, Follower
@@ -24,7 +25,6 @@ from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot import TargetNotEmptyError
 from pgcdc_dagster.engine.snapshot.foreign_keys import complete
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.apply import ApplyError
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 ADDED = TableName("public", "b")
@@ -165,7 +165,7 @@ def test_held_back_changes_of_many_ranges_are_applied_together_each_in_its_own_l
     into one list, so each row lands in its own layout and ``b`` gains the column), or, with
     the batch capped at one change, one transaction a range; ``b`` (no key: in commit order)
     ends equal to the source either way."""
-    from pgcdc_dagster.engine.target import held_back
+    from pgcdc_dagster.engine.apply import held_back
 
     if not batched:
         monkeypatch.setattr(held_back, "HELD_BACK_BATCH_CHANGES", 1)
@@ -269,7 +269,7 @@ def test_changes_held_back_while_a_table_copies_are_applied_by_its_add_exactly_o
     or by Spark's workers) while the add's copy is still under way: the add applies them once
     its copy is done (on Spark too, for ranges past the threshold), before any later
     catch-up, and records ``b`` from the origin, so the next catch-up applies none again."""
-    from pgcdc_dagster.engine.target.staging import SCHEMA, shared_name, shared_tables
+    from pgcdc_dagster.engine.apply.staging import SCHEMA, shared_name, shared_tables
 
     overrides = {"spark_min_changes": 1} if applied_on == "spark" else {}
     settings = _started(source_dsn, target_dsn, tmp_path, spark, **overrides)
@@ -367,7 +367,7 @@ def test_an_add_killed_while_spark_stages_its_held_back_range_is_redone_once(
     workers staged, empties ``b`` and copies it again, exactly once."""
     from psycopg import sql
 
-    from pgcdc_dagster.engine.target.staging import shared_tables
+    from pgcdc_dagster.engine.apply.staging import shared_tables
 
     settings = _started(source_dsn, target_dsn, tmp_path, spark, spark_min_changes=1)
     child = subprocess.Popen(

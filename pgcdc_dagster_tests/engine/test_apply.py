@@ -19,6 +19,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from pgcdc_dagster.engine.apply import merge as merge_module
+from pgcdc_dagster.engine.apply import shared_staging, staging
+from pgcdc_dagster.engine.apply.ddl import SourceDdl, record_copied
+from pgcdc_dagster.engine.apply.partitioned_staging import SCRATCH
+from pgcdc_dagster.engine.apply.results import ApplyGapError, ApplyResult, ApplyStatus
+from pgcdc_dagster.engine.apply.transaction import ApplyError, apply_range
 from pgcdc_dagster.engine.compaction import (
     NetChanges,
     TableRelation,
@@ -33,12 +39,6 @@ from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.source.peek import receive
 from pgcdc_dagster.engine.store.output_store import CHANGE_SCHEMA, OutputStore, StoredRange
-from pgcdc_dagster.engine.target import merge as merge_module
-from pgcdc_dagster.engine.target import shared_staging, staging
-from pgcdc_dagster.engine.target.apply import ApplyError, apply_range
-from pgcdc_dagster.engine.target.ddl import SourceDdl, record_copied
-from pgcdc_dagster.engine.target.partitioned_staging import SCRATCH
-from pgcdc_dagster.engine.target.results import ApplyGapError, ApplyResult, ApplyStatus
 
 SLOT = "apply_slot"
 PUB = "apply_pub"
@@ -590,8 +590,8 @@ def _apply_in_child(
     """``apply_range`` of ``stored`` in a process of its own (to be killed), with the staging
     limit ``staged`` and ``env`` (a failpoint, say) in its environment."""
     script = (
-        "import sys; from pgcdc_dagster.engine.target import staging; "
-        "from pgcdc_dagster.engine.target.apply import apply_range; "
+        "import sys; from pgcdc_dagster.engine.apply import staging; "
+        "from pgcdc_dagster.engine.apply.transaction import apply_range; "
         "from pgcdc_dagster.engine.store.output_store import OutputStore; "
         "from pgcdc_dagster.engine.lsn import LsnRange; "
         "staging.INLINE_MAX_VALUES = int(sys.argv[5]); "

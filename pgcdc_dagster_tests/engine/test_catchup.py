@@ -9,7 +9,8 @@ import time
 
 import psycopg
 
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 
@@ -29,33 +30,38 @@ def writer(dsn: str, stop: threading.Event, seed: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         next_id = 100000 + seed * 1000000
         while not stop.is_set():
-            with conn.transaction():
-                for _ in range(rng.randrange(1, 6)):
-                    choice = rng.random()
-                    account = rng.randrange(1, 60000)
-                    if choice < 0.5:
-                        delta = rng.randrange(-100, 100)
-                        conn.execute(
-                            "UPDATE accounts SET balance = balance + %s WHERE id = %s",
-                            (delta, account),
-                        )
-                        conn.execute(
-                            "INSERT INTO history (account, delta) VALUES (%s, %s)", (account, delta)
-                        )
-                    elif choice < 0.7:
-                        next_id += 1
-                        conn.execute("INSERT INTO accounts VALUES (%s, 1, 'new')", (next_id,))
-                    elif choice < 0.8:
-                        conn.execute("DELETE FROM accounts WHERE id = %s", (account,))
-                    elif choice < 0.9:
-                        conn.execute(
-                            "UPDATE docs SET title = title || '.' WHERE id = %s",
-                            (rng.randrange(1, 51),),
-                        )
-                    else:
-                        conn.execute(
-                            "DELETE FROM history WHERE ctid = (SELECT ctid FROM history LIMIT 1)"
-                        )
+            try:
+                _one_transaction(conn, rng, next_id)
+            except psycopg.errors.DeadlockDetected:
+                continue  # two writers met on the same rows: the application retries
+            next_id += 10
+
+
+def _one_transaction(conn: psycopg.Connection, rng: random.Random, next_id: int) -> None:
+    """One to five changes in one transaction; inserted ids from ``next_id`` up (at most 5)."""
+    with conn.transaction():
+        for _ in range(rng.randrange(1, 6)):
+            choice = rng.random()
+            account = rng.randrange(1, 60000)
+            if choice < 0.5:
+                delta = rng.randrange(-100, 100)
+                conn.execute(
+                    "UPDATE accounts SET balance = balance + %s WHERE id = %s", (delta, account)
+                )
+                conn.execute(
+                    "INSERT INTO history (account, delta) VALUES (%s, %s)", (account, delta)
+                )
+            elif choice < 0.7:
+                next_id += 1
+                conn.execute("INSERT INTO accounts VALUES (%s, 1, 'new')", (next_id,))
+            elif choice < 0.8:
+                conn.execute("DELETE FROM accounts WHERE id = %s", (account,))
+            elif choice < 0.9:
+                conn.execute(
+                    "UPDATE docs SET title = title || '.' WHERE id = %s", (rng.randrange(1, 51),)
+                )
+            else:
+                conn.execute("DELETE FROM history WHERE ctid = (SELECT ctid FROM history LIMIT 1)")
 
 
 def test_snapshot_under_concurrent_writes_then_every_range_reproduces_the_source(

@@ -10,13 +10,13 @@ import json
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.apply import staging
+from pgcdc_dagster.engine.apply.transaction import ApplyError
+from pgcdc_dagster.engine.compare.chunks import same_text_hash
+from pgcdc_dagster.engine.compare.verify import compare_online
 from pgcdc_dagster.engine.control import pipeline
-from pgcdc_dagster.engine.control.chunks import same_text_hash
-from pgcdc_dagster.engine.control.verify import compare_online
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.snapshot.common import SnapshotError
-from pgcdc_dagster.engine.target import staging
-from pgcdc_dagster.engine.target.apply import ApplyError
 from pgcdc_dagster_tests.pg import set_for_database
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 

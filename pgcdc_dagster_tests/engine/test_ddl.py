@@ -1,6 +1,6 @@
 """The source's DDL on a replicated table: followed on the target by itself, or refused with
 one line and nothing applied; never a target silently different
-(:mod:`~pgcdc_dagster.engine.target.ddl`).
+(:mod:`~pgcdc_dagster.engine.apply.ddl`).
 
 Every case runs as a user meets it: a base snapshot, DDL and changes on the source, then a
 catch-up; the target's rows and column definitions are then compared with the source's."""
@@ -15,11 +15,11 @@ import sys
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.apply.ddl import ResyncNeeded, SchemaDriftError
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.errors import ApplyError
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.ddl import ResyncNeeded, SchemaDriftError
 from pgcdc_dagster_tests.replication import catch_up, settings_for
 
 KEYED = "CREATE TABLE t (id int PRIMARY KEY, v int, s text)"

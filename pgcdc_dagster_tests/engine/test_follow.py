@@ -19,9 +19,10 @@ import pyarrow as pa
 import pytest
 
 from pgcdc_dagster.engine import failpoints
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.range_lock import lent_lock, lock_holders, range_lock
-from pgcdc_dagster.engine.follow import backlog
+from pgcdc_dagster.engine.follow import backlog, range_sizing
 from pgcdc_dagster.engine.follow import follower as follow
 from pgcdc_dagster.engine.follow.follower import Follower, backlog_range_bytes
 from pgcdc_dagster.engine.follow.process import adopt, head_start
@@ -150,7 +151,7 @@ def cut(backlog: int, cap: int) -> list[int]:
 
 
 def test_a_backlog_of_up_to_two_ranges_is_cut_small_first_doubling_then_halving():
-    first = follow.FIRST_RANGE_BYTES
+    first = range_sizing.FIRST_RANGE_BYTES
     sizes = cut(43_700_000, 32 * MiB)  # 80k pgbench transactions
     assert sum(sizes) == 43_700_000
     assert sizes[:2] == [first, 2 * first]
@@ -197,7 +198,7 @@ def backlog_of_one_and_a_half_ranges(
 ) -> tuple[ReplicationSettings, Lsn]:
     """2,000 transactions written while nothing follows, a first size of 64 KiB and a cap for
     which the backlog is 1.5 ranges: a first range, then the rest by one peek in cuts."""
-    monkeypatch.setattr(follow, "FIRST_RANGE_BYTES", 64 * 1024)
+    monkeypatch.setattr(range_sizing, "FIRST_RANGE_BYTES", 64 * 1024)
     start, endpos = write_backlog(settings)
     cap = (endpos - start) * 2 // 3
     assert cap > 256 * 1024
@@ -355,10 +356,11 @@ _KILLED_FOLLOWER = """
 import sys
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.follow import follower as follow
+from pgcdc_dagster.engine.follow import range_sizing
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
-follow.FIRST_RANGE_BYTES = 64 * 1024
+range_sizing.FIRST_RANGE_BYTES = 64 * 1024
 follow.PEEK_MAX_RANGES = int(sys.argv[3])
 settings = ReplicationSettings.model_validate_json(sys.argv[1])
 endpos = None if sys.argv[2] == "none" else Lsn.parse(sys.argv[2])

@@ -26,7 +26,7 @@ for module in sys.argv[1:]:
 
 
 def test_no_engine_module_imports_dagster():
-    assert "pgcdc_dagster.engine.target.apply" in MODULES
+    assert "pgcdc_dagster.engine.apply.transaction" in MODULES
     assert "pgcdc_dagster.engine.snapshot.copy" in MODULES
     done = subprocess.run(
         [sys.executable, "-c", PROBE, *MODULES], capture_output=True, text=True, check=False

@@ -6,9 +6,9 @@ from __future__ import annotations
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.apply import staging
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.target import staging
 from pgcdc_dagster_tests.pg import set_for_database
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 

@@ -5,6 +5,8 @@ import shutil
 
 import pytest
 
+from pgcdc_dagster.engine.apply.results import ApplyGapError
+from pgcdc_dagster.engine.apply.transaction import check_no_gap
 from pgcdc_dagster.engine.control.next_step import plan_next_range
 from pgcdc_dagster.engine.control.pipeline import (
     RangeOrderError,
@@ -15,8 +17,6 @@ from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.store import output_store as store_module
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.apply import check_no_gap
-from pgcdc_dagster.engine.target.results import ApplyGapError
 from pgcdc_dagster_tests.calls import CallCount
 from pgcdc_dagster_tests.stores import range_manifest, store_ranges
 

@@ -12,13 +12,13 @@ import sys
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.apply.origin import progress_of
+from pgcdc_dagster.engine.apply.transaction import SchemaDriftError
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.published_columns import PublishedShape
 from pgcdc_dagster.engine.snapshot import SnapshotError
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster.engine.target.apply import SchemaDriftError
-from pgcdc_dagster.engine.target.origin import progress_of
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 SCHEMA = """

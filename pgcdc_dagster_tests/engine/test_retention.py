@@ -13,6 +13,7 @@ import uuid
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.apply.transaction import check_no_gap
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.control.next_step import (
     ApplyStored,
@@ -32,7 +33,6 @@ from pgcdc_dagster.engine.store.retention import (
     prune_interval,
     retention_status,
 )
-from pgcdc_dagster.engine.target.apply import check_no_gap
 from pgcdc_dagster_tests.pg import flush_lsn, run_sql
 from pgcdc_dagster_tests.stores import assert_chain_records, on_disk, store_ranges
 

@@ -14,6 +14,7 @@ import psycopg
 import pyarrow.parquet as pq
 import pytest
 
+from pgcdc_dagster.engine.apply.sequences import sync_sequences
 from pgcdc_dagster.engine.connect import libpq_tool_environment
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
@@ -31,7 +32,6 @@ from pgcdc_dagster.engine.snapshot import (
 )
 from pgcdc_dagster.engine.snapshot.continued import gaps, outside
 from pgcdc_dagster.engine.source.slot import create_slot_with_snapshot
-from pgcdc_dagster.engine.target.sequences import sync_sequences
 from pgcdc_dagster_tests.procs import descendants
 
 ODD = TableName("Odd Schema", "Mixed Case")
@@ -448,8 +448,8 @@ def test_a_target_without_room_for_the_origin_is_refused_before_anything_changes
     """The origin is set only after the whole copy: a target whose origin state slots
     (``max_replication_slots``; ``max_active_replication_origins`` from PostgreSQL 18) are all
     held by other origins must be refused up front, not after hours of copying."""
+    from pgcdc_dagster.engine.apply.origin import origin_slots_setting
     from pgcdc_dagster.engine.errors import OriginError
-    from pgcdc_dagster.engine.target.origin import origin_slots_setting
 
     run(source_dsn, "CREATE TABLE big (id int PRIMARY KEY)", "INSERT INTO big VALUES (1)")
     with psycopg.connect(target_dsn, autocommit=True) as conn:

@@ -10,12 +10,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine.control import pipeline, verify
+from pgcdc_dagster.engine.apply.transaction import apply_range
+from pgcdc_dagster.engine.compare import verify
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.settings import SPARK_TABLE_ROWS, ReplicationSettings
 from pgcdc_dagster.engine.spark import server as spark_server
 from pgcdc_dagster.engine.spark.executors import check_executors, is_connect_session, package_zip
 from pgcdc_dagster.engine.spark.session import get_spark
-from pgcdc_dagster.engine.target.apply import apply_range
 
 # One worker runs the module: its fixtures (a server, a cluster) start once.
 pytestmark = [pytest.mark.xdist_group("spark_connect")]

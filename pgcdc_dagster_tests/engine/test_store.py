@@ -60,7 +60,7 @@ def test_what_comes_next_lists_a_few_buckets_whatever_the_store_holds(tmp_path, 
     ranges = spread(200)
     store = store_ranges(OutputStore(tmp_path / "store"), ranges, ranges[0][0])
     origin = Lsn(ranges[-2][2])  # the last range not applied
-    listed = CallCount(monkeypatch, store_module, "_listed")
+    listed = CallCount(monkeypatch, store_module, "listed")
 
     fresh = OutputStore(store.root)
     step = decide(fresh, origin, None, Lsn(int(Lsn(ranges[-1][1])) + MIB16), MIB16)
@@ -160,7 +160,7 @@ def test_a_prune_reads_what_it_removes_and_a_range_more(tmp_path, monkeypatch):
     for a, b, _ in [*earlier[:10], *ranges[:20]]:
         os.utime(store.range_path(LsnRange(a, b)) / MANIFEST, (old, old))
     aged = CallCount(monkeypatch, retention, "stored_at")
-    listed = CallCount(monkeypatch, store_module, "_listed")
+    listed = CallCount(monkeypatch, store_module, "listed")
     result = prune(OutputStore(store.root), Lsn(ranges[-1][2]), 3600)
     assert result.history == [LsnRange(a, b) for a, b, _ in earlier[:10]]
     assert result.removed == [LsnRange(a, b) for a, b, _ in ranges[:20]]

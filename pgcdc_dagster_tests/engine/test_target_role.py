@@ -11,8 +11,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from pgcdc_dagster.engine.apply.origin import OriginError
 from pgcdc_dagster.engine.control import pipeline
-from pgcdc_dagster.engine.target.origin import OriginError
 from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
 
 

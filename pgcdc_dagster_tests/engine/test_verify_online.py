@@ -12,9 +12,10 @@ from contextlib import contextmanager
 
 import psycopg
 
-from pgcdc_dagster.engine.control import chunks, pipeline
-from pgcdc_dagster.engine.control.repair import repair_chunks
-from pgcdc_dagster.engine.control.verify import compare_online
+from pgcdc_dagster.engine.compare import chunks
+from pgcdc_dagster.engine.compare.repair import repair_chunks
+from pgcdc_dagster.engine.compare.verify import compare_online
+from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.follow.follower import Follower
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.settings import ReplicationSettings

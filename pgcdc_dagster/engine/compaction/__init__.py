@@ -59,7 +59,7 @@ def compact_range(
     own copy holds them), and the rows of the relation versions ``held_back`` (tables being
     added, absent from ``relations``; Spark's compaction leaves out every version
     ``relations`` lacks). (Ranges past :data:`DEFAULT_SPARK_MIN_CHANGES` are compacted and
-    staged by Spark's workers instead: :mod:`..target.spark_staging`.)"""
+    staged by Spark's workers instead: :mod:`..apply.spark_staging`.)"""
     started = time.perf_counter()
     changes = stored.read_table(KERNEL_COLUMNS)
     if held_back and changes.num_rows:
@@ -109,7 +109,7 @@ def compact_in_commit_order(
     """``table``'s changes of a stored range in commit order (``ordered``), not collapsed by
     its identity: for an apply whose net rows the target's other unique keys refused, as the
     source's own order of statements never did (a swap of two rows' unique values through a
-    third, say; see :func:`~..target.apply.apply_range`)."""
+    third, say; see :func:`~..apply.transaction.apply_range`)."""
     relation = relations[table].with_identity(())
     changes = stored.read_table(KERNEL_COLUMNS)
     versions = pa.array(list(relation.versions), pa.int32())
@@ -120,7 +120,7 @@ def compact_in_commit_order(
 class HeldBack:
     """The changes of tables being added (which the applies held back) committed in
     ``(since, through]``, gathered from consecutive stored ranges to be compacted and applied
-    as one (:func:`~..target.apply.apply_added_changes`).
+    as one (:func:`~..apply.transaction.apply_added_changes`).
 
     Why gathered: an add's copy of a big table lasts as long as it takes, and a follow stores a
     range every few hundred milliseconds meanwhile; one transaction per range pays the target's

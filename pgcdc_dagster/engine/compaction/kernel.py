@@ -118,12 +118,12 @@ class TableRelation:
     versions: Mapping[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
     relid: int = 0
     """The table's oid on the source (0 in a manifest that did not record it): it survives
-    renames of the table and its columns, so :mod:`..target.ddl` finds the table in the source's
+    renames of the table and its columns, so :mod:`..apply.ddl` finds the table in the source's
     catalog by it."""
     fills: Mapping[str, str | None] = field(default_factory=dict)
     """Per column the range adds, the value the source gave the rows that existed when it was
     added (``ALTER TABLE ... ADD COLUMN ... DEFAULT``'s ``attmissingval``, or NULL; see
-    :mod:`..target.ddl`): the rows of versions without it take that value, written, instead of
+    :mod:`..apply.ddl`): the rows of versions without it take that value, written, instead of
     keeping the target's, so a row inserted before the column was added is inserted too."""
 
     @property

@@ -1,6 +1,6 @@
 """A range's changes routed to key-hash partitions in this process, batch by batch: the
 in-memory twin of :func:`.spark.route_changes`, so that a range of any size is compacted one
-partition at a time (:mod:`..target.partitioned_staging`).
+partition at a time (:mod:`..apply.partitioned_staging`).
 
 The rules are Spark's (its docstring argues them): every change of an identity value goes to
 the partition of the value's hash; every change touching a key that a move (an update changing

@@ -1,6 +1,6 @@
 """A range's changes routed to key-hash partitions by Spark, for its workers to compact one
 group each with the same :func:`~.kernel.compact_table` (the executors' staging,
-:mod:`~pgcdc_dagster.engine.target.spark_staging`); only the grouping and the crossing between
+:mod:`~pgcdc_dagster.engine.apply.spark_staging`); only the grouping and the crossing between
 the JVM and Python are Spark's.
 
 How the partitions keep the kernel's answer unchanged:

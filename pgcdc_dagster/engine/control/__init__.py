@@ -2,7 +2,8 @@
 (:mod:`.next_step`), and the steps carried out (:mod:`.pipeline`: snapshot, receive, apply,
 add a table, resync); one catch-up of a slot at a time (:mod:`.range_lock`); work a command
 starts before its Dagster run exists (:mod:`.head_start`); ending a replication
-(:mod:`.finish`); comparing source and target (:mod:`.verify`).
+(:mod:`.finish`); going on after the source failed over (:mod:`.failover`). Comparing source
+and target is :mod:`..compare`'s.
 
 Invariant kept here: Dagster's records are never consulted for what to do next; a re-run after
 a crash anywhere converges from the slot, the store and the origin.

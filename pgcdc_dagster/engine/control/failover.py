@@ -31,13 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..apply.origin import progress_of
 from ..connect import connect
 from ..errors import PgcdcError
 from ..lsn import Lsn, LsnRange
 from ..settings import ReplicationSettings
 from ..source.timeline import SourceSystem, identify, switch_point
 from ..store.output_store import OutputStore
-from ..target.origin import progress_of
 
 
 class ForkError(PgcdcError):

@@ -24,14 +24,14 @@ from typing import Any
 
 import psycopg
 
+from ..apply.ddl import drop_records
+from ..apply.origin import drop_origin
 from ..connect import connect, server_errors
 from ..errors import PgcdcError
 from ..failpoints import failpoint
 from ..lsn import Lsn
 from ..settings import ReplicationSettings
 from ..source.slot import drop_slot, released
-from ..target.ddl import drop_records
-from ..target.origin import drop_origin
 from .pipeline import adding_not_done, expected_origin_progress, origin_progress, store_of
 from .range_lock import range_lock_or_way
 

@@ -7,7 +7,7 @@ that own progress and no record of Dagster's:
 - the output store's chain (:mod:`..store.output_store`): which ranges are stored, what each holds
 (its last
   commit, ``transform_lsn``), and where the chain begins (the base snapshot's consistent point);
-- the target's replication origin (:mod:`..target.origin`): what the target has applied;
+- the target's replication origin (:mod:`..apply.origin`): what the target has applied;
 - the source slot (:mod:`..source.slot`): what the source may discard;
 
 and the requested endpos. The answer is one of:

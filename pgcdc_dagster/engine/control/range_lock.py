@@ -12,7 +12,7 @@ server also frees the lock when the holder's machine vanishes (about 25 s), not 
 process exits.
 
 The lock is an orchestration aid, not what keeps data correct: two appliers are excluded by
-the replication origin's session (:mod:`..target.origin`), two receivers by the slot being in use,
+the replication origin's session (:mod:`..apply.origin`), two receivers by the slot being in use,
 and two writers of one range by the store's atomic rename.
 
 **Making way.** ``pgcdc add-table`` and ``pgcdc cutover`` need the range to themselves for a
@@ -33,7 +33,7 @@ and only then looks for :data:`ASKING` (taking it again if it is there). The ser
 orders the four steps, so either the follow sees the command or the command sees no way made.
 A follow that dies meanwhile frees the range lock; a catch-up that takes it then (a new follow
 makes way too) finds the store's chain saying tables are being added and holds their changes
-back (:mod:`..target.apply`), as every apply does while an add copies them. A follow run by the
+back (:mod:`..apply.transaction`), as every apply does while an add copies them. A follow run by the
 command itself (the cutover's catch-up) runs under the asking session and does not make way for
 it.
 """

@@ -51,7 +51,7 @@ where it is; an empty range is still stored (and the slot moved) every ``follow_
 16 MiB of WAL went by, so retained WAL stays bounded while the published tables are idle.
 
 Riding through an outage: a follow without an endpos that loses its source or target (a restart,
-a failover, a network failure) or cannot reach it again waits (0.5 s, doubling to 10 s) and
+a failover, a network failure) or cannot reach it again waits (0.5 s, then every second) and
 starts over from the durable state, as a new follow would: ranges stored and not applied are
 applied, then streaming goes on from the chain's end. Nothing needs undoing, since every range
 is stored, applied and the slot moved whole or not at all. Before it goes on, it makes sure it
@@ -68,7 +68,7 @@ durable state (with the tables an add added). A follower running under the askin
 (the cutover's own catch-up) does not make way for it. An add asks for the range only once its
 tables are copied (to apply their changes held back meanwhile): while they copy, and after an
 add that ended before finishing, the follow goes on applying the other tables' changes and
-holds theirs back (:func:`~..target.apply.apply_range`).
+holds theirs back (:func:`~..apply.transaction.apply_range`).
 
 Stopping: at ``endpos`` (its last range ends exactly there, stored even when empty, so its
 endpos outcome is classified as for any range), or on :meth:`Follower.stop` (the CLI's SIGTERM
@@ -76,9 +76,12 @@ or SIGINT, a Dagster termination, the caller closing the generator). A stop lets
 received be stored and every queued range be applied, then returns: nothing is left half done,
 and the position is wherever the last range ended.
 
-Why one module: :class:`Follower` is one state machine (its threads, the queue between them,
-peek or stream, the outage retries, the lock taken again, making way) whose parts share its
-stop, its sessions and its summary; cut apart, each part would reach into the others' state.
+Why the state machine is one module: :class:`Follower` (its threads, the queue between them,
+peek or stream, the outage retries, the lock taken again, making way) shares its stop, its
+sessions and its summary across those parts; cut apart, each would reach into the others'
+state. What is not state lives beside it: the range-sizing policy (:mod:`.range_sizing`),
+what a follow yields and reports (:mod:`.results`), the followers of this process
+(:mod:`.registry`).
 """
 
 from __future__ import annotations
@@ -90,9 +93,8 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, overload
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
@@ -127,14 +129,49 @@ from ..settings import MiB, ReplicationSettings
 from ..source.peek import receive, receive_in_cuts
 from ..source.slot import current_flush_lsn, released
 from ..source.stream import receive_streaming
-from ..spark.executors import SparkApp
 from ..store.output_store import OutputStore, RangeResult
+from . import range_sizing
 from .backlog import Backlog
-from .busy_time import BusyTime
 from .outage_clock import OutageClock
+from .range_sizing import (
+    DECODED_AGAIN_BYTES,
+    PEEK_MAX_RANGES,
+    STREAM_WITHIN_BYTES,
+    backlog_range_bytes,
+    decoded_again,
+)
+from .registry import active_lock, stop_all, track, untrack
+from .results import (
+    APPLYING,
+    END,
+    RECEIVING,
+    FinishedError,
+    Followed,
+    Following,
+    FollowSummary,
+    Idle,
+    RangeTakenError,
+    done_ranges,
+)
+
+__all__ = [
+    "END",
+    "FinishedError",
+    "FollowSummary",
+    "Followed",
+    "Follower",
+    "Following",
+    "Idle",
+    "RangeTakenError",
+    "backlog_range_bytes",
+    "done_ranges",
+    "stop_all",
+    "track",
+    "untrack",
+]
 
 if TYPE_CHECKING:
-    from ..target.results import ApplyResult
+    pass
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -142,23 +179,6 @@ POLL_S = 0.05
 """How often the receiver looks at the source's flushed WAL position when nothing moved."""
 QUEUE_RANGES = 2
 """Stored ranges waiting for the applier: the receiver is at most this far ahead."""
-FIRST_RANGE_BYTES = 4 * MiB
-"""The first range's WAL on a backlog of one to two ranges (then doubling): small enough to be
-received in a fraction of a second, so the applier starts then instead of after a whole capped
-range."""
-PEEK_MAX_RANGES = 4
-"""The rest of a backlog, after its first range (its first two when they are cut small), is
-read by peeks of at most this many capped ranges' WAL, cut into ranges as they stream. A peek
-per range decodes the WAL again from the slot's restart point every time (PostgreSQL 15 moves
-it only at running-xacts records, about every 15 s of the WAL's writing time), so a peek of
-several ranges decodes that head once. Not one peek for all of a big backlog: the source
-decodes a whole peek before its first row comes back (the receiver waits that long, the
-applier works through the queue meanwhile), and the slot is advanced only at a peek's end, so
-the source keeps that much more WAL."""
-STREAM_WITHIN_BYTES = 1 * MiB
-"""A follow without an endpos reads by stream when at most this far behind the source's flush
-(and not in a backlog); further behind, by peeks, faster on a backlog
-(``benchmarks/slot_reading.py``)."""
 STREAM_WAIT_S = 1.0
 """How long the stream waits at a time for the applier to take a range (then it tells the
 walsender it is alive and waits again)."""
@@ -179,249 +199,6 @@ MAKE_WAY_POLL_S = 0.2
 CUT_LOOKAHEAD_BYTES = 1 * MiB
 """How far past its own cuts the receiver decodes, to report transactions open across them.
 The endpos range keeps :mod:`..source.peek`'s default: its outcome is what the user asked about."""
-
-
-DECODED_AGAIN_BYTES = 256 * MiB
-"""Past this much WAL decoded again before each peek, a peek spans at least as much (see
-:meth:`Follower._receive_rest`). Below it, the restart point's usual lag (it moves at
-running-xacts records, about every 15 s of WAL) leaves the spans as they are. The case
-behind it is ``benchmarks/resync.py``'s widening step: a table rewrite in one big transaction,
-which fixed spans decoded again for each of their ranges (see ``benchmarks/HISTORY.md``,
-``benchmarks/resync.py``)."""
-
-
-def decoded_again(conn: psycopg.Connection[Any], slot: str, start: Lsn) -> int:
-    """WAL bytes a peek from ``start`` decodes again before it: from the slot's restart point
-    (which PostgreSQL keeps before the oldest transaction still open there) to ``start``."""
-    row = conn.execute(
-        "SELECT restart_lsn::text FROM pg_replication_slots WHERE slot_name = %s", (slot,)
-    ).fetchone()
-    if row is None or row[0] is None:
-        return 0
-    return max(0, int(start) - int(Lsn.parse(row[0])))
-
-
-def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
-    """WAL for the next range of a backlog: ``remaining`` bytes are flushed and not received,
-    ``previous`` is the size of the range just cut if it was cut by size (``None`` for the
-    first, or after the receiver caught up), ``cap`` is ``follow_range_bytes``.
-
-    A backlog that fits in one range (and every live range) is one range: its endpos outcome
-    then describes the endpos itself. A backlog of up to two ranges is where receive and apply
-    overlap worst: they overlap only between ranges, the first range is received with the
-    applier idle and the last applied with the receiver idle. So there the first range is small
-    (:data:`FIRST_RANGE_BYTES`), each next one doubles (per-range costs, a target transaction
-    and the run's events, shrink as ranges grow), and none takes more than half of what remains
-    (the last one is small again). A bigger backlog is cut at ``cap``, as it always was: those
-    two idle ends are a small part of it, and every range more costs its target transaction
-    and the run's events (more small ranges were no faster and cost the source more CPU).
-    Never above ``cap``, so a small cap keeps its meaning. After a backlog's first range (its
-    first two when they are cut small), the rest is read by peeks of at most
-    :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`), which re-decode from the
-    restart point less often than a peek per range. The measurements behind each choice:
-    ``benchmarks/HISTORY.md``, "The follow's range shaping"."""
-    if previous is None:
-        if remaining <= cap or remaining > 2 * cap:
-            return cap
-    elif previous == cap:
-        return cap
-    grown = FIRST_RANGE_BYTES if previous is None else 2 * previous
-    tail = max(FIRST_RANGE_BYTES, (remaining + 1) // 2)
-    return min(cap, grown, tail)
-
-
-class Followed(NamedTuple):
-    """One range through the follower: what was stored and applied, the source's WAL not
-    yet received when it was cut (``None`` for a range found stored, from an earlier run), and
-    when its apply ended (``time.monotonic()``: one clock for every process of the machine, so
-    a consumer in another process can tell how far it trails), and in which of the follower's
-    sessions (from 1). A new session may follow the follower making way for ``pgcdc
-    add-table``, so its ranges may hold tables the earlier sessions' did not."""
-
-    done: RangeDone
-    lag_bytes: int | None
-    applied_at: float = 0.0
-    session: int = 1
-
-
-@dataclass
-class FollowSummary:
-    """How a follow ended, and where its time went (for the CLI, the run log, benchmarks)."""
-
-    stopped_by: str = ""
-    """``endpos``, or why it was stopped (``SIGTERM``, ``terminated``...)."""
-    ranges: int = 0
-    transactions: int = 0
-    changes: int = 0
-    last: RangeResult | None = None
-    """The last range applied."""
-    seconds: float = 0.0
-    receive_busy_s: float = 0.0
-    apply_busy_s: float = 0.0
-    overlap_s: float = 0.0
-    """Seconds during which a receive and an apply ran at the same time."""
-    target_reconnects: int = 0
-    """Times the applier's target connection, kept across ranges, was lost and replaced."""
-    outages: int = 0
-    """Times a server went away under the follow and it waited until it was back."""
-    outage_s: float = 0.0
-    """Seconds spent waiting for servers that went away."""
-    made_way: int = 0
-    """Times it made way for ``pgcdc add-table`` (or waited for an unfinished add to be run
-    again), running no session meanwhile."""
-    made_way_s: float = 0.0
-    """Seconds it ran no session for those."""
-    streams: int = 0
-    """Times it read the slot by stream once it kept up (``follow_read``)."""
-    spark_ranges: int = 0
-    """Ranges whose changes Spark's executors staged (:mod:`..target.spark_staging`)..."""
-    spark_tasks: int = 0
-    spark_changes: int = 0
-    spark_seconds: float = 0.0
-    """... in this many tasks, this many changes, and seconds from the check to the counts."""
-    spark_app: SparkApp | None = None
-    """The Spark application that staged them."""
-    receive_cpu_s: float = 0.0
-    apply_cpu_s: float = 0.0
-    """CPU seconds of the receiving and the applying thread (this process's own work: decode,
-    Parquet, compaction; the servers' work is theirs)."""
-    busy: BusyTime = field(default_factory=BusyTime, repr=False)
-    """The receiver's (side :data:`RECEIVING`) and the applier's (:data:`APPLYING`) busy
-    intervals, folded into totals as they settle."""
-
-    def note_spark(self, applied: ApplyResult) -> None:
-        """Count a range that Spark's executors staged."""
-        self.spark_ranges += 1
-        self.spark_tasks += applied.spark_tasks
-        self.spark_changes += applied.changes
-        self.spark_seconds = round(self.spark_seconds + applied.staging_seconds, 3)
-        self.spark_app = applied.spark_app
-
-    def close(self, started: float) -> None:
-        self.seconds = round(time.monotonic() - started, 3)
-        self.receive_busy_s = round(self.busy.busy_s(RECEIVING), 3)
-        self.apply_busy_s = round(self.busy.busy_s(APPLYING), 3)
-        self.overlap_s = round(self.busy.both_s(), 3)
-
-
-RECEIVING, APPLYING = 0, 1
-
-
-class FinishedError(PgcdcError):
-    """A catch-up of a replication that was ended (``pgcdc finish``)."""
-
-
-class RangeTakenError(PgcdcError):
-    """While a follow waited for a server, another catch-up of its slot took the range lock."""
-
-
-class Following(Protocol):
-    """What a follow run uses of a follower: one on threads (:class:`Follower`) or one in a
-    process of its own (:class:`~.process.ProcessFollower`)."""
-
-    summary: FollowSummary
-    interrupts: tuple[type[BaseException], ...]
-
-    @property
-    def stopping(self) -> bool:
-        """A stop was asked for (the follower ends at its next boundary)."""
-        ...
-
-    @property
-    def endpos(self) -> Lsn | None: ...
-
-    def start(self) -> Any: ...
-
-    @overload
-    def run(self) -> Iterator[Followed]: ...
-
-    @overload
-    def run(self, idle_s: float) -> Iterator[Followed | Idle]: ...
-
-    def stop(self, reason: str) -> None: ...
-
-    def close(self, reason: str) -> None: ...
-
-
-class _End:
-    """The type of :data:`END`: one object, pickled by name, so it stays itself through a
-    backlog's file (:mod:`.backlog`) and a forked follower's pipe."""
-
-    def __reduce__(self) -> str:
-        return "END"
-
-    def __repr__(self) -> str:
-        return "END"
-
-
-END = _End()
-"""Ends a queue of done ranges (:func:`done_ranges`)."""
-
-
-STOPPED_BY_INTERRUPT = "stopped by an interrupt (Ctrl-C or SIGINT)"
-STOPPED_BY_RUN = "stopped with its run (terminated from the UI, or SIGTERM to the command)"
-"""How a follow stopped on purpose reads in its totals: a stop, not an error."""
-
-
-class Idle(NamedTuple):
-    """Nothing was applied for ``seconds`` (a follow's heartbeat: alive, not hung)."""
-
-    seconds: float
-
-
-def done_ranges(
-    done: Backlog,
-    interrupts: tuple[type[BaseException], ...],
-    stop: Callable[[str], None],
-    idle_s: float | None = None,
-) -> Iterator[Followed | Idle]:
-    """The ranges put in ``done`` until :data:`END`. An interrupt (one of ``interrupts``: the
-    run's SIGINT or Dagster's termination) raised while waiting is taken as ``stop``: the
-    follower stops at its next boundary, and what it finishes is still yielded. With
-    ``idle_s``, an :class:`Idle` each time that long went by with no range."""
-    last = time.monotonic()
-    while True:
-        try:
-            item = done.get(timeout=0.2)
-        except queue.Empty:
-            if idle_s is not None and time.monotonic() - last >= idle_s:
-                yield Idle(round(time.monotonic() - last, 1))
-                last = time.monotonic()
-            continue
-        except interrupts as exc:
-            stop(STOPPED_BY_INTERRUPT if isinstance(exc, KeyboardInterrupt) else STOPPED_BY_RUN)
-            continue
-        if item is END:
-            return
-        last = time.monotonic()
-        yield item
-
-
-_active: set[Following] = set()
-_active_lock = threading.RLock()
-"""Reentrant: :func:`stop_all` runs in signal handlers, which may interrupt a holder on the
-same (main) thread."""
-
-
-def stop_all(reason: str) -> int:
-    """Stop every follower running in this process at its next range boundary (a signal
-    handler's job: it only sets events). Returns how many there were."""
-    with _active_lock:
-        followers = list(_active)
-    for follower in followers:
-        follower.stop(reason)
-    return len(followers)
-
-
-def track(follower: Following) -> None:
-    """Let :func:`stop_all` reach ``follower`` until :func:`untrack`."""
-    with _active_lock:
-        _active.add(follower)
-
-
-def untrack(follower: Following) -> None:
-    with _active_lock:
-        _active.discard(follower)
 
 
 class Follower:
@@ -502,7 +279,7 @@ class Follower:
         the first thousand), so a follower started before its consumer exists (the CLI's
         head start, see :func:`~.process.head_start`) loses none, and one whose run
         cannot record (Dagster's storage away) is not held back, in bounded memory."""
-        with _active_lock:
+        with active_lock:
             if self._lead is not None:
                 return self
             track(self)
@@ -818,7 +595,9 @@ class Follower:
                     if streamed is not None:
                         start, last_kept = streamed, time.monotonic()
                         continue
-                if previous is not None and (previous == cap or previous >= 2 * FIRST_RANGE_BYTES):
+                if previous is not None and (
+                    previous == cap or previous >= 2 * range_sizing.FIRST_RANGE_BYTES
+                ):
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
                     # before its first row comes, runs while the applier applies the range

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
+from ..apply.sequences import sync_sequences
 from ..connect import connect
 from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..progress import CopyWatcher
 from ..published_columns import PublishedShape
-from ..target.sequences import sync_sequences
 from .base import copy_published, populated_tables, start_spark_if_needed
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,

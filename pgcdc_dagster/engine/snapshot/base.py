@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors, sql
 
+from ..apply.ddl import record_copied
+from ..apply.origin import check_origin_rights, check_room_for, drop_origin, set_origin
+from ..apply.sequences import sync_sequences
 from ..connect import connect
 from ..errors import server_message
 from ..failpoints import armed, failpoint
@@ -25,9 +28,6 @@ from ..postgres_installs import release
 from ..progress import CopyWatcher
 from ..published_columns import PublishedShape, published_shapes
 from ..spark.executors import check_executors
-from ..target.ddl import record_copied
-from ..target.origin import check_origin_rights, check_room_for, drop_origin, set_origin
-from ..target.sequences import sync_sequences
 from . import copied_ranges
 from .common import (
     DEFAULT_DRIVER_MAX_ROWS,
@@ -205,7 +205,7 @@ def _record_columns(
     source_dsn: str, target_dsn: str, tables: Sequence[TableName], snapshot_name: str
 ) -> None:
     """Record on the target which source column each of ``tables``' columns is, as of the
-    exported snapshot (:func:`~..target.ddl.record_copied`): later DDL is followed by it."""
+    exported snapshot (:func:`~..apply.ddl.record_copied`): later DDL is followed by it."""
     with (
         connect(source_dsn, role="source", autocommit=True) as src,
         snapshot_transaction(src, snapshot_name),

@@ -46,6 +46,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..apply.origin import check_origin_rights, check_room_for, set_origin
+from ..apply.sequences import sync_sequences
 from ..catalog import table_columns
 from ..connect import connect
 from ..failpoints import failpoint
@@ -53,8 +55,6 @@ from ..identifiers import TableName, origin_name
 from ..lsn import Lsn
 from ..postgres_installs import release
 from ..published_columns import published_shapes
-from ..target.origin import check_origin_rights, check_room_for, set_origin
-from ..target.sequences import sync_sequences
 from . import copied_ranges
 from .common import (
     BaseSnapshotResult,

@@ -58,7 +58,7 @@ TASK_MODULES = (
     "pandas",
     "pydantic",
     "pgcdc_dagster.engine.snapshot.copy",
-    "pgcdc_dagster.engine.target.spark_staging",
+    "pgcdc_dagster.engine.apply.spark_staging",
 )
 """What the executors' tasks import: the third-party packages first, so that a missing one is
 named as itself rather than as the engine module that needs it."""

@@ -22,21 +22,17 @@ temporary folder, fsynced, and renamed into place in one step, so a crash leaves
 range or a complete one: never a half partition that looks complete. Readers ignore hidden
 folders, and a writer sweeps stale ones of its own range before it starts.
 
-Row values are positional lists of the text the server sent (``new_row``, ``key``); the column
-names, types and key flags of each list live in the manifest's ``relations``, indexed by the
-row's ``relation_version``. That keeps a range self-describing across DDL (a Relation message
-re-sent mid-range becomes a new version) without repeating names in every row.
-
-Why one module: it is the one owner of the store's layout on disk and of every manifest and
-chain write (the store's durable facts are written nowhere else), so the invariants above are
-kept in one place.
+The rooms of the store: a range's format and manifest (:mod:`.range_format`), the chain
+record and its codec (:mod:`.chain`), the folders on disk (:mod:`.layout`), the atomic writer
+(:mod:`.range_writer`). This module is the one owner of every durable write of the store (the
+chain under its lock, a range through its writer): the store's durable facts are written
+nowhere else. Its names are where callers have always found them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import heapq
 import json
@@ -48,374 +44,68 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-
-from ..errors import PgcdcError
-from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn, LsnRange
 from ..published_columns import PublishedShape, row_filters, unpublished_columns
-
-MANIFEST = "_RANGE.json"
-CHAIN = "_CHAIN.json"
-CHAIN_LOCK = ".chain.lock"
-PRUNED_PREFIX = ".pruned-"
-FORMAT_VERSION = 1
-
-CHANGE_SCHEMA = pa.schema(
-    [
-        pa.field("commit_end_lsn", pa.int64(), nullable=False),
-        pa.field("commit_lsn", pa.int64(), nullable=False),
-        pa.field("lsn", pa.int64(), nullable=False),
-        pa.field("xid", pa.int64(), nullable=False),
-        pa.field("commit_ts", pa.timestamp("us", tz="UTC"), nullable=False),
-        pa.field("seq", pa.int32(), nullable=False),
-        pa.field("action", pa.string(), nullable=False),
-        pa.field("schema_name", pa.string(), nullable=False),
-        pa.field("table_name", pa.string(), nullable=False),
-        pa.field("relation_version", pa.int32(), nullable=False),
-        pa.field("key", pa.list_(pa.string())),
-        pa.field("new_row", pa.list_(pa.string())),
-        pa.field("unchanged_toast", pa.list_(pa.string())),
-        pa.field("flags", pa.int8(), nullable=False),
-    ]
+from .chain import (
+    CHAIN_COMPLETE,
+    RECOVERING,
+    SNAPSHOT_IN_PROGRESS,
+    Chain,
+    chain_record,
+    complete_chain,
+    parse_chain,
 )
-"""One row per change.
+from .errors import StoreError, StoreFullError
+from .layout import (
+    CHAIN,
+    CHAIN_LOCK,
+    PRUNED_PREFIX,
+    RANGE_KEY_LENGTH,
+    bucket_names,
+    ending_at,
+    fsync_path,
+    listed,
+    remove_folder,
+)
+from .range_format import (
+    CHANGE_SCHEMA,
+    FORMAT_VERSION,
+    MANIFEST,
+    EndposOutcome,
+    RangeManifest,
+    RangeResult,
+    StoredRange,
+)
+from .range_writer import RangeWriter, iter_batches
 
-``action`` is ``I``/``U``/``D``/``T``. ``key`` holds the replica-identity values that find the
-row *before* the change (from the old tuple when one was sent, else from the new row): the key
-columns, or every column under REPLICA IDENTITY FULL. ``new_row`` is the row after the change
-(NULL for deletes and truncates). ``unchanged_toast`` names the columns whose value was not
-sent because it did not change. ``flags`` carries TRUNCATE's CASCADE (1) / RESTART IDENTITY (2).
-"""
-
-
-class StoreError(PgcdcError):
-    """The output store is missing, unreadable or inconsistent."""
-
-
-class StoreFullError(StoreError):
-    """The store's file system has no room for the range being written; nothing of it was
-    stored (its temporary folder goes with the writer), so freeing space and running the
-    command again stores it whole."""
-
-
-_OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-class EndposOutcome(StrEnum):
-    """Where a range's endpos fell relative to the transactions around it."""
-
-    AT_COMMIT_BOUNDARY = "at_commit_boundary"
-    BETWEEN_TRANSACTIONS = "between_transactions"
-    MID_TRANSACTION = "mid_transaction"
-    """A transaction began before endpos and commits after it: deferred, whole, to the next
-    range."""
-    EMPTY = "empty"
-    """No transaction of the range committed: nothing to apply."""
-
-
-@dataclass
-class RangeResult:
-    """Watermarks and counts of one received range: the manifest's ``result``."""
-
-    range_key: str
-    start_lsn: str
-    endpos: str
-    endpos_outcome: EndposOutcome
-    transform_lsn: str | None
-    """End of the last stored COMMIT; ``None`` when the range stored no transaction."""
-    safe_point: str
-    """Where the slot's confirmed position may be advanced once the range is stored."""
-    last_xid: int | None
-    last_commit_ts_us: int | None
-    transactions: int
-    changes: int
-    inserts: int = 0
-    updates: int = 0
-    deletes: int = 0
-    truncates: int = 0
-    messages: int = 0
-    straddlers: list[dict[str, int]] = field(default_factory=list)
-    bytes: int = 0
-    """Parquet bytes in the store."""
-    wire_bytes: int = 0
-    seconds: float = 0.0
-    already_stored: bool = False
-    """Set on the result handed back when the range was found stored (never written)."""
-
-
-@dataclass(frozen=True)
-class RangeManifest:
-    """What a stored range holds (``_RANGE.json``): its result, and the relation versions and
-    type names its positional row values are read with."""
-
-    result: RangeResult
-    relations: list[dict[str, Any]]
-    """Per ``relation_version``: relid, schema, table, replica_identity and columns (name,
-    type_oid, typmod, key), as pgoutput's Relation message sent them."""
-    types: dict[str, str]
-    """Names of the non-built-in type oids the relations use."""
-    bytes: int = 0
-    format_version: int = FORMAT_VERSION
-    chain_last_commit: str | None = None
-    """End of the last COMMIT stored in the chain up to this range's end (the consistent point
-    when none is): where the target's origin stands once the range is applied. Set when the
-    range is stored, from its own last COMMIT or else from the range before it, so walking
-    back over empty ranges (an idle source stores one every ``follow_idle_s``) takes one step.
-    ``None`` when unknown: a range before it stored without it, or not in the current chain."""
-
-    def to_json(self) -> str:
-        result = {k: v for k, v in dataclasses.asdict(self.result).items() if k != "already_stored"}
-        return json.dumps(
-            {
-                "result": result,
-                "relations": self.relations,
-                "types": self.types,
-                "bytes": self.bytes,
-                "format_version": self.format_version,
-                "chain_last_commit": self.chain_last_commit,
-            },
-            indent=1,
-            sort_keys=True,
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> RangeManifest:
-        raw = json.loads(text)
-        known = {f.name for f in dataclasses.fields(RangeResult)}
-        fields = {k: v for k, v in raw.get("result", {}).items() if k in known}
-        fields["endpos_outcome"] = EndposOutcome(fields.get("endpos_outcome", "empty"))
-        fields["bytes"] = raw.get("bytes", fields.get("bytes", 0))
-        return cls(
-            result=RangeResult(**fields),
-            relations=list(raw.get("relations", [])),
-            types=dict(raw.get("types", {})),
-            bytes=int(raw.get("bytes", 0)),
-            format_version=int(raw.get("format_version", FORMAT_VERSION)),
-            chain_last_commit=raw.get("chain_last_commit"),
-        )
-
-
-SNAPSHOT_IN_PROGRESS = "snapshot_in_progress"
-CHAIN_COMPLETE = "complete"
-RECOVERING = "recovering"
-"""A recovery of a lost slot (:mod:`..control.recover`) began and has not finished: the chain
-keeps its tables, and catch-up refuses until ``pgcdc recover`` ends it at a new point."""
-
-
-@dataclass(frozen=True)
-class Chain:
-    """Where the current base snapshot's ranges begin, or that a snapshot is under way, and
-    how much of the chain's start was pruned.
-
-    The base snapshot writes ``snapshot_in_progress`` before it touches the slot or the target
-    and ``complete`` (with the consistent point) as its very last step: a snapshot killed at any
-    point in between leaves a chain that catch-up refuses and the next snapshot redoes.
-
-    A prune (:mod:`.retention`) records ``pruned_through`` *before* it removes a folder: the
-    chain's ranges up to there were applied and removed, so the chain now begins there, with
-    ``pruned_last_commit`` standing in for the removed ranges' record of their last COMMIT.
-    """
-
-    slot: str
-    state: str
-    consistent_point: Lsn | None = None
-    snapshot: str | None = None
-    started_at: str | None = None
-    pruned_through: Lsn | None = None
-    pruned_last_commit: Lsn | None = None
-    pruned_at: float | None = None
-    """When a prune last looked (Unix time), whether or not it removed anything: prunes are
-    spaced by this, across processes."""
-    tables: tuple[TableName, ...] = ()
-    """The tables the chain replicates: those its base snapshot copied, and those added since
-    (``pgcdc add-table``). A table here that the publication no longer sends is no longer
-    kept in sync on the target (:func:`~..control.pipeline.no_longer_published`)."""
-    unpublished: dict[TableName, tuple[str, ...]] = field(default_factory=dict)
-    """Per table, the columns the publication's column list left out when the table was
-    copied (:class:`~..published_columns.PublishedShape`): the target keeps them, empty, and the
-    apply takes their absence from the stream for that, not for a column dropped on the source."""
-    row_filters: dict[TableName, str | None] = field(default_factory=dict)
-    """Per table, the publication's row filter when the table was copied (``None``: none).
-    A filter changed since leaves the target as the old one made it, as with native
-    replication: rows that pass only the new one were never copied, rows that pass only the
-    old one stay (:func:`~..control.pipeline.tables_agreement`). A table copied before filters were
-    recorded is absent: not compared."""
-    adding: tuple[TableName, ...] = ()
-    """Tables an add (``pgcdc add-table``) began to copy and has not finished: their rows on
-    the target may be partial, so every apply holds their changes back (applying the other
-    tables') until their add applies those and records them as added."""
-    resyncing: tuple[TableName, ...] = ()
-    """Of :attr:`adding`, the tables being copied again (``pgcdc resync``, or an apply that met
-    DDL it cannot follow): replicated already, so a catch-up finishes a resync that was killed
-    (:func:`~..control.pipeline.apply_stored_range`), where an add waits for ``pgcdc add-table``."""
-    synced_from: dict[TableName, Lsn] = field(default_factory=dict)
-    """Per table added after the base snapshot, its own copy's consistent point: the copy
-    holds its changes committed at or before it, so the apply skips those in the stream."""
-    copying_at: Lsn | None = None
-    """While a base snapshot is under way (``snapshot_in_progress``), its slot's consistent
-    point once the slot exists: the copy records on the target what it finished at that point
-    (:mod:`~..snapshot.copied_ranges`), and the next snapshot resumes from there
-    (:mod:`~..snapshot.resume`)."""
-    finished_at: Lsn | None = None
-    """The replication was ended (``pgcdc finish``, :mod:`..control.finish`) with the target's
-    origin here: its slot is dropped, and nothing follows it again until a new base snapshot."""
-    timeline: int | None = None
-    """The source's WAL timeline the chain's positions belong to: the one its base snapshot
-    (or recovery) was taken on, moved on by :meth:`OutputStore.record_timeline` once a
-    promotion's switch point was dealt with (:mod:`..control.failover`). ``None``: a chain
-    recorded before timelines were."""
-    system_id: str | None = None
-    """The source cluster's ``IDENTIFY_SYSTEM`` identifier when :attr:`timeline` was read."""
-
-    @property
-    def complete(self) -> bool:
-        return self.state == CHAIN_COMPLETE and self.consistent_point is not None
-
-    @property
-    def finished(self) -> str | None:
-        """What to say of a replication that was ended (:attr:`finished_at`), with the way
-        to start again; ``None`` while it runs."""
-        if self.finished_at is None:
-            return None
-        return (
-            f"the replication was finished at {self.finished_at} (pgcdc finish): its slot is "
-            "dropped, nothing follows it; pgcdc snapshot --resnapshot starts a new one"
-        )
-
-    @property
-    def start(self) -> Lsn | None:
-        """Where the chain's stored ranges begin: past the pruned ones, else the consistent
-        point (``None`` when the snapshot is not complete)."""
-        if not self.complete:
-            return None
-        return self.pruned_through or self.consistent_point
-
-
-def _put_tables(
-    record: dict[str, Any],
-    tables: Sequence[TableName],
-    unpublished: Mapping[TableName, Sequence[str]],
-    row_filters: Mapping[TableName, str | None],
-    adding: Sequence[TableName] = (),
-    synced_from: Mapping[TableName, Lsn] | None = None,
-    resyncing: Sequence[TableName] = (),
-) -> None:
-    """Write a chain's per-table fields (:attr:`Chain.tables`, :attr:`Chain.unpublished`,
-    :attr:`Chain.row_filters`, :attr:`Chain.adding`, :attr:`Chain.synced_from`) into its
-    ``record``, each only when it holds something."""
-    if tables:
-        record["tables"] = [[t.schema, t.name] for t in sorted(tables)]
-    if any(unpublished.values()):
-        record["unpublished"] = [
-            [t.schema, t.name, list(cols)] for t, cols in sorted(unpublished.items()) if cols
-        ]
-    if row_filters:
-        record["row_filters"] = [[t.schema, t.name, f] for t, f in sorted(row_filters.items())]
-    if adding:
-        record["adding"] = [[t.schema, t.name] for t in sorted(adding)]
-    if resyncing:
-        record["resyncing"] = [[t.schema, t.name] for t in sorted(resyncing)]
-    if synced_from:
-        record["synced_from"] = [[t.schema, t.name, str(x)] for t, x in sorted(synced_from.items())]
-
-
-@dataclass(frozen=True)
-class StoredRange:
-    range: LsnRange
-    path: Path
-    manifest: RangeManifest
-
-    @property
-    def store_root(self) -> Path:
-        """The root of the store the range lies in (in its bucket, or directly under
-        ``changes/`` when stored before buckets)."""
-        folder = self.path.parent
-        if folder.name != "changes":  # a bucket: changes/<hi>/<mid>
-            folder = folder.parent.parent
-        return folder.parent
-
-    @property
-    def transform_lsn(self) -> Lsn | None:
-        """End of the range's last COMMIT; ``None`` when it holds no transaction."""
-        value = self.manifest.result.transform_lsn
-        return None if value is None else Lsn.parse(value)
-
-    @property
-    def chain_last_commit(self) -> Lsn | None:
-        """See :attr:`RangeManifest.chain_last_commit`."""
-        value = self.manifest.chain_last_commit
-        return None if value is None else Lsn.parse(value)
-
-    @property
-    def last_commit_known(self) -> Lsn | None:
-        """The chain's last COMMIT up to this range's end as the range itself knows it: its
-        record, else its own last COMMIT; ``None`` when it knows neither (an empty range
-        stored without the record)."""
-        return self.chain_last_commit or self.transform_lsn
-
-    @property
-    def safe_point(self) -> Lsn:
-        """Where the slot may be confirmed once this range is stored."""
-        return Lsn.parse(self.manifest.result.safe_point)
-
-    @property
-    def changes(self) -> int:
-        return self.manifest.result.changes
-
-    @property
-    def files(self) -> list[Path]:
-        return sorted(self.path.glob("part-*.parquet"))
-
-    def read_table(self, columns: Sequence[str] | None = None) -> pa.Table:
-        """The range's changes (only ``columns``, when named), typed as :data:`CHANGE_SCHEMA`.
-
-        Read file by file with :class:`pyarrow.parquet.ParquetFile`, not ``pq.read_table``: the
-        dataset layer behind the latter imports pandas the first time (a noticeable cost in a
-        process that had not, such as a cold command's follower) and adds nothing for files written
-        whole with this schema."""
-        schema = (
-            CHANGE_SCHEMA
-            if columns is None
-            else pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
-        )
-        files = self.files
-        if not files:
-            return schema.empty_table()
-        tables = []
-        for path in files:
-            with pq.ParquetFile(path) as parquet:
-                table = parquet.read(columns=schema.names)
-            tables.append(table if table.schema.equals(schema) else table.cast(schema))
-        return pa.concat_tables(tables)
-
-    def iter_batches(self, columns: Sequence[str], batch_rows: int = 65_536) -> Iterator[pa.Table]:
-        """The range's changes (only ``columns``) in batches of at most ``batch_rows``, file by
-        file: a range of any size read in bounded memory (:mod:`..target.partitioned_staging`)."""
-        schema = pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
-        for path in self.files:
-            with pq.ParquetFile(path) as parquet:
-                for batch in parquet.iter_batches(batch_size=batch_rows, columns=schema.names):
-                    table = pa.Table.from_batches([batch])
-                    yield table if table.schema.equals(schema) else table.cast(schema)
-
-    def relation_versions(self) -> set[int]:
-        """The relation versions (indexes into the manifest's ``relations``) the range's rows
-        use. The manifest may list more: a range cut from a peek starts with every relation
-        the peek had seen, and pgoutput sends a partition's own Relation message beside its
-        root's when it publishes through the root (under a column list, narrowed like the
-        root's), though every change names the root."""
-        used: set[int] = set()
-        for batch in self.iter_batches(["relation_version"], batch_rows=1_048_576):
-            used.update(pc.unique(batch.column("relation_version")).to_pylist())
-        return used
+__all__ = [
+    "CHAIN",
+    "CHAIN_COMPLETE",
+    "CHAIN_LOCK",
+    "CHANGE_SCHEMA",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "PRUNED_PREFIX",
+    "RANGE_KEY_LENGTH",
+    "RECOVERING",
+    "SNAPSHOT_IN_PROGRESS",
+    "Chain",
+    "EndposOutcome",
+    "OutputStore",
+    "RangeManifest",
+    "RangeResult",
+    "RangeWriter",
+    "StoreError",
+    "StoreFullError",
+    "StoredRange",
+    "bucket_names",
+    "iter_batches",
+    "remove_folder",
+]
 
 
 MANIFESTS_KEPT = 256
@@ -543,7 +233,7 @@ class OutputStore:
         with those of the buckets, listed as they are reached."""
         bound = None if start is None else start.hex16
         first_hi, first_mid = ("", "") if start is None else bucket_names(start)
-        top = _listed(self.changes_dir, reverse)
+        top = listed(self.changes_dir, reverse)
         flat = [n for n in top if len(n) == RANGE_KEY_LENGTH]
         tree = self._bucket_names([n for n in top if len(n) == 8], first_hi, first_mid, reverse)
         for name in heapq.merge(flat, tree, reverse=reverse):
@@ -559,10 +249,10 @@ class OutputStore:
         for hi in his:
             if before(hi, first_hi):
                 continue
-            for mid in _listed(self.changes_dir / hi, reverse):
+            for mid in listed(self.changes_dir / hi, reverse):
                 if hi == first_hi and before(mid, first_mid):
                     continue
-                yield from _listed(self.changes_dir / hi / mid, reverse)
+                yield from listed(self.changes_dir / hi / mid, reverse)
 
     def range_ending_at(self, end: Lsn) -> StoredRange | None:
         """The stored range that ends at ``end`` (the one that starts last, if several do)."""
@@ -618,7 +308,7 @@ class OutputStore:
             if rng is None or not self.holds(rng):
                 if walked is None:
                     walked = self.walk(Lsn(cursor - 1), reverse=True) if cursor > 0 else iter(())
-                rng = _ending_at(walked, cursor)
+                rng = ending_at(walked, cursor)
             if rng is None or rng.start >= cursor:
                 return
             stored = self.get(rng)
@@ -667,7 +357,7 @@ class OutputStore:
                 )
             if chain.state != RECOVERING:
                 started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-                record = self._record_of(chain)
+                record = chain_record(chain)
                 record.update(state=RECOVERING, started_at=started)
                 self._write_chain(record)
             return chain
@@ -711,7 +401,7 @@ class OutputStore:
             system_id=system_id,
         )
         with self.chain_lock():
-            self._write_chain(self._record_of(chain))
+            self._write_chain(chain_record(chain))
 
     def record_timeline(self, timeline: int, system_id: str) -> None:
         """Record that the chain's positions now belong to the source's ``timeline``
@@ -773,17 +463,17 @@ class OutputStore:
         pruned = dataclasses.replace(
             chain, pruned_through=through, pruned_last_commit=last_commit, pruned_at=at
         )
-        self._write_chain(self._record_of(pruned))
+        self._write_chain(chain_record(pruned))
 
     def begin_adding(self, tables: Sequence[TableName], *, resync: bool = False) -> None:
         """Record, durably, that ``tables`` are being added to the current chain
         (:attr:`Chain.adding`; ``resync``: copied again, :attr:`Chain.resyncing`): from here
         until :meth:`record_added`, the applies hold their changes back."""
         with self.chain_lock() as chain:
-            complete = self._complete(chain)
+            complete = complete_chain(chain)
             adding = sorted({*complete.adding, *tables})
             resyncing = sorted({*complete.resyncing, *(tables if resync else ())})
-            self._write_chain(self._record_of(complete, adding=adding, resyncing=resyncing))
+            self._write_chain(chain_record(complete, adding=adding, resyncing=resyncing))
 
     def record_added(
         self,
@@ -795,10 +485,10 @@ class OutputStore:
         they leave :attr:`Chain.adding` and enter :attr:`Chain.synced_from`, with what their
         publication sent of them then (``shapes``: the columns it left out, its row filter)."""
         with self.chain_lock() as chain:
-            complete = self._complete(chain)
+            complete = complete_chain(chain)
             done = set(tables)
             self._write_chain(
-                self._record_of(
+                chain_record(
                     complete,
                     unpublished={
                         **{t: c for t, c in complete.unpublished.items() if t not in done},
@@ -814,12 +504,12 @@ class OutputStore:
 
     def record_renamed(self, renamed: Sequence[tuple[TableName, TableName]]) -> None:
         """Record that tables were renamed on the target as on the source (the apply did it,
-        :mod:`..target.ddl`): their per-table fields move to the new names. After a crash between
+        :mod:`..apply.ddl`): their per-table fields move to the new names. After a crash between
         the apply's commit and this, the chain keeps a name the target no longer has: never
         reported as a stale copy (it is not on the target), and the new name's filter and
         column list are not compared (as for a table copied before they were recorded)."""
         with self.chain_lock() as chain:
-            complete = self._complete(chain)
+            complete = complete_chain(chain)
             new = dict(renamed)
 
             def moved(tables: Sequence[TableName]) -> list[TableName]:
@@ -829,7 +519,7 @@ class OutputStore:
                 return {new.get(t, t): v for t, v in fields.items()}
 
             self._write_chain(
-                self._record_of(
+                chain_record(
                     complete,
                     tables=moved(complete.tables),
                     unpublished=moved_keys(complete.unpublished),
@@ -844,49 +534,10 @@ class OutputStore:
         """Record that the current chain's replication is ended, the target at ``at``
         (:attr:`Chain.finished_at`; a later call keeps the first position)."""
         with self.chain_lock() as chain:
-            complete = self._complete(chain)
+            complete = complete_chain(chain)
             if complete.finished_at is None:
                 finished = dataclasses.replace(complete, finished_at=at)
-                self._write_chain(self._record_of(finished))
-
-    @staticmethod
-    def _complete(chain: Chain | None) -> Chain:
-        if chain is None or not chain.complete:
-            raise StoreError(
-                "there is no complete base snapshot in the store: take one (pgcdc snapshot) first"
-            )
-        return chain
-
-    @staticmethod
-    def _record_of(chain: Chain, **tables: Any) -> dict[str, Any]:
-        """``chain``'s record, its per-table fields replaced by ``tables``'s."""
-        record: dict[str, Any] = {
-            "slot": chain.slot,
-            "state": CHAIN_COMPLETE,
-            "consistent_point": str(chain.consistent_point),
-            "snapshot": chain.snapshot,
-        }
-        if chain.pruned_at is not None:
-            record["pruned_at"] = chain.pruned_at
-        if chain.pruned_through is not None:
-            record["pruned_through"] = str(chain.pruned_through)
-            last = chain.pruned_last_commit
-            record["pruned_last_commit"] = None if last is None else str(last)
-        if chain.finished_at is not None:
-            record["finished_at"] = str(chain.finished_at)
-        if chain.timeline is not None:
-            record["timeline"] = chain.timeline
-            record["system_id"] = chain.system_id
-        fields = {
-            "tables": chain.tables,
-            "unpublished": chain.unpublished,
-            "row_filters": chain.row_filters,
-            "adding": chain.adding,
-            "synced_from": chain.synced_from,
-            "resyncing": chain.resyncing,
-        }
-        _put_tables(record, **{**fields, **tables})
-        return record
+                self._write_chain(chain_record(finished))
 
     def hide_range(self, rng: LsnRange) -> str | None:
         """Take a stored range out of the store (a prune's, whose chain record already says
@@ -918,7 +569,7 @@ class OutputStore:
                 folder.mkdir()  # FileNotFoundError: a prune removed the one above meanwhile
             except FileExistsError:
                 continue
-            _fsync_path(folder.parent)
+            fsync_path(folder.parent)
         return bucket
 
     def sweep_removed(self) -> None:
@@ -935,48 +586,16 @@ class OutputStore:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{CHAIN}.{uuid.uuid4().hex[:8]}"
         tmp.write_text(json.dumps(chain, indent=1, sort_keys=True))
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.replace(tmp, self.root / CHAIN)
-        _fsync_path(self.root)
+        fsync_path(self.root)
 
     def chain(self) -> Chain | None:
         try:
             raw = json.loads((self.root / CHAIN).read_text())
         except FileNotFoundError:
             return None
-        point = raw.get("consistent_point")
-        pruned = raw.get("pruned_through")
-        pruned_commit = raw.get("pruned_last_commit")
-        return Chain(
-            slot=raw["slot"],
-            # Chains written before snapshots recorded their state were always complete.
-            state=raw.get("state", CHAIN_COMPLETE),
-            consistent_point=None if point is None else Lsn.parse(point),
-            snapshot=raw.get("snapshot"),
-            started_at=raw.get("started_at"),
-            pruned_through=None if pruned is None else Lsn.parse(pruned),
-            pruned_last_commit=None if pruned_commit is None else Lsn.parse(pruned_commit),
-            pruned_at=raw.get("pruned_at"),
-            tables=tuple(TableName(schema, name) for schema, name in raw.get("tables", [])),
-            unpublished={
-                TableName(schema, name): tuple(columns)
-                for schema, name, columns in raw.get("unpublished", [])
-            },
-            row_filters={
-                TableName(schema, name): row_filter
-                for schema, name, row_filter in raw.get("row_filters", [])
-            },
-            adding=tuple(TableName(schema, name) for schema, name in raw.get("adding", [])),
-            resyncing=tuple(TableName(s, n) for s, n in raw.get("resyncing", [])),
-            synced_from={
-                TableName(schema, name): Lsn.parse(lsn)
-                for schema, name, lsn in raw.get("synced_from", [])
-            },
-            finished_at=None if raw.get("finished_at") is None else Lsn.parse(raw["finished_at"]),
-            copying_at=None if raw.get("copying_at") is None else Lsn.parse(raw["copying_at"]),
-            timeline=raw.get("timeline"),
-            system_id=raw.get("system_id"),
-        )
+        return parse_chain(raw)
 
     def consistent_point(self) -> Lsn:
         """The current chain's start; :class:`StoreError` naming the fix when there is no
@@ -1047,202 +666,3 @@ class OutputStore:
             if holding is not None and holding.start > start:
                 start = holding.start
         return list(self.walk(start))
-
-
-class RangeWriter:
-    """Writes one range's Parquet files into a temporary folder and publishes it atomically."""
-
-    def __init__(self, store: OutputStore, rng: LsnRange, row_group_rows: int = 131_072) -> None:
-        self.store = store
-        self.range = rng
-        self.row_group_rows = row_group_rows
-        # Written in a folder of its own start's, in the range's bucket: the rename into place
-        # stays in one folder, and what a crash left of a write from this start (a receive
-        # cut in several ends where it chose, see receive.receive_in_cuts) is that one folder,
-        # swept without listing anything. One receiver at a time holds the range lock.
-        self.tmp = Path()
-        for attempt in range(3):
-            try:
-                store.make_bucket(rng.start)
-                self._scratch = store.scratch_of(rng.start)
-                shutil.rmtree(self._scratch, ignore_errors=True)
-                self._scratch.mkdir()
-                self.tmp = self._scratch / uuid.uuid4().hex[:8]
-                self.tmp.mkdir()
-                break
-            except FileNotFoundError:  # a prune removed the bucket, empty, meanwhile
-                if attempt == 2:
-                    raise
-        self._writer: pq.ParquetWriter | None = None
-        self.rows = 0
-        self._spill_seq = 0
-
-    @contextlib.contextmanager
-    def space_checked(self) -> Iterator[None]:
-        """Writes of this range's files: a full file system (``ENOSPC``, a quota) is named in
-        one line, :class:`StoreFullError`, with the store's path and the fix, instead of the
-        file library's words (pyarrow's ``OSError: [Errno 28] Error writing bytes to
-        file``)."""
-        try:
-            yield
-        except OSError as exc:
-            if exc.errno not in _OUT_OF_SPACE and "No space left on device" not in str(exc):
-                raise
-            raise StoreFullError(
-                f"the output store at {self.store.root} is out of space storing range "
-                f"{self.range.key} ({os.strerror(exc.errno or errno.ENOSPC)}): free space "
-                "there, or keep applied ranges for less time (pgcdc prune --retention 1d now; "
-                "PGCDC_STORE_RETENTION); nothing of the range was stored, and the next command "
-                "receives it again"
-            ) from exc
-
-    def write(self, batch: pa.RecordBatch | pa.Table) -> None:
-        with self.space_checked():
-            self._write(batch)
-
-    def _write(self, batch: pa.RecordBatch | pa.Table) -> None:
-        if batch.num_rows == 0:
-            return
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(
-                self.tmp / "part-00000.parquet",
-                CHANGE_SCHEMA,
-                compression="zstd",
-                compression_level=1,
-                use_dictionary=["action", "schema_name", "table_name"],
-                write_statistics=["commit_end_lsn", "lsn", "relation_version"],
-            )
-        table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
-        self._writer.write_table(table, row_group_size=self.row_group_rows)
-        self.rows += batch.num_rows
-
-    def spill_path(self) -> Path:
-        """A scratch file inside the temporary folder, gone with it."""
-        self._spill_seq += 1
-        return self.tmp / f".spill-{self._spill_seq:05d}.arrow"
-
-    def commit(self, manifest: RangeManifest) -> StoredRange:
-        """Close the files, write the manifest, fsync everything, rename into place.
-
-        The range stored is the manifest's: it may end before the one the writer was opened
-        for (a receive that cuts one peek into several ranges knows a range's end only once its
-        rows are written), never start elsewhere."""
-        with self.space_checked():
-            return self._commit(manifest)
-
-    def _commit(self, manifest: RangeManifest) -> StoredRange:
-        stored_range = LsnRange.from_key(manifest.result.range_key)
-        if stored_range.start != self.range.start or stored_range.end > self.range.end:
-            raise StoreError(
-                f"range {stored_range.key} cannot be stored by a writer for {self.range.key}"
-            )
-        self.range = stored_range
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        for spill in self.tmp.glob(".spill-*"):
-            spill.unlink()
-        parquet_bytes = sum(f.stat().st_size for f in self.tmp.glob("part-*.parquet"))
-        result = dataclasses.replace(manifest.result, bytes=parquet_bytes)
-        mark = result.transform_lsn
-        if mark is None:
-            before = self.store.last_commit_before(self.range.start)
-            mark = None if before is None else str(before)
-        manifest = dataclasses.replace(
-            manifest, result=result, bytes=parquet_bytes, chain_last_commit=mark
-        )
-        (self.tmp / MANIFEST).write_text(manifest.to_json())
-        for f in self.tmp.iterdir():
-            _fsync_path(f)
-        _fsync_path(self.tmp)
-        if self.store.holds(self.range):
-            where = self.store.range_path(self.range)
-            raise StoreError(f"range {self.range.key} is already stored at {where}")
-        final = self._scratch.parent / self.range.key
-        os.rename(self.tmp, final)
-        _fsync_path(final.parent)
-        failpoint("store.renamed")
-        self._scratch.rmdir()
-        stored = self.store._keep(StoredRange(self.range, final, manifest))
-        self.store._seen.stored(self.range)
-        return stored
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        shutil.rmtree(self._scratch, ignore_errors=True)
-
-    def __enter__(self) -> RangeWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if self.tmp.exists():
-            self.abort()
-
-
-def iter_batches(path: Path) -> Iterator[pa.RecordBatch]:
-    """Stream an Arrow IPC spill file back batch by batch (memory stays one batch)."""
-    with pa.OSFile(str(path), "rb") as source:
-        reader = pa.ipc.open_file(source)
-        for i in range(reader.num_record_batches):
-            yield reader.get_batch(i)
-
-
-def remove_folder(path: str) -> int:
-    """Delete a range's folder (files only, no subfolders); returns the Parquet bytes it held.
-    Plain ``os`` calls: a prune removes thousands of ranges, and the kernel's unlinks and
-    rmdir are most of what each costs."""
-    removed = 0
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                if entry.name.startswith("part-"):
-                    removed += entry.stat().st_size
-                os.unlink(entry.path)
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass  # another prune got there first
-    return removed
-
-
-RANGE_KEY_LENGTH = 33
-"""``<16 hex digits>-<16 hex digits>``: the name of a range's folder."""
-
-
-def bucket_names(start: Lsn) -> tuple[str, str]:
-    """The two folders a range starting at ``start`` is stored under: its 4 GiB of WAL (the
-    ``X`` of ``X/Y``) and its 16 MiB within those, in fixed-width upper-case hex, so names sort
-    as the LSNs do."""
-    digits = start.hex16
-    return digits[:8], digits[8:10]
-
-
-def _listed(folder: Path, reverse: bool) -> list[str]:
-    """The visible subfolders of ``folder``, sorted (none when it is gone: a bucket a prune
-    emptied and removed)."""
-    try:
-        with os.scandir(folder) as entries:
-            names = [e.name for e in entries if not e.name.startswith(".") and e.is_dir()]
-    except FileNotFoundError:
-        return []
-    return sorted(names, reverse=reverse)
-
-
-def _ending_at(walked: Iterator[LsnRange], end: Lsn) -> LsnRange | None:
-    """The first range of a walk back that ends at ``end``; ``None`` once one ends before it
-    (ranges ending after it, of another chain, are passed)."""
-    for rng in walked:
-        if rng.end == end:
-            return rng
-        if rng.end < end:
-            return None
-    return None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

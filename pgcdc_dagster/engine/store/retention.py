@@ -22,9 +22,9 @@ What must hold, whatever is killed where:
 
 * **Not while a table is being added.** Its add reads, once its copy is done, the ranges stored
   since the copy began (the table's changes the applies held back, see
-  :func:`~..target.apply.apply_added_changes`): while the chain lists a table in ``adding``, a prune
-  removes nothing. A prune that read the chain before it removes only ranges the target had
-  applied then, all before the add's copy began.
+  :func:`~..apply.transaction.apply_added_changes`): while the chain lists a table in
+  ``adding``, a prune removes nothing. A prune that read the chain before it removes only
+  ranges the target had applied then, all before the add's copy began.
 
 Ranges of an earlier chain (before a re-snapshot) are history: they go by age alone.
 """

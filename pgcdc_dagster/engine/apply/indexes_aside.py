@@ -4,7 +4,7 @@ Why: a table loaded into its indexes maintains each of them row by row, through 
 pages and their WAL; building them after the rows costs a sort (``benchmarks/recover.py``: a
 10M-row table loaded with its key took about twice the time of the load plus the key's build).
 The snapshot gets this from the order of pg_dump's sections; a table replaced whole by a repair
-(:mod:`..control.repair`) already has its indexes, so it sets them aside here.
+(:mod:`..compare.repair`) already has its indexes, so it sets them aside here.
 
 What must hold: the caller's transaction has the table locked ``ACCESS EXCLUSIVE`` and truncated,
 and commits or rolls back the whole: the indexes are dropped and built again inside it, so a

@@ -10,7 +10,7 @@ Data flow::
     target table ◀── COPY of new keys' rows ◀┬── compact_table ◀──────────────────┘
     temp staging ◀── COPY of the rest ◀──────┘   (the next partition is read and compacted in
     tables ──▶ the set-based merge, the origin,   a thread while this one is COPYed)
-               COMMIT (:mod:`.apply`)
+               COMMIT (:mod:`.transaction`)
 
 Why: compacting a range whole holds all of its changes, and several times that while the
 kernel sorts and gathers them (``benchmarks/HISTORY.md``, big_transaction): a backfill of tens

@@ -1,7 +1,7 @@
 """The target's replication origin: the one durable record of what the target has applied.
 
 Origin ``pgcdc_<slot>`` is created by the base snapshot at the slot's consistent point and
-advanced only inside the transaction that writes a range's rows (:mod:`.apply`), through the
+advanced only inside the transaction that writes a range's rows (:mod:`.transaction`), through the
 session origin: ``pg_replication_origin_session_setup`` before, ``xact_setup(lsn, ts)`` and
 COMMIT in one message at its end (:func:`marked_commit`). The commit record then carries the
 new progress, so rows and progress become durable together or not at all. Every other module

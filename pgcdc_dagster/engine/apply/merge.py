@@ -5,7 +5,7 @@ refuses is applied again change by change, in commit order (:func:`replaying_ref
 A table with a usable identity takes its collapsed net rows (what went deleted, what changed
 updated, what is new inserted, new keys COPYed straight in where no key of the target can
 refuse them); a table without one, or refused, takes its changes in commit order. The whole
-apply, and what must hold, is described in :mod:`.apply`.
+apply, and what must hold, is described in :mod:`.transaction`.
 
 Why one module: the staged table (:class:`_Staged`: its columns, flags and key) is the contract
 between the staging and the two ways of merging it, collapsed and in commit order; the

@@ -1,4 +1,4 @@
-"""The target server: a stored range applied exactly once (:mod:`.apply`): its net rows staged
+"""The target server: a stored range applied exactly once (:mod:`.transaction`): its net rows staged
 (:mod:`.staging`; by partitions in bounded memory, :mod:`.partitioned_staging`; by Spark's
 workers, :mod:`.spark_staging` and :mod:`.shared_staging`) and merged; the source's DDL
 followed (:mod:`.ddl`); sequences copied (:mod:`.sequences`).

@@ -4,7 +4,7 @@ net rows straight into shared staging tables on the target; only counts come bac
 Why: a range past the Spark threshold may hold more net rows than one process should hold;
 collecting them to the driver for the staging COPY would funnel the heavy part through it. Here
 the driver only creates the tables, starts one Spark job and, afterwards, runs the set-based
-merge and the origin advance in one transaction (:mod:`.apply`). What must hold of the shared
+merge and the origin advance in one transaction (:mod:`.transaction`). What must hold of the shared
 tables and their partitions: :mod:`.shared_staging`.
 """
 

@@ -37,12 +37,12 @@ from typing import Any
 import psycopg
 
 from ..connect import connect
+from ..control import pipeline
+from ..control.range_lock import range_lock_or_way
 from ..lsn import Lsn
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
 from ..source.slot import create_slot_with_snapshot
-from . import pipeline
-from .range_lock import range_lock_or_way
 
 
 @dataclass(frozen=True)

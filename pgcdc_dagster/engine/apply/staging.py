@@ -2,7 +2,7 @@
 
 Three kinds, one layout (column ``c<j>`` typed like the target's column ``j``, ``u<j>`` keep
 flags, ``f<j>``/``k<j>`` identity values, ``o<j>``/``m<j>`` old values of a table without
-identity), so the merge SQL of :mod:`.apply` reads any of them:
+identity), so the merge SQL of :mod:`.transaction` reads any of them:
 
 * **inline** rows (:func:`inline_stage`): a subquery that unnests one text-array literal per
   column, for a table whose net rows are few (:data:`INLINE_MAX_VALUES`) and which the merge

@@ -6,7 +6,7 @@ both paths, :mod:`..compaction.partitions` and :func:`~..compaction.spark.route_
 (table, partition) is compacted alone by :func:`~..compaction.compact_table` and its net rows
 COPYed into the table's shared staging tables (:mod:`.staging`), tagged with the partition;
 only counts and flags come back (:data:`SUMMARY_SCHEMA`), summed per table by
-:func:`summarise` into the :class:`SharedStage` the merge of :mod:`.apply` reads.
+:func:`summarise` into the :class:`SharedStage` the merge of :mod:`.transaction` reads.
 
 What must hold
 * A re-run starts clean: before staging, every shared staging table of the origin is dropped

@@ -16,14 +16,6 @@ from ..compaction import DEFAULT_SPARK_MIN_CHANGES, HeldBack
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..store.output_store import OutputStore, StoredRange
-from .apply import (
-    carry_out_plans,
-    on_spark,
-    on_target,
-    staged_on_workers,
-    target_session,
-    written_relations,
-)
 from .ddl import SourceDdl
 from .merge import (
     RefusedNetRows,
@@ -36,6 +28,14 @@ from .merge import (
 from .results import ApplyResult, ApplyStatus
 from .staging import drop_shared
 from .target_tables import read_target_tables
+from .transaction import (
+    carry_out_plans,
+    on_spark,
+    on_target,
+    staged_on_workers,
+    target_session,
+    written_relations,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -5,7 +5,7 @@ names, types and key flags of the table's live columns, in ``attnum`` order. The
 existed before it never pass through the stream again, so what a DDL did to them (an added
 column's default, a rename) has to be worked out from the source's catalog. This module does
 that when a range's relation of a table no longer matches the target's columns, and the apply
-(:mod:`.apply`) carries out what it plans in the range's own transaction, before the rows.
+(:mod:`.transaction`) carries out what it plans in the range's own transaction, before the rows.
 
 How a column is told apart from another
     By its ``attnum`` on the source, which a rename keeps and a drop retires for good (a column

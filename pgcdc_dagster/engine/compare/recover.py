@@ -43,8 +43,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..apply.origin import set_origin
 from ..catalog import table_columns
 from ..connect import connect
+from ..control import pipeline
+from ..control.failover import follow_timeline, forked, record_present_timeline
+from ..control.range_lock import range_lock_or_way
 from ..errors import PgcdcError
 from ..failpoints import failpoint
 from ..identifiers import TableName
@@ -54,11 +58,7 @@ from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
 from ..source.slot import SlotError, create_slot_with_snapshot, drop_slot, read_slot
 from ..store.output_store import RECOVERING
-from ..target.origin import set_origin
-from . import pipeline
 from .consistent_pair import ConsistentPair, export_snapshot
-from .failover import follow_timeline, forked, record_present_timeline
-from .range_lock import range_lock_or_way
 from .repair import RepairedChunk, replace_chunks
 from .verify import DEFAULT_CHUNK_ROWS, TableComparison, compare_pair
 

@@ -26,7 +26,7 @@ and the snapshots go with their sessions.
 
 A table where at least :data:`WHOLE_TABLE_SHARE` of the chunks differ is replaced whole
 instead, in one transaction (``TRUNCATE``, its indexes set aside, the source's rows at ``C2``
-copied in, its indexes built again: :mod:`..target.indexes_aside`): the same argument with the
+copied in, its indexes built again: :mod:`..apply.indexes_aside`): the same argument with the
 whole table as the chunk. Why: a chunk's rows are deleted through the
 key's index and copied into a table whose dead rows and index keep growing, so past that share
 the whole table is the cheaper repair (``benchmarks/recover.py``, spread changes). A table
@@ -52,6 +52,7 @@ from typing import Any
 
 from psycopg import sql
 
+from ..apply.indexes_aside import build_again, set_aside
 from ..connect import connect
 from ..failpoints import failpoint
 from ..identifiers import TableName
@@ -61,7 +62,6 @@ from ..published_columns import row_filter_sql
 from ..settings import ReplicationSettings
 from ..snapshot.common import snapshot_transaction
 from ..snapshot.copy import BINARY_MISMATCH, stream_copy_out
-from ..target.indexes_aside import build_again, set_aside
 from .chunks import ChunkPlan, chunk_filter, rows_of
 from .consistent_pair import consistent_pair
 from .verify import COMPARABLE_SESSION, ChunkDifference, TableComparison

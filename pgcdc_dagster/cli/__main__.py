@@ -1,0 +1,7 @@
+"""``python -m pgcdc_dagster.cli``."""
+
+import sys
+
+from . import main
+
+sys.exit(main(sys.argv[1:]))
