@@ -21,7 +21,7 @@ import pytest
 
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.identifiers import origin_name
-from pgcdc_dagster_tests.procs import MemoryCap
+from pgcdc_dagster_tests.support.procs import MemoryCap
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 ROWS = 3_000_000

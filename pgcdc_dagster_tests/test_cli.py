@@ -12,6 +12,7 @@ from pgcdc_dagster.cli import main
 from pgcdc_dagster.engine.control.range_lock import range_lock
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings, SettingsError
+from pgcdc_dagster_tests.support.pg import run_sql
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -479,9 +480,7 @@ def _snapshot_then(cli_env: dict[str, str], capsys, *statements: str) -> None:
     """``pgcdc snapshot``, then ``statements`` on the source."""
     code, _, err = run_cli(capsys, "snapshot")
     assert code == 0, err
-    with psycopg.connect(cli_env["PGCDC_SOURCE_DSN"], autocommit=True) as conn:
-        for statement in statements:
-            conn.execute(statement)
+    run_sql(cli_env["PGCDC_SOURCE_DSN"], *statements)
 
 
 def test_a_table_added_to_the_publication_later_is_named_then_added(cli_env, capsys):

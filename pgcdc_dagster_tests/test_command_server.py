@@ -18,7 +18,7 @@ import pytest
 
 from pgcdc_dagster import server_client
 from pgcdc_dagster.engine.processes import stat_fields
-from pgcdc_dagster_tests.procs import descendants, gone, nice
+from pgcdc_dagster_tests.support.procs import descendants, gone, nice
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 

@@ -31,7 +31,7 @@ from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installation
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.conftest import command_environment
-from pgcdc_dagster_tests.standby import Pair, primary_with_standby
+from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby
 from pgcdc_dagster_tests.test_cli import run_cli
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

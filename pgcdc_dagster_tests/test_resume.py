@@ -54,9 +54,9 @@ from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.snapshot.common import CopyRecord, TableRange
 from pgcdc_dagster.engine.snapshot.copied_ranges import record_statement
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster_tests.locks import holder_session, take_lock
-from pgcdc_dagster_tests.procs import descendants, gone
-from pgcdc_dagster_tests.stores import assert_chain_records, on_disk
+from pgcdc_dagster_tests.support.locks import holder_session, take_lock
+from pgcdc_dagster_tests.support.procs import descendants, gone
+from pgcdc_dagster_tests.support.stores import assert_chain_records, on_disk
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")

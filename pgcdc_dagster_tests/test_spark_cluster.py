@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgcdc_dagster_tests.spark_cluster import (
+from pgcdc_dagster_tests.support.spark_cluster import (
     StandaloneCluster,
     bare_python,
     deps_python,

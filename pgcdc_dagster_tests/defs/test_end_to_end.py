@@ -45,7 +45,7 @@ from pgcdc_dagster.engine.control.range_lock import range_lock
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.processes import identity as process_identity
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster_tests.pg import flush_lsn, run_sql
+from pgcdc_dagster_tests.support.pg import flush_lsn, run_sql
 
 PASSWORD = "pw-" + secrets.token_hex(8)
 

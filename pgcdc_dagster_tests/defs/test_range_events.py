@@ -10,15 +10,14 @@ from pgcdc_dagster.defs.partitions import LSN_RANGES
 from pgcdc_dagster.defs.range_events import register_range
 from pgcdc_dagster.engine.lsn import LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
-from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster_tests.calls import CallCount
-from pgcdc_dagster_tests.stores import range_manifest, store_ranges
+from pgcdc_dagster_tests.support.calls import CallCount
+from pgcdc_dagster_tests.support.stores import range_manifest, store_with
 
 
 def test_a_follows_ranges_drop_a_dead_runs_partition_and_then_look_once_a_minute(
     tmp_path, monkeypatch
 ):
-    store = store_ranges(OutputStore(tmp_path / "store"), [], "0/1000")
+    store = store_with(tmp_path, [], "0/1000")
     settings = ReplicationSettings(store=str(tmp_path / "store"))
     range_events._REGISTERED.clear()
 
@@ -60,7 +59,7 @@ def test_past_partitions_kept_the_oldest_partitions_go_and_the_store_keeps_their
     """Dagster's UI slows past about 100,000 partitions per asset, which a follow passes in
     hours: past ``partitions_kept``, registering a range deletes the oldest partitions (never
     the one registered), and the store keeps every range."""
-    store = store_ranges(OutputStore(tmp_path / "store"), [], "0/1000")
+    store = store_with(tmp_path, [], "0/1000")
     settings = ReplicationSettings(store=str(tmp_path / "store"), partitions_kept=3)
     range_events._REGISTERED.clear()
     monkeypatch.setattr(range_events, "STALE_SCAN_S", 0.0)

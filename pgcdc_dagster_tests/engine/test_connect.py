@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pgcdc_dagster.engine.connect import connect
-from pgcdc_dagster_tests.pg import set_for_database
+from pgcdc_dagster_tests.support.pg import set_for_database
 
 
 def _settings(dsn: str) -> tuple[str, str]:

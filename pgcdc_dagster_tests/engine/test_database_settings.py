@@ -10,15 +10,14 @@ import json
 import psycopg
 import pytest
 
-from pgcdc_dagster.engine.apply import staging
 from pgcdc_dagster.engine.apply.transaction import ApplyError
 from pgcdc_dagster.engine.compare.chunks import same_text_hash
 from pgcdc_dagster.engine.compare.verify import compare_online
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.snapshot.common import SnapshotError
-from pgcdc_dagster_tests.pg import set_for_database
-from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
+from pgcdc_dagster_tests.support.pg import set_for_database
+from pgcdc_dagster_tests.support.replication import catch_up, equal_tables, settings_for
 
 SCHEMA = """
 CREATE TYPE stufe AS ENUM ('grün', 'süß');
@@ -46,13 +45,6 @@ EXPECTED = [
     ("Müller", "café crème über", "ñandú", ["é", 'ß,"x"'], {"clé": "valeur"}, "süß"),
     ("Zoë", "naïve ± ½ «quoted»", "àé   ", ["ü", "ø"], {"ä": ["ö"]}, "süß"),
 ]
-
-
-@pytest.fixture(params=["inline", "temp_tables"])
-def staged(request, monkeypatch) -> None:
-    """Both ways the merge reads a table's net rows (see test_apply.py)."""
-    if request.param == "temp_tables":
-        monkeypatch.setattr(staging, "INLINE_MAX_VALUES", 0)
 
 
 @pytest.mark.parametrize(

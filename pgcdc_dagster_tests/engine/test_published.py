@@ -4,11 +4,6 @@ published, as native logical replication's initial sync and apply keep it."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import psycopg
 import pytest
 
@@ -19,7 +14,7 @@ from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.published_columns import PublishedShape
 from pgcdc_dagster.engine.snapshot import SnapshotError
 from pgcdc_dagster.engine.store.output_store import OutputStore
-from pgcdc_dagster_tests.replication import catch_up, equal_tables, settings_for
+from pgcdc_dagster_tests.support.replication import catch_up, equal_tables, killed_at, settings_for
 
 SCHEMA = """
 CREATE TABLE orders (id int PRIMARY KEY, tenant int NOT NULL, note text);
@@ -190,13 +185,7 @@ def test_a_narrowed_snapshot_killed_after_its_copy_is_resumed_and_converges(
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)
     settings = settings_for(source_dsn, target_dsn, tmp_path, "killed", publication="mine")
-    child = subprocess.run(
-        [sys.executable, "-c", SNAPSHOT_IN_CHILD, settings.model_dump_json()],
-        env={**os.environ, "PGCDC_FAILPOINT": "snapshot.after_copy=kill@1"},
-        capture_output=True,
-        timeout=300,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    killed_at("snapshot.after_copy", SNAPSHOT_IN_CHILD, settings)
     with psycopg.connect(target_dsn) as conn:  # what the killed snapshot left
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (10,)
 
