@@ -2,7 +2,7 @@
 against native logical replication with a failover slot, in the same run, same failover.
 
 Set-up, fresh for every run: a PostgreSQL 18 primary and a physical standby
-(:func:`pgcdc_dagster_tests.standby.primary_with_standby`: ``synchronized_standby_slots`` on
+(:func:`pgcdc_dagster_tests.support.standby.primary_with_standby`: ``synchronized_standby_slots`` on
 the primary, slot sync on the standby), restarted with production durability (``fsync``,
 ``full_page_writes`` on, :data:`DURABLE`; the throwaway clusters' defaults turn them off); a
 database ``app`` with ``accounts`` of ``--rows`` rows. Two PostgreSQL 18 targets with the same
@@ -66,7 +66,7 @@ from pgcdc_dagster.demo.local_cluster import (  # noqa: E402
     temporary_cluster,
 )
 from pgcdc_dagster.engine.control.range_lock import lock_holders  # noqa: E402
-from pgcdc_dagster_tests.standby import Pair, primary_with_standby  # noqa: E402
+from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby  # noqa: E402
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 MAJOR = 18

@@ -360,7 +360,7 @@ def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str,
     from pgcdc_dagster.engine.store.output_store import MANIFEST, OutputStore
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' store helpers
-    from pgcdc_dagster_tests.stores import range_manifest
+    from pgcdc_dagster_tests.support.stores import range_manifest
 
     store = OutputStore(settings.store)
     point = store.consistent_point()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
 from pgcdc_dagster.engine.store.output_store import CHANGE_SCHEMA, MANIFEST, OutputStore  # noqa: E402
 from pgcdc_dagster.engine.store.retention import prune, prune_if_due  # noqa: E402
-from pgcdc_dagster_tests.stores import range_manifest  # noqa: E402
+from pgcdc_dagster_tests.support.stores import range_manifest  # noqa: E402
 
 START = 0x1_0000_0000
 STEP = 0x4000

@@ -43,7 +43,7 @@ from pgcdc_dagster.engine.control.next_step import decide  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
 from pgcdc_dagster.engine.store.output_store import OutputStore  # noqa: E402
 from pgcdc_dagster.engine.store.retention import prune  # noqa: E402
-from pgcdc_dagster_tests.stores import range_manifest  # noqa: E402
+from pgcdc_dagster_tests.support.stores import range_manifest  # noqa: E402
 
 
 def timed(repeat: int, call: Callable[[], Any]) -> float:

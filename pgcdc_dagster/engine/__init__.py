@@ -15,7 +15,7 @@ Its folders are the stages a change passes through, each depending only on those
 
 Progress lives in three durable places, each owned by one module and asked by the rest:
 :mod:`.source.slot` (what the source may discard), :mod:`.store.output_store` (what each LSN
-range holds), :mod:`.target.origin` (what the target has applied).
+range holds), :mod:`.apply.origin` (what the target has applied).
 :mod:`.control.next_step` decides what to do next from those facts alone;
 :mod:`.control.pipeline` carries the steps out.
 """

@@ -1,7 +1,7 @@
 """What a server's catalog says about the replicated tables: columns and row counts.
 
 Read-only descriptions for people (the column schema and row counts the UI shows) and for the
-comparison of :mod:`.control.verify`; the apply reads the richer description it needs itself
+comparison of :mod:`.compare.verify`; the apply reads the richer description it needs itself
 (:func:`~pgcdc_dagster.engine.apply.transaction.read_target_tables`).
 """
 

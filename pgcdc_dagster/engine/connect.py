@@ -142,7 +142,7 @@ failed ("terminating connection due to idle-session timeout"), and so would a sn
 than a production setting of minutes. ``transaction_timeout`` (17) would end a copy's or a
 range's transaction the same way (tested on 18). ``client_connection_check_interval`` (14)
 would abort a statement whose client it finds gone: the apply's final message, the origin's
-mark with its COMMIT (:func:`~.target.origin.marked_commit`), must run whole once sent. The
+mark with its COMMIT (:func:`~.apply.origin.marked_commit`), must run whole once sent. The
 libpq tools (``pg_dump``, the ``psql`` copy pairs) are not covered: they
 never idle outside a transaction, and on 17 a long copy would meet ``transaction_timeout``."""
 

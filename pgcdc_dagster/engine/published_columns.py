@@ -2,7 +2,7 @@
 
 Native logical replication's initial sync copies a narrowed table as its publication sends it;
 so does the base snapshot (:mod:`.snapshot`), and a comparison of source and target
-(:mod:`.control.verify`) compares just that. Kept apart from :mod:`.source.publication` (which sets
+(:mod:`.compare.verify`) compares just that. Kept apart from :mod:`.source.publication` (which sets
 the publication up) because copy tasks, on Spark executors too, need only this.
 """
 

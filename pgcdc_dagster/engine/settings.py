@@ -48,7 +48,7 @@ SPARK_TABLE_ROWS = 2_000_000
 DEFAULT_SPARK_MIN_CHANGES = 2_000_000
 """Ranges with fewer changes are compacted in this process even when a SparkSession is given;
 from this many on, Spark's workers compact them and stage the net rows on the target
-(:mod:`.target.spark_staging`).
+(:mod:`.apply.spark_staging`).
 
 Why: on one machine Spark never wins. The Arrow kernel compacts a pgbench backlog in a
 fraction of a second, Spark pays seconds for each crossing of a few hundred thousand rows
@@ -155,7 +155,7 @@ class ReplicationSettings(BaseModel):
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
     or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is
     compacted and staged one key-hash partition at a time (:attr:`partition_changes`,
-    :mod:`.target.partitioned_staging`), so a transaction of any size is applied in bounded
+    :mod:`.apply.partitioned_staging`), so a transaction of any size is applied in bounded
     memory."""
     sensor_interval: PositiveInt = 5
     """Seconds between slot sensor ticks (Dagster's daemon evaluates sensors every 5 s at
@@ -167,7 +167,7 @@ class ReplicationSettings(BaseModel):
     """``slot_health`` fails above this many bytes of WAL retained by the slot."""
     ddl: Literal["auto", "strict"] = "auto"
     """What the apply does with a source's DDL it cannot follow column by column (a narrowing
-    type change, a volatile default, a rewritten table; :mod:`.target.ddl`): ``auto`` re-copies the
+    type change, a volatile default, a rewritten table; :mod:`.apply.ddl`): ``auto`` re-copies the
     table by itself (a resync, while the other tables go on); ``strict`` stops with one line
     naming ``pgcdc resync``. Either way nothing of the range is applied before."""
     auto_add: bool = False

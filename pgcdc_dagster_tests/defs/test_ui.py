@@ -120,6 +120,7 @@ def test_the_ui_shows_checks_evaluated_runs_under_their_jobs_and_tables_apart(
             (("replication_slot",), "slot_health"),
             (("replication_slot",), "replicated_tables"),
             (("replication_slot",), "store_retention"),
+            (("replication_slot",), "slot_survives_failover"),
             (("cutover",), "data_consistency"),
         ]:
             assert states.pop((key, name)) == "SUCCEEDED", (key, name)

@@ -89,10 +89,16 @@ def test_snapshot_and_slot_stream_meet_at_the_consistent_point(source, source_ds
 def test_snapshot_is_no_longer_importable_after_close(source, source_dsn):
     exported = create_slot_with_snapshot(source_dsn, new_slot_name())
     assert import_snapshot(source_dsn, exported.slot.snapshot_name, "SELECT 1") == [(1,)]
+    walsender = exported._conn.info.backend_pid
     exported.close()
     exported.close()  # idempotent
 
     assert exported.closed
+    # The walsender ends a moment after its client went: the export ends with it.
+    deadline = time.monotonic() + 10
+    while source.execute("SELECT FROM pg_stat_activity WHERE pid = %s", (walsender,)).fetchone():
+        assert time.monotonic() < deadline, "the exporting walsender did not end"
+        time.sleep(0.01)
     # "invalid snapshot identifier" (PostgreSQL 15), "snapshot ... does not exist" (18).
     with pytest.raises(
         (psycopg.errors.InvalidParameterValue, psycopg.errors.UndefinedObject),
