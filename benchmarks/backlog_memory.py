@@ -14,8 +14,6 @@ Usage: ``.venv/bin/python benchmarks/backlog_memory.py [--ranges 100000]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import queue
 import sys
 import time
@@ -24,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # this checkout's code, whatever the virtualenv installed
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import harness  # noqa: E402
 
 from pgcdc_dagster.engine.apply.results import ApplyResult, ApplyStatus, TableApplyCounts  # noqa: E402
 from pgcdc_dagster.engine.control.pipeline import RangeDone  # noqa: E402
@@ -100,7 +101,7 @@ def measure(make: Any, ranges: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__, profile=None)
     parser.add_argument("--ranges", type=int, default=100_000)
     args = parser.parse_args()
     report = {
@@ -108,7 +109,7 @@ def main() -> None:
         "queue": measure(queue.Queue, args.ranges),
         "backlog": measure(Backlog, args.ranges),
     }
-    print(json.dumps(report, indent=1))
+    harness.emit_report(report, indent=1)
 
 
 if __name__ == "__main__":

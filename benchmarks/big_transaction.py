@@ -1,7 +1,8 @@
 """One big transaction while ``pgcdc follow`` runs, beside a native subscription.
 
-Set-up, on fresh throwaway clusters for every run (the demo's: a source with logical WAL, a
-target, and a third cluster for Dagster's storage, with the demo's environment): the source
+Set-up, on fresh clusters for every run (the demo's: a source with logical WAL, a target, and
+a third cluster for Dagster's storage, with the demo's environment; ``--profile``, throwaway
+by default as the recorded figures): the source
 holds two tables only, so the publication (``PGCDC_TABLES`` unset: every user table) carries
 exactly them, and the product's defaults (the demo's Spark thresholds, scaled to its small
 data, are left out): ``big (id bigint PRIMARY KEY, v int, pad text)`` of 200,000 rows and
@@ -27,14 +28,16 @@ and this process from the transaction's start to both probes seen; the follow's 
 totals after SIGTERM, and per non-empty range what Dagster's event log says (changes, receive
 seconds, who staged the net rows: ``driver`` is the in-process Arrow compaction, ``spark
 executors`` the Spark path, staging and apply seconds); and both targets compared with the
-source (row count and a hash over every column of ``big``, and the probe rows).
+source (row count and a content hash of ``big`` and of ``probe``). The clusters, the follow,
+the native peer, the CPU meter, the comparison and the medians are ``benchmarks/harness.py``'s.
 
 ``--memory-limit-mb M`` sets ``PGCDC_MEMORY_LIMIT=<M>MB`` for the follow (ignored by code that
 does not know it). ``--set KEY=VALUE`` (repeatable) overrides any variable of the follow's
 environment, e.g. ``--set PGCDC_SPARK_MIN_CHANGES=100000000`` keeps the range in process.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/big_transaction.py
-[--rows 3000000] [--runs 1] [--no-native] [--memory-limit-mb 1024] [--json out.json]``
+[--rows 3000000] [--runs 1] [--no-native] [--memory-limit-mb 1024] [--json out.json]
+[--profile production|throwaway]``
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,15 +57,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import CpuMeter
-from freshness import setup_native, tree_rss_mb
 
 import pgcdc_dagster
-from pgcdc_dagster.demo.run import SPARK_DEMO_ENV, demo_environment, start_clusters
-from pgcdc_dagster.engine.control.range_lock import lock_holders
+from pgcdc_dagster.demo.run import SPARK_DEMO_ENV, demo_environment
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 BASE_ROWS = 200_000
 PAD = 40
 WARMUP_PROBE, PROBE = 0, 1
@@ -72,6 +73,7 @@ SAMPLE_S = 0.2
 TIMELINE_S = 2.0
 """The report's memory timeline keeps one sample every this many seconds."""
 PROBE_TIMEOUT_S = 900.0
+TABLES = ("public.big", "public.probe")
 
 SCHEMA = f"""
 CREATE TABLE big (id bigint PRIMARY KEY, v int NOT NULL, pad text);
@@ -79,20 +81,6 @@ INSERT INTO big SELECT g, 0, repeat('x', {PAD}) FROM generate_series(1, {BASE_RO
 CREATE TABLE probe (id int PRIMARY KEY, at timestamptz DEFAULT now());
 ANALYZE big;
 """
-CONTENT = (
-    "SELECT (SELECT count(*) FROM big), "
-    "(SELECT coalesce(sum(hashtextextended(b::text, 0)), 0)::text FROM big b), "
-    "(SELECT count(*) FROM probe)"
-)
-"""Row count and a hash over every column of ``big`` (the sum of each row's text hashed: an
-order-free digest), and the probe rows."""
-
-
-def content(dsn: str) -> dict[str, Any]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(CONTENT).fetchone()
-    assert row is not None
-    return {"big_rows": row[0], "big_hash": row[1], "probe_rows": row[2]}
 
 
 def wait_probe(
@@ -136,7 +124,7 @@ class RssSampler:
 
     def run(self) -> None:
         while not self.stop.is_set():
-            self.samples.append((time.monotonic(), tree_rss_mb(self.pid)))
+            self.samples.append((time.monotonic(), harness.tree_rss_mb(self.pid)))
             self.stop.wait(SAMPLE_S)
 
     def since(self, start: float) -> list[tuple[float, dict[str, float]]]:
@@ -195,35 +183,6 @@ def range_events(storage_url: str) -> list[dict[str, Any]]:
     return out
 
 
-def start_follow(
-    base: Path, env: dict[str, str], settings: ReplicationSettings
-) -> tuple[subprocess.Popen[str], float]:
-    """``pgcdc follow --json`` in its own session, its output in files under ``base``; waited
-    for until it holds the range lock. Returns it and the seconds that took."""
-    launched = time.monotonic()
-    follow = subprocess.Popen(
-        [PGCDC, "follow", "--json"],
-        env=env,
-        stdout=(base / "follow.out").open("w"),
-        stderr=(base / "follow.err").open("w"),
-        text=True,
-        cwd=base,
-        start_new_session=True,
-    )
-    while not lock_holders(settings.target_dsn, settings.slot):
-        if follow.poll() is not None:
-            raise RuntimeError(f"pgcdc follow exited: {tail(base / 'follow.err')}")
-        time.sleep(0.05)
-    return follow, time.monotonic() - launched
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def big_transaction(source_dsn: str, rows: int) -> dict[str, float]:
     """The transaction: insert ``rows`` rows, update the first :data:`BASE_ROWS`, commit."""
     timed: dict[str, float] = {}
@@ -248,7 +207,7 @@ def big_transaction(source_dsn: str, rows: int) -> dict[str, float]:
 def one_run(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, Any]:
     run_began = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="pgcdc-bigtx-"))
-    clusters = start_clusters(base)
+    clusters = harness.demo_clusters(base, args.profile)
     follow: subprocess.Popen[str] | None = None
     report: dict[str, Any] = {"rows_inserted": args.rows, "rows_updated": BASE_ROWS}
     try:
@@ -276,20 +235,30 @@ def one_run(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, An
         with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
             conn.execute(SCHEMA)
 
-        began = time.monotonic()
-        done = subprocess.run(
-            [PGCDC, "snapshot"], env=env, capture_output=True, text=True, cwd=base
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-2000:]}")
-        report["snapshot_s"] = round(time.monotonic() - began, 2)
+        report["snapshot_s"] = round(harness.timed_command(env, base, "snapshot"), 2)
         native_dsn = None
         if not args.no_native:
             began = time.monotonic()
-            native_dsn = setup_native(settings, clusters)
+            native, _ = harness.native_peer(
+                settings.source_dsn,
+                clusters.target,
+                "native",
+                settings.publication,
+                name="fresh_native",
+                timeout=300,
+            )
+            native_dsn = native.target_dsn
             report["native_initial_sync_s"] = round(time.monotonic() - began, 2)
 
-        follow, startup_s = start_follow(base, env, settings)
+        follow, startup_s = harness.start_follow(
+            env,
+            base,
+            settings.target_dsn,
+            settings.slot,
+            "--json",
+            log_dir=base,
+            new_session=True,
+        )
         report["follow_startup_s"] = round(startup_s, 2)
         sampler = RssSampler(follow.pid)
         sampler.thread.start()
@@ -312,15 +281,14 @@ def one_run(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, An
                 report[f"warmup_probe_{name}_s"] = seen
                 if isinstance(seen, str):
                     raise RuntimeError(
-                        f"warm-up probe on {name}: {seen}: {tail(base / 'follow.err')}"
+                        f"warm-up probe on {name}: {seen}: {harness.tail(base / 'follow.err')}"
                     )
             sampler.settle()
-            before = tree_rss_mb(follow.pid)
+            before = harness.tree_rss_mb(follow.pid)
             report["rss_before_mb"] = total(before)
             report["rss_before_parts_mb"] = before
 
-            meter = CpuMeter(clusters.source, clusters.target)
-            meter.roots["follow"] = follow.pid
+            meter = harness.CpuMeter.of(clusters.source, clusters.target, follow=follow.pid)
             seen_s: dict[str, float | str] = {}
             with meter:
                 tx_began = time.monotonic()
@@ -338,17 +306,13 @@ def one_run(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, An
                     thread.start()
                 for thread in threads:
                     thread.join()
-            cpu = dict(meter.seconds)
-            # The follow is our child: its tree is inside ours too; "others" lacks it.
-            cpu["driver"] = round(cpu["driver"] - cpu["follow"], 2)
-            cpu["others"] = round(cpu["others"] + cpu["follow"], 2)
-            report["cpu_s"] = cpu
+            report["cpu_s"] = meter.seconds  # the follow's tree apart from this process's
         finally:
             for conn in pollers.values():
                 conn.close()
         for name in targets:
             report[f"probe_visible_{name}_s"] = seen_s.get(name)
-        after = tree_rss_mb(follow.pid)
+        after = harness.tree_rss_mb(follow.pid)
         sampler.stop.set()
         sampler.thread.join()
         window = sampler.since(tx_began)
@@ -386,19 +350,18 @@ def one_run(args: argparse.Namespace, overrides: dict[str, str]) -> dict[str, An
         report["follow"] = summary.get("follow", summary)
         report["follow_ranges_run"] = summary.get("ranges_run")
         report["follow_last_range"] = summary.get("last_range")
-        report["follow_stderr_tail"] = tail(base / "follow.err").splitlines()
+        report["follow_stderr_tail"] = harness.tail(base / "follow.err").splitlines()
         try:
             report["ranges"] = range_events(env["DAGSTER_POSTGRES_URL"])
         except Exception as exc:  # a report without it is still worth having
             report["ranges"] = f"not read: {exc!r}"
 
-        expected = content(settings.source_dsn)
+        expected = harness.fingerprints(settings.source_dsn, TABLES)
         report["source_content"] = expected
         for name, dsn in targets.items():
-            got = content(dsn)
-            report[f"equal_{name}"] = got == expected
-            if got != expected:
-                report[f"content_{name}"] = got
+            report[f"equal_{name}"] = harness.equality(expected, dsn)["equal"]
+            if not report[f"equal_{name}"]:
+                report[f"content_{name}"] = harness.fingerprints(dsn, TABLES)
     finally:
         if follow is not None and follow.poll() is None:
             os.killpg(follow.pid, signal.SIGKILL)
@@ -420,27 +383,21 @@ SUMMARISED = (
 )
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def headline_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each headline figure over the runs (those that have it as a number)."""
     out: dict[str, Any] = {}
     for path in SUMMARISED:
-        values = []
-        for run in runs:
-            value: Any = run
-            for part in path.split("."):
-                value = value.get(part) if isinstance(value, dict) else None
-            if isinstance(value, int | float):
-                values.append(value)
+        values = [harness.value_at(run, *path.split(".")) for run in runs]
+        values = [v for v in values if isinstance(v, int | float)]
         if values:
-            out[path] = {"median": round(statistics.median(values), 3), "all": values}
+            out[path] = {"median": round(harness.median(values), 3), "all": values}  # type: ignore[arg-type]
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__, json=True)
     parser.add_argument("--rows", type=int, default=3_000_000, help="rows the transaction inserts")
     parser.add_argument("--runs", type=int, default=1, help="runs, each on fresh clusters")
-    parser.add_argument("--json", type=Path, help="also write the report there")
     parser.add_argument("--no-native", action="store_true", help="no native subscription")
     parser.add_argument(
         "--memory-limit-mb", type=int, help="PGCDC_MEMORY_LIMIT=<M>MB for the follow"
@@ -455,26 +412,21 @@ def main() -> None:
     args = parser.parse_args()
     overrides = dict(item.split("=", 1) for item in args.set)
 
-    runs = []
-    for n in range(args.runs):
-        print(f"run {n + 1}/{args.runs}: {args.rows} rows", file=sys.stderr, flush=True)
-        runs.append(one_run(args, overrides))
-    report = {
-        "rows": args.rows,
-        "native": not args.no_native,
-        "code": str(Path(pgcdc_dagster.__file__).resolve().parent),
-        "code_in_subprocess": subprocess.run(
+    runs = harness.run_repeats(lambda _: one_run(args, overrides), args.runs)
+    report = harness.summary(
+        args,
+        runs,
+        rows=args.rows,
+        native=not args.no_native,
+        code=str(Path(pgcdc_dagster.__file__).resolve().parent),
+        code_in_subprocess=subprocess.run(
             [sys.executable, "-c", "import pgcdc_dagster; print(pgcdc_dagster.__file__)"],
             capture_output=True,
             text=True,
         ).stdout.strip(),
-        "runs": runs,
-        "summary": summary(runs),
-    }
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    )
+    report["summary"] = headline_medians(runs)
+    harness.emit_report(report, args.json)
 
 
 if __name__ == "__main__":

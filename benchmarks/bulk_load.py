@@ -1,6 +1,6 @@
 """Where a bulk load's time goes on the target: copy variants and key-build settings.
 
-Engine only, no pgcdc code on the data path: two throwaway clusters (``LOGICAL_SOURCE_SETTINGS``),
+Engine only, no pgcdc code on the data path: two clusters (``--profile``, logical WAL on both),
 ``pgbench -i`` at ``--scale`` on the source, then per variant a fresh target database with the
 pre-data section, and a ``psql | psql`` pipe per table:
 
@@ -13,37 +13,30 @@ After each copy (and a ``CHECKPOINT``), the post-data section (the primary keys)
 times, dropped in between: with the target's settings, with ``maintenance_work_mem = 1GB``, and
 with that and ``max_parallel_maintenance_workers = 2``, each given to the session through
 ``PGOPTIONS`` (no server setting changes). Each step reports wall seconds and the CPU seconds
-of the source cluster, the target cluster and the client tools (``snapshot.py``'s meter), and
+of the source cluster, the target cluster and the client tools (``harness.Measured``), and
 the copy the target WAL it wrote.
 
-Usage: ``.venv/bin/python benchmarks/bulk_load.py [--scale 100] [--variants plain,freeze,text]``
+Usage: ``.venv/bin/python benchmarks/bulk_load.py [--scale 100] [--variants plain,freeze,text]
+[--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
-import tempfile
+import sys
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from snapshot import (
-    TABLES,
-    Measured,
-    _create_database,
-    _drop_database,
-    _dump,
-    _psql_file,
-    _quiesce,
-    _tool,
-    pgbench_clusters,
-)
 
 from pgcdc_dagster.engine.identifiers import TableName
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import Measured
+
+TABLES = harness.PGBENCH_TABLES
 KEY_SETTINGS = {
     "target's own": "",
     "maintenance_work_mem 1GB": "-c maintenance_work_mem=1GB",
@@ -55,7 +48,7 @@ def _pipe(source_dsn: str, target_dsn: str, table: TableName, variant: str) -> N
     name = table.sql.as_string(None)
     copy_format = "text" if variant == "text" else "binary"
     reader = subprocess.Popen(
-        [_tool("psql"), "-X", "-q", "-d", source_dsn, "-c",
+        [harness.tool("psql"), "-X", "-q", "-d", source_dsn, "-c",
          f"COPY {name} TO STDOUT (FORMAT {copy_format})"],
         stdout=subprocess.PIPE,
     )  # fmt: skip
@@ -69,7 +62,7 @@ def _pipe(source_dsn: str, target_dsn: str, table: TableName, variant: str) -> N
         "COMMIT",
     ]
     writer = subprocess.Popen(
-        [_tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", target_dsn,
+        [harness.tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", target_dsn,
          *(arg for step in steps for arg in ("-c", step))],
         stdin=reader.stdout,
         stdout=subprocess.DEVNULL,
@@ -89,24 +82,21 @@ def _drop_keys(dsn: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=100)
     parser.add_argument("--variants", default="plain,freeze,text")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     results: dict[str, Any] = {}
-    with (
-        pgbench_clusters(args.scale) as (source, target),
-        tempfile.TemporaryDirectory(prefix="pgcdc-bench-bulk-") as tmp,
-    ):
-        pre, post = Path(tmp) / "pre.sql", Path(tmp) / "post.sql"
-        _dump(source.dsn(), pre, "--section=pre-data")
-        _dump(source.dsn(), post, "--section=post-data")
+    with harness.bench_clusters(args.profile, logical_target=True) as (_, source, target):
+        harness.fill_pgbench(source, args.scale)
+        pre = harness.dump_schema(source.dsn(), TABLES, "--section=pre-data")
+        post = harness.dump_schema(source.dsn(), TABLES, "--section=post-data")
         for i, variant in enumerate(variants):
             database = f"bench_bulk_{i}"
-            dsn = _create_database(target, database)
-            _psql_file(dsn, pre)
-            _quiesce(source, target)
+            dsn = harness.create_database(target, database)
+            harness.psql(dsn, pre)
+            harness.checkpoint(source, target, sync=True)
             with Measured(source, target) as copy:
                 for table in TABLES:
                     _pipe(source.dsn(), dsn, table, variant)
@@ -123,7 +113,7 @@ def main() -> None:
                 os.environ["PGOPTIONS"] = options
                 try:
                     with Measured(source, target) as keys:
-                        _psql_file(dsn, post)
+                        harness.psql(dsn, post)
                 finally:
                     os.environ.pop("PGOPTIONS")
                 entry["keys"][label] = {
@@ -131,8 +121,9 @@ def main() -> None:
                     "target_cpu_seconds": keys.cpu["target_pg"],
                 }
             results[variant] = entry
-            _drop_database(target, database)
-    print(json.dumps({"scale": args.scale, "results": results}, indent=2))
+            harness.drop_database(target, database)
+    profile = harness.describe_profile(args.profile)
+    harness.emit_report({"scale": args.scale, "cluster_profile": profile, "results": results})
 
 
 if __name__ == "__main__":

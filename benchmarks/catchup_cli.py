@@ -4,14 +4,14 @@ Where the user stands: ``pgcdc catchup --endpos L1`` started as a fresh process 
 Dagster and definitions load, the Dagster run, the follow pipeline: receive of range N+1
 overlapping the apply of range N) with Dagster on PostgreSQL storage, timed from the moment the
 process is started to its exit. The backlog, the snapshot, the cloned target database and the
-native side are :mod:`apply`'s (``benchmarks/apply.py``): pgbench TPC-B on scale ``--scale``,
-``--transactions`` per client and 4 clients, a ``CREATE SUBSCRIPTION`` over a slot made right
-after our snapshot, timed from ``ENABLE`` until its slot confirms the backlog's end. The two
-sides alternate order between repeats.
+native side are ``benchmarks/apply.py``'s, from ``benchmarks/harness.py``: pgbench TPC-B on
+scale ``--scale``, ``--transactions`` per client and 4 clients, a ``CREATE SUBSCRIPTION`` over
+a slot made right after our snapshot, timed from ``ENABLE`` until its slot confirms the
+backlog's end. The two sides alternate order between repeats.
 
 Reported per run: both wall times, the ratio (native seconds / ours, > 1: we are faster), and
 from the follow run's own totals how long receive and apply were busy and how long they ran at
-the same time. Each side's CPU seconds (:class:`apply.CpuMeter`: the source cluster's
+the same time. Each side's CPU seconds (``harness.CpuMeter``: the source cluster's
 processes, the target's, this benchmark's process tree, the rest of the machine) and, for ours,
 the command's own tree apart (``command``: the ``pgcdc`` process and the children it reaped,
 its follower among them, from ``wait4``'s resource usage; ``driver`` is then the benchmark's
@@ -31,7 +31,7 @@ definitions already imported; the child's CPU is counted as ``command_server``.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/catchup_cli.py
 [--transactions 20000] [--scale 10] [--repeat 1] [--server off|warm]
-[--workload tpcb|insert-log]`` (80k transactions = 4 x 20000).
+[--workload tpcb|insert-log] [--profile production|throwaway]`` (80k transactions = 4 x 20000).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
-import statistics
 import subprocess
 import sys
 import threading
@@ -50,58 +48,38 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import (
-    POLL_S,
-    WORKLOADS,
-    CpuMeter,
-    Setup,
-    alternating,
-    bench_clusters,
-    prepare,
-    run_native,
-    verify_target,
-    warm_command_server,
-)
 
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.spark.session import get_spark
 
-REPO = Path(__file__).resolve().parent.parent
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+STORAGE = "storage"
+"""The name of Dagster's storage (``dagster_storage``) in the environment of the command."""
 
 
 def run_ours_cli(
-    setup: Setup,
+    setup: harness.Setup,
     target: Any,
     work: Path,
-    meter: CpuMeter,
+    meter: harness.CpuMeter,
     warm: bool = False,
     profile: Path | None = None,
 ) -> dict[str, Any]:
-    storage_db = "dagster_storage"
-    with psycopg.connect(target.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {storage_db}")
-    home = work / "dagster_home"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
     settings = setup.settings
-    env = {
-        **os.environ,
-        "PGCDC_SOURCE_DSN": settings.source_dsn,
-        "PGCDC_TARGET_DSN": settings.target_dsn,
-        "PGCDC_SLOT": settings.slot,
-        "PGCDC_PUBLICATION": settings.publication,
-        "PGCDC_STORE": settings.store,
-        "DAGSTER_HOME": str(home),
-        "DAGSTER_POSTGRES_URL": (
-            f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage_db}"
-        ),
-        "PGCDC_SERVER": "auto" if warm else "off",
-        "PGCDC_SERVER_DIR": str(work / "srv"),
-    }
-    # Dagster creates its storage schema on first use: do that outside the timing, as a user's
-    # instance already has it.
-    subprocess.run([PGCDC, "status"], env=env, capture_output=True, check=False, cwd=work)
+    # Dagster's storage schema made outside the timing, as a user's instance already has it.
+    env = harness.pgcdc_env(
+        work,
+        settings.source_dsn,
+        target,
+        STORAGE,
+        target_dsn=settings.target_dsn,
+        slot=settings.slot,
+        publication=settings.publication,
+        store=settings.store,
+        server="auto" if warm else "off",
+    )
     pyspy: list[str] = []
     if profile is not None:
         pyspy = [str(Path(sys.executable).parent / "py-spy"), "record", "--subprocesses",
@@ -111,14 +89,14 @@ def run_ours_cli(
     timeline = Timeline(setup, target)
     with contextlib.ExitStack() as stack:
         if warm:
-            meter.roots["command_server"] = stack.enter_context(warm_command_server(env))
+            meter.roots["command_server"] = stack.enter_context(harness.warm_command_server(env))
             stack.callback(meter.roots.pop, "command_server")
         load_before = os.getloadavg()[0]
         with open(out_path, "w") as out, open(err_path, "w") as err, timeline, meter:
             started = time.perf_counter()
             timeline.started = started
             proc = subprocess.Popen(
-                [*pyspy, PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
+                [*pyspy, harness.PGCDC, "catchup", "--endpos", str(setup.end), "--json"],
                 env=env,
                 stdout=out,
                 stderr=err,
@@ -136,7 +114,7 @@ def run_ours_cli(
     command = round(usage.ru_utime + usage.ru_stime, 2)
     cpu["command"] = command
     cpu["driver"] = round(cpu["driver"] - command, 2)  # the benchmark itself, its Spark
-    ranges = range_events(target, storage_db, timeline)
+    ranges = range_events(target, f"dagster_{STORAGE}", timeline)
     return {
         "seconds": seconds,
         "cpu_s": cpu,
@@ -145,16 +123,16 @@ def run_ours_cli(
         "ranges": summary["ranges_run"],
         "timeline": timeline.summary(seconds),
         "per_range": ranges,
-        "verify": verify_target(settings.model_copy(update={"target_dsn": settings.target_dsn})),
+        "verify": harness.replication_equal(settings),
     }
 
 
 class Timeline:
     """Poll, from a thread, the slot's confirmed position on the source (moved once a range is
     stored) and our origin's progress on the target (moved by each range's apply), every
-    :data:`apply.POLL_S`, as native's side is polled; keep each change with its time."""
+    :data:`harness.POLL_S`, as native's side is polled; keep each change with its time."""
 
-    def __init__(self, setup: Setup, target: Any) -> None:
+    def __init__(self, setup: harness.Setup, target: Any) -> None:
         self.setup = setup
         self.target = target
         self.started = time.perf_counter()
@@ -194,7 +172,7 @@ class Timeline:
                     lsn = Lsn.parse(text)
                     if not points or points[-1][1] != lsn:
                         points.append((round(now, 3), lsn))
-                self._stop.wait(POLL_S)
+                self._stop.wait(harness.POLL_S)
 
     def when(self, points: list[tuple[float, Lsn]], lsn: Lsn) -> float | None:
         """First time the polled position reached ``lsn``."""
@@ -260,14 +238,14 @@ def range_events(target: Any, storage_db: str, timeline: Timeline) -> list[dict[
 
 
 def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
-    with bench_clusters() as (work, source, target):
+    with harness.bench_clusters(args.profile, extra=harness.QUIET) as (work, source, target):
         args.range_mb = 256
-        setup = prepare(source, target, spark, work / "store", args)
-        meter = CpuMeter(source, target)
+        setup = harness.prepare(source, target, spark, work / "store", args)
+        meter = harness.CpuMeter.of(source, target)
 
         def native() -> dict[str, Any]:
             before = os.getloadavg()[0]
-            result = run_native(setup, source, target, meter, args.native_timeout)
+            result = harness.native_catch_up(setup, source, target, meter, args.native_timeout)
             result["load_1m"] = [before, os.getloadavg()[0]]
             return result
 
@@ -275,7 +253,7 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
             ours = run_ours_cli(setup, target, work, meter, args.server == "warm", args.py_spy)
             return {"profiled": str(args.py_spy), "ours_s": round(ours["seconds"], 3),
                     "ours": ours}  # fmt: skip
-        order, results = alternating(
+        order, results = harness.alternating(
             {
                 "ours": lambda: run_ours_cli(setup, target, work, meter, args.server == "warm"),
                 "native": native,
@@ -308,72 +286,58 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of each figure over the runs."""
 
-    def med(get: Any) -> float | None:
-        values = [v for v in (get(r) for r in runs) if v is not None]
-        return round(statistics.median(values), 3) if values else None
+    def med(*path: str) -> float | None:
+        return harness.rounded(harness.median_at(runs, *path))
 
-    out: dict[str, Any] = {
-        "ours_s": med(lambda r: r["ours_s"]),
-        "native_s": med(lambda r: r["native_s"]),
-        "ratio": med(lambda r: r["ratio"]),
-    }
+    out: dict[str, Any] = {key: med(key) for key in ("ours_s", "native_s", "ratio")}
     for side in ("ours", "native"):
         keys = sorted({k for r in runs for k in r[f"{side}_cpu_s"]})
-        out[f"{side}_cpu_s"] = {
-            k: med(lambda r, k=k, side=side: r[f"{side}_cpu_s"].get(k)) for k in keys
-        }
+        out[f"{side}_cpu_s"] = {k: med(f"{side}_cpu_s", k) for k in keys}
     for key in ("seconds", "receive_busy_s", "apply_busy_s", "overlap_s", "receive_cpu_s",
                 "apply_cpu_s", "ranges"):  # fmt: skip
-        out[f"follow_{key}"] = med(lambda r, key=key: r["follow"].get(key))
+        out[f"follow_{key}"] = med("follow", key)
     for key in ("first_stored_s", "first_applied_s", "all_stored_s", "all_applied_s"):
-        out[key] = med(lambda r, key=key: r["timeline"].get(key))
+        out[key] = med("timeline", key)
     return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(
+        __doc__,
+        repeat=1,
+        json=True,
+        server="",
+    )
     parser.add_argument("--scale", type=int, default=10)
     parser.add_argument("--transactions", type=int, default=20_000, help="per client (4)")
-    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument(
         "--workload",
-        choices=WORKLOADS,
+        choices=harness.WORKLOADS,
         default="tpcb",
         help="tpcb: pgbench's TPC-B-like transactions (3 updates, 1 insert); insert-log: 4 rows "
         "inserted into pgbench_history per transaction (no key)",
     )
     parser.add_argument("--native-timeout", type=float, default=600)
-    parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument(
         "--py-spy",
         type=Path,
         help="after the timed runs, one more run of ours alone under py-spy (raw stacks here)",
     )
-    parser.add_argument(
-        "--server",
-        choices=["off", "warm"],
-        default="off",
-        help="off: the command in a fresh process of its own, cold (the first command on the "
-        "machine); warm: with the command server an earlier command leaves up, the command runs "
-        "in its forked child (Dagster and the definitions already imported)",
-    )
     args = parser.parse_args()
     spark = get_spark()  # for the untimed snapshot; the timed command starts its own
-    runs = [one_run(args, spark, i) for i in range(args.repeat)]
+    runs = harness.run_repeats(lambda i: one_run(args, spark, i), args.repeat)
     profiled = one_run(args, spark, -1) if args.py_spy else None
-    report = {
-        "command": "pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
-        "command_server": args.server,
-        "transactions": 4 * args.transactions,
-        "workload": args.workload,
-        "median_ratio": statistics.median(r["ratio"] for r in runs),
-        "medians": medians(runs),
-        "runs": runs,
-        "profiled": profiled,
-    }
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    report = harness.summary(
+        args,
+        runs,
+        {"median_ratio": "ratio"},
+        command="pgcdc catchup --endpos L1 (fresh process, PostgreSQL-backed Dagster)",
+        command_server=args.server,
+        transactions=4 * args.transactions,
+        workload=args.workload,
+        medians=medians(runs),
+    )
+    harness.emit_report({**report, "profiled": profiled}, args.json)
 
 
 if __name__ == "__main__":

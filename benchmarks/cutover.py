@@ -17,43 +17,44 @@ application's writes stopped for the switch). Then, timed:
 Ours also compares every table (row counts and a content hash), which native has no command
 for.
 
-Both targets are compared with the source (row counts, and the next ``orders`` key each would
-hand out).
+Both targets are compared with the source (row counts and a content hash per table, and the
+next ``orders`` key each would hand out).
+
+The clusters, the commands and the native peer are ``benchmarks/harness.py``'s.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/cutover.py [--seconds 5]
-[--repeat 1] [--json F]``.
+[--repeat 1] [--json F] [--profile production|throwaway]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
-from add_table import caught_up, native_subscription
-from apply import bench_clusters, warm_command_server
-from many_tables import PGCDC, emit_report, pgcdc_env, timed_command
-from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import LocalCluster
-from pgcdc_dagster.engine.control.range_lock import lock_holders
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+TABLES = ("public.orders", "public.items")
 
 
 def make_source(source: LocalCluster) -> str:
-    with psycopg.connect(source.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE app")
-    dsn = source.dsn("app")
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE orders (id serial PRIMARY KEY, v text)")
-        conn.execute("CREATE TABLE items (id int PRIMARY KEY, v text)")
-        conn.execute("INSERT INTO orders (v) SELECT md5(g::text) FROM generate_series(1, 10000) g")
-        conn.execute("INSERT INTO items SELECT g, md5(g::text) FROM generate_series(1, 10000) g")
-        conn.execute("CREATE PUBLICATION native FOR TABLE orders, items")
-    return dsn
+    return harness.source_database(
+        source,
+        "CREATE TABLE orders (id serial PRIMARY KEY, v text)",
+        "CREATE TABLE items (id int PRIMARY KEY, v text)",
+        "INSERT INTO orders (v) SELECT md5(g::text) FROM generate_series(1, 10000) g",
+        "INSERT INTO items SELECT g, md5(g::text) FROM generate_series(1, 10000) g",
+        tables=TABLES,
+    )
 
 
 def write(dsn: str, seconds: float) -> int:
@@ -68,74 +69,71 @@ def write(dsn: str, seconds: float) -> int:
     return n
 
 
-def native_caught_up_s(source_dsn: str, run: int, seconds: list[float]) -> None:
+def native_caught_up_s(native: harness.Subscription, seconds: list[float]) -> None:
     started = time.perf_counter()
-    caught_up(source_dsn, f"native_{run}")
+    native.wait_confirmed()
     seconds.append(time.perf_counter() - started)
 
 
-def native_cutover(source_dsn: str, native_dsn: str, run: int) -> tuple[float, float]:
+def native_cutover(source_dsn: str, native: harness.Subscription) -> tuple[float, float]:
     """The sequences set by hand, then the subscription dropped: seconds of each."""
     started = time.perf_counter()
     with psycopg.connect(source_dsn) as src:
         (last, called) = src.execute(  # type: ignore[misc]
             "SELECT last_value, is_called FROM orders_id_seq"
         ).fetchone()
-    with psycopg.connect(native_dsn, autocommit=True) as dst:
+    with psycopg.connect(native.target_dsn, autocommit=True) as dst:
         dst.execute("SELECT setval('orders_id_seq', %s, %s)", (last, called))
     cutover = time.perf_counter() - started
     started = time.perf_counter()
-    with psycopg.connect(native_dsn, autocommit=True) as dst:
-        dst.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(f"native_{run}")))
+    native.drop()
     return cutover, time.perf_counter() - started
 
 
-def state(dsn: str) -> tuple[int, int, int]:
-    """Row counts, and the next ``orders`` key this database would hand out."""
+def next_order(dsn: str) -> int:
+    """The next ``orders`` key this database would hand out."""
     with psycopg.connect(dsn) as conn:
-        (orders,) = conn.execute("SELECT count(*) FROM orders").fetchone()  # type: ignore[misc]
-        (items,) = conn.execute("SELECT count(*) FROM items").fetchone()  # type: ignore[misc]
         (last, called) = conn.execute(  # type: ignore[misc]
             "SELECT last_value, is_called FROM orders_id_seq"
         ).fetchone()
-    return orders, items, last + 1 if called else last
+    return last + 1 if called else last
+
+
+def equal(source_dsn: str, target_dsn: str) -> bool:
+    """The tables (row counts and content) and the next ``orders`` key both the same."""
+    same = harness.targets_equal(source_dsn, target_dsn, TABLES)["equal"]
+    return same and next_order(target_dsn) == next_order(source_dsn)
 
 
 def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
-    with bench_clusters() as (work, source, target):
+    with harness.bench_clusters(args.profile, extra=harness.QUIET) as (work, source, target):
         source_dsn = make_source(source)
-        env = {**pgcdc_env(work, source_dsn, target, run), "PGCDC_SERVER": "auto"}
-        timed_command(env, work, "snapshot")
-        native_dsn = native_subscription(source_dsn, target, run, ("orders", "items"))
-        with warm_command_server(env):
-            follow = subprocess.Popen(
-                [PGCDC, "follow"], env=env, cwd=work, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+        env = harness.pgcdc_env(
+            work, source_dsn, target, f"ours_{run}", publication=f"ours_{run}", server="auto"
+        )
+        harness.timed_command(env, work, "snapshot")
+        native, _ = harness.native_peer(
+            source_dsn, target, f"native_{run}", "native", tables=TABLES
+        )
+        target_dsn, slot = env["PGCDC_TARGET_DSN"], env["PGCDC_SLOT"]
+        with harness.warm_command_server(env):
+            follow, _ = harness.start_follow(env, work, target_dsn, slot)
             try:
-                while not any(
-                    h.holder.startswith("run ")
-                    for h in lock_holders(env["PGCDC_TARGET_DSN"], env["PGCDC_SLOT"])
-                ):
-                    time.sleep(0.1)
                 transactions = write(source_dsn, args.seconds)
                 native_s: list[float] = []
-                native = threading.Thread(
-                    target=native_caught_up_s, args=(source_dsn, run, native_s)
-                )
-                native.start()
-                ours_cutover = timed_command(env, work, "cutover")
-                ours_finish = timed_command(env, work, "finish")
+                waiting = threading.Thread(target=native_caught_up_s, args=(native, native_s))
+                waiting.start()
+                ours_cutover = harness.timed_command(env, work, "cutover")
+                ours_finish = harness.timed_command(env, work, "finish")
                 _, err = follow.communicate(timeout=120)
-                native.join()
+                waiting.join()
             finally:
                 if follow.poll() is None:
                     follow.send_signal(signal.SIGTERM)
                     follow.communicate(timeout=120)
             if follow.returncode != 0:
                 raise RuntimeError(f"pgcdc follow failed: {err[-3000:]}")
-        native_sequences, native_drop = native_cutover(source_dsn, native_dsn, run)
-        expected = state(source_dsn)
+        native_sequences, native_drop = native_cutover(source_dsn, native)
         with psycopg.connect(source_dsn) as conn:
             slots = conn.execute("SELECT count(*) FROM pg_replication_slots").fetchone()[0]  # type: ignore[index]
         return {
@@ -144,20 +142,18 @@ def one_run(args: argparse.Namespace, run: int) -> dict[str, Any]:
             "ours_finish_s": round(ours_finish, 3),
             "native_cutover_s": round(native_s[0] + native_sequences, 3),
             "native_drop_s": round(native_drop, 3),
-            "ours_equal": state(env["PGCDC_TARGET_DSN"]) == expected,
-            "native_equal": state(native_dsn) == expected,
+            "ours_equal": equal(source_dsn, target_dsn),
+            "native_equal": equal(source_dsn, native.target_dsn),
             "slots_left_on_source": slots,
         }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, repeat=1, json=True)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    runs = [one_run(args, i) for i in range(args.repeat)]
-    emit_report({"seconds": args.seconds, "runs": runs}, args.json)
+    runs = harness.run_repeats(lambda i: one_run(args, i), args.repeat)
+    harness.emit_report(harness.summary(args, runs, seconds=args.seconds), args.json)
 
 
 if __name__ == "__main__":

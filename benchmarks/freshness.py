@@ -1,7 +1,8 @@
 """Freshness under steady load: source commit to visible on the target, with ``pgcdc follow``.
 
-Set-up, on fresh throwaway clusters (the demo's: a source with logical WAL, a target, and a
-third cluster for Dagster's PostgreSQL storage, with the shipped ``dagster.yaml``): the demo's
+Set-up, on fresh clusters (the demo's: a source with logical WAL, a target, and a third
+cluster for Dagster's PostgreSQL storage, with the shipped ``dagster.yaml``; ``--profile``,
+throwaway by default as the recorded figures): the demo's
 sample data (pgbench scale 1 and the extra tables), ``pgcdc snapshot``, then ``pgcdc follow``
 started as a fresh process: one Dagster run that receives and applies continuously.
 
@@ -35,19 +36,22 @@ just before each load starts (for ours and for native alike).
 
 ``PGCDC_FOLLOW_READ=peek`` measures the follow's peek loop instead of its stream.
 
+The clusters, the follow, the native peer, the CPU meter and the comparison are
+``benchmarks/harness.py``'s.
+
 Usage: ``.venv/bin/python benchmarks/freshness.py [--tps 1000] [--seconds 40] [--no-native]
-[--storage-outage 15] [--big-insert 1000000]``
+[--storage-outage 15] [--big-insert 1000000] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,26 +61,23 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import CpuMeter, postmaster_pid
 from psycopg import sql
 
 from pgcdc_dagster.demo.local_cluster import find_bindir
 from pgcdc_dagster.demo.run import (
-    DemoClusters,
     Measurements,
     demo_environment,
     load_sample_data,
     probe_freshness,
-    start_clusters,
 )
-from pgcdc_dagster.engine.compare import verify
 from pgcdc_dagster.engine.connect import libpq_tool_environment
 from pgcdc_dagster.engine.control import pipeline
-from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 NATIVE_DB = "native"
 NATIVE_SUBSCRIPTION = "fresh_native"
 BUSY_ROWS = 100
@@ -105,7 +106,7 @@ def freshness_figures(seconds: list[float], prefix: str = "freshness") -> dict[s
     if not fresh:
         return {f"{prefix}_probes": 0}
     return {
-        f"{prefix}_median_s": round(statistics.median(fresh), 3),
+        f"{prefix}_median_s": round(harness.median(fresh), 3),  # type: ignore[arg-type]
         f"{prefix}_p95_s": round(fresh[min(len(fresh) - 1, int(0.95 * len(fresh)))], 3),
         f"{prefix}_max_s": round(fresh[-1], 3),
     }
@@ -128,7 +129,7 @@ def load_window(
     args: argparse.Namespace,
     source_dsn: str,
     target_dsn: str,
-    meter: CpuMeter,
+    meter: harness.CpuMeter,
     storage: Any = None,
 ) -> dict[str, Any]:
     """The load, with a probe every ``--probe-interval`` polled on ``target_dsn``, inside
@@ -192,10 +193,7 @@ def load_window(
         prober.join(timeout=60)
         if outages is not None:
             outages.join()
-    cpu = dict(meter.seconds)
-    if "follow" in cpu:  # started by this process: its tree is inside the driver's too
-        cpu["driver"] = round(cpu["driver"] - cpu["follow"], 2)
-        cpu["others"] = round(cpu["others"] + cpu["follow"], 2)
+    cpu = dict(meter.seconds)  # a follow started by this process: its tree apart from ours
     found = re.findall(r"tps = ([0-9.]+)", bench.stdout)
     report = {
         "pgbench_tps": float(found[-1]) if found else None,
@@ -213,120 +211,40 @@ def load_window(
     return report
 
 
-def setup_native(settings: ReplicationSettings, clusters: DemoClusters) -> str:
+def setup_native(settings: ReplicationSettings, clusters: Any) -> harness.Subscription:
     """A native subscription to pgcdc's publication in database ``native`` of the target
-    cluster, its initial sync waited out. Returns the database's DSN."""
-    target_dsn = clusters.target.dsn(NATIVE_DB)
-    with psycopg.connect(clusters.target.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(NATIVE_DB)))
-    tool_env, extra = libpq_tool_environment(settings.source_dsn)
-    schema = subprocess.run(
-        [str(find_bindir() / "pg_dump"), "--schema-only", "--no-publications", *extra],
-        env={**os.environ, **tool_env},
-        capture_output=True,
-        check=True,
-    ).stdout
-    target_env, target_extra = libpq_tool_environment(target_dsn)
-    subprocess.run(
-        [str(find_bindir() / "psql"), "-q", "-v", "ON_ERROR_STOP=1", *target_extra],
-        input=schema,
-        env={**os.environ, **target_env},
-        capture_output=True,
-        check=True,
+    cluster, its initial sync waited out."""
+    native, _ = harness.native_peer(
+        settings.source_dsn,
+        clusters.target,
+        NATIVE_DB,
+        settings.publication,
+        name=NATIVE_SUBSCRIPTION,
+        timeout=300,
     )
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}").format(
-                sql.Identifier(NATIVE_SUBSCRIPTION),
-                sql.Literal(settings.source_dsn),
-                sql.Identifier(settings.publication),
-            )
-        )
-        deadline = time.monotonic() + 300
-        while True:
-            row = conn.execute(
-                "SELECT count(*), count(*) FILTER (WHERE r.srsubstate <> 'r') "
-                "FROM pg_subscription_rel r JOIN pg_subscription s ON s.oid = r.srsubid "
-                "WHERE s.subname = %s",
-                (NATIVE_SUBSCRIPTION,),
-            ).fetchone()
-            if row is not None and row[0] > 0 and row[1] == 0:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the native subscription's initial sync did not finish")
-            time.sleep(0.2)
-    return target_dsn
+    return native
 
 
 def run_native(
     args: argparse.Namespace, clusters: Any, settings: ReplicationSettings
 ) -> dict[str, Any]:
     """The same load and probes with native logical replication (see the module docstring)."""
-    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
-        conn.execute("DELETE FROM demo_probe")  # the probes count from 1 again
-    target_dsn = setup_native(settings, clusters)
-    meter = CpuMeter(clusters.source, clusters.target)
-    report = load_window(args, settings.source_dsn, target_dsn, meter)
-    with psycopg.connect(settings.source_dsn, autocommit=True) as conn:
-        (end,) = conn.execute("SELECT pg_current_wal_flush_lsn()").fetchone()  # type: ignore[misc]
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 120
-        while True:
-            (caught_up,) = conn.execute(  # type: ignore[misc]
-                "SELECT coalesce(bool_and(latest_end_lsn >= %s::pg_lsn), false) "
-                "FROM pg_stat_subscription WHERE subname = %s",
-                (str(end), NATIVE_SUBSCRIPTION),
-            ).fetchone()
-            if caught_up or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(NATIVE_SUBSCRIPTION)))
-    native = settings.model_copy(update={"target_dsn": target_dsn})
-    comparisons = verify.compare_tables(native, pipeline.replicated_tables(settings))
-    report["equal"] = all(c.equal for c in comparisons)
+    harness.execute(settings.source_dsn, "DELETE FROM demo_probe")  # the probes count from 1
+    native = setup_native(settings, clusters)
+    meter = harness.CpuMeter.of(clusters.source, clusters.target)
+    report = load_window(args, settings.source_dsn, native.target_dsn, meter)
+    end = harness.wal_position(settings.source_dsn, of="flush")
+    with contextlib.suppress(TimeoutError):  # compared all the same: a lag shows there
+        native.wait_confirmed(end, timeout=120)
+    native.drop()
+    report["equal"] = harness.replication_equal(settings, native.target_dsn)["equal"]
     return report
-
-
-def tree_rss_mb(root: int) -> dict[str, float]:
-    """Resident memory of process ``root`` (``command``) and of its descendants, summed by
-    their command name (``/proc/<pid>/comm``: the follower's ``python``, a local Spark's
-    ``java``), in MB."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-
-    def rss(pid: int) -> float:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
-
-    out = {"command": round(rss(root), 1)}
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        out[name] = round(out.get(name, 0.0) + rss(pid), 1)
-        todo += children.get(pid, [])
-    return out
 
 
 def follow_rss_mb(root: int) -> dict[str, float]:
     """Resident memory of the follow command (``command``: in a cold command, the Dagster run
     too) and of its descendants (``follower``: the follow process it forked), in MB."""
-    parts = tree_rss_mb(root)
+    parts = harness.tree_rss_mb(root)
     command = parts.pop("command")
     return {"command": command, "follower": round(float(sum(parts.values())), 1)}
 
@@ -376,11 +294,10 @@ def store_earlier_ranges(settings: ReplicationSettings, count: int) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__, json=True)
     parser.add_argument("--tps", type=int, default=1000)
     parser.add_argument("--seconds", type=int, default=40)
     parser.add_argument("--probe-interval", type=float, default=0.5)
-    parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--no-native", action="store_true", help="skip the native logical replication run"
     )
@@ -425,7 +342,7 @@ def main() -> None:
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="pgcdc-fresh-"))
-    clusters = start_clusters(base)
+    clusters = harness.demo_clusters(base, args.profile)
     follow: subprocess.Popen[str] | None = None
     try:
         env = {
@@ -443,28 +360,15 @@ def main() -> None:
         if args.busy_tables:
             create_busy_tables(clusters.source.dsn(), args.busy_tables)
         settings = ReplicationSettings.from_env()
-        subprocess.run([PGCDC, "snapshot"], env=env, check=True, capture_output=True, cwd=base)
+        harness.timed_command(env, base, "snapshot")
         prefilled = store_earlier_ranges(settings, args.stored_ranges)
-        launched = time.monotonic()
-        follow = subprocess.Popen(
-            [PGCDC, "follow", "--json"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=base,
-            start_new_session=True,
+        follow, startup_s = harness.start_follow(
+            env, base, settings.target_dsn, settings.slot, "--json", new_session=True
         )
-        while not lock_holders(settings.target_dsn, settings.slot):
-            if follow.poll() is not None:
-                raise RuntimeError(f"pgcdc follow exited: {follow.stderr.read()[-2000:]}")
-            time.sleep(0.05)
-        startup_s = time.monotonic() - launched
 
-        meter = CpuMeter(clusters.source, clusters.target)
-        meter.roots["follow"] = follow.pid
+        meter = harness.CpuMeter.of(clusters.source, clusters.target, follow=follow.pid)
         if not args.storage_outage:  # a restarted storage is another process tree
-            meter.roots["dagster_storage"] = postmaster_pid(clusters.storage)
+            meter.roots["dagster_storage"] = harness.postmaster_pid(clusters.storage)
         sampled: list[dict[str, float]] = []
         sampling = threading.Event()
 
@@ -493,11 +397,8 @@ def main() -> None:
             "dagster_log_write_errors": ferr.count("Exception while writing logger call"),
         }
         follow = None
-        done = subprocess.run([PGCDC, "catchup"], env=env, capture_output=True, text=True, cwd=base)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-2000:])
-        comparisons = verify.compare_tables(settings, pipeline.replicated_tables(settings))
-        ours["equal"] = all(c.equal for c in comparisons)
+        harness.timed_command(env, base, "catchup")
+        ours["equal"] = harness.replication_equal(settings)["equal"]
         ours["follow_startup_s"] = round(startup_s, 2)
         ours["follow"] = totals
         ours["recorded"] = recorded_events(env["DAGSTER_POSTGRES_URL"])
@@ -510,13 +411,12 @@ def main() -> None:
         }
         report: dict[str, Any] = {
             "load": f"pgbench simple-update, {args.tps} tps target, {args.seconds} s",
+            "cluster_profile": harness.describe_profile(args.profile),
             "ours": ours,
         }
         if not args.no_native:
             report["native"] = run_native(args, clusters, settings)
-        print(json.dumps(report, indent=2))
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=2))
+        harness.emit_report(report, args.json)
     finally:
         if follow is not None and follow.poll() is None:
             os.killpg(follow.pid, signal.SIGKILL)

@@ -6,9 +6,9 @@ Engine-level figures (``apply_added_changes`` timed in this process), not the us
 the command's figure (``benchmarks/add_table.py --while-following``) is dominated by the copy,
 and its held-back step is a fraction of a second at the sizes that benchmark can reach here.
 
-1. :func:`benchmarks.apply.prepare` builds the source (pgbench scale ``--scale``), the base
-   snapshot into target database ``bench_a`` and its clone ``bench_b``, and a pgbench TPC-B
-   backlog of ``--transactions`` per client (4 clients);
+1. ``harness.prepare`` (``benchmarks/harness.py``) builds the source (pgbench scale
+   ``--scale``), the base snapshot into target database ``bench_a`` and its clone ``bench_b``,
+   and a pgbench TPC-B backlog of ``--transactions`` per client (4 clients);
 2. ``pgbench_accounts`` is recorded in the store as being added (as ``pgcdc add-table`` does
    while it copies), and the backlog is caught up into ``bench_a`` in ranges of at most
    ``--range-kb`` KB of WAL: the other tables' changes applied, the accounts' held back;
@@ -20,24 +20,24 @@ and its held-back step is a fraction of a second at the sizes that benchmark can
 4. both targets are compared with the source (row counts and a content hash per table).
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/held_back.py [--scale 1]
-[--transactions 5000] [--range-kb 256] [--repeat 2]``
+[--transactions 5000] [--range-kb 256] [--repeat 2] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
-
-import psycopg
-from apply import DB_OURS, NATIVE_SLOT, bench_clusters, clone_database, prepare, verify_target
 
 from pgcdc_dagster.engine.apply.held_back import apply_added_changes
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.settings import ReplicationSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 ADDED = TableName("public", "pgbench_accounts")
 
@@ -64,18 +64,16 @@ def held_back_into(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, repeat=2)
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--transactions", type=int, default=5000, help="pgbench, per client")
     parser.add_argument("--range-kb", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
     args.range_mb = 1  # prepare's; the ranges are cut by --range-kb below
 
-    with bench_clusters() as (work, source, target):
-        setup = prepare(source, target, None, work / "store", args)
-        with psycopg.connect(source.dsn(), autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (NATIVE_SLOT,))
+    with harness.bench_clusters(args.profile, extra=harness.QUIET) as (work, source, target):
+        setup = harness.prepare(source, target, None, work / "store", args)
+        harness.drop_slot(source.dsn(), harness.NATIVE_SLOT)
         settings = ReplicationSettings(
             **{**setup.settings.model_dump(), "range_max_bytes": args.range_kb * 1024}
         )
@@ -98,33 +96,26 @@ def main() -> None:
         rounds = []
         for round_ in range(args.repeat):
             for db in ("round_a", "round_b"):
-                clone_database(target, DB_OURS, db)
-            order = [("per_range", True), ("batched", False)]
-            if round_ % 2:
-                order.reverse()
+                harness.clone_database(target, harness.DB_OURS, db)
+            order = harness.order_of([("per_range", True), ("batched", False)], round_)
             results: dict[str, Any] = {}
             for (name, per_range), db in zip(order, ("round_a", "round_b"), strict=True):
                 results[name] = held_back_into(settings, target.dsn(db), since, through, per_range)
-                check = ReplicationSettings(
-                    **{**settings.model_dump(), "target_dsn": target.dsn(db)}
-                )
-                results[name]["target_equals_source"] = verify_target(check)["equal"]
+                equal = harness.replication_equal(settings, target.dsn(db))["equal"]
+                results[name]["target_equals_source"] = equal
             rounds.append({"first": order[0][0], **results})
             for db in ("round_a", "round_b"):
-                with psycopg.connect(target.dsn(), autocommit=True) as conn:
-                    conn.execute(f"DROP DATABASE {db}")
-        print(
-            json.dumps(
-                {
-                    "scale": args.scale,
-                    "pgbench_transactions": args.transactions * 4,
-                    "range_kb": args.range_kb,
-                    "ranges_holding_back": ranges,
-                    "catch_up_s": round(catch_up_s, 1),
-                    "rounds": rounds,
-                },
-                indent=2,
-            )
+                harness.drop_database(target, db)
+        harness.emit_report(
+            {
+                "scale": args.scale,
+                "pgbench_transactions": args.transactions * 4,
+                "range_kb": args.range_kb,
+                "ranges_holding_back": ranges,
+                "catch_up_s": round(catch_up_s, 1),
+                "cluster_profile": harness.describe_profile(args.profile),
+                "rounds": rounds,
+            }
         )
 
 

@@ -6,7 +6,8 @@ partition of every asset, and the store keeps a week of them; Dagster recommends
 partitions or fewer per asset ("assets with partition counts exceeding this limit will likely
 have slower load times in the UI"). ``PGCDC_PARTITIONS_KEPT`` (default 50,000) bounds them.
 
-Set-up: a throwaway PostgreSQL cluster for Dagster's storage (the shipped ``dagster.yaml``),
+Set-up: a PostgreSQL cluster for Dagster's storage (``--profile``: ``benchmarks/harness.py``'s
+settings, throwaway by default as the recorded figures; the shipped ``dagster.yaml``),
 partitions registered as a follow registers them, each with a ``decoded_changes``
 materialisation (written in batches through Dagster's event storage, as runless events:
 the UI reads them the same way), then ``dagster-webserver`` on the project's workspace.
@@ -16,12 +17,14 @@ asks): the partition stats and statuses of ``decoded_changes`` and of a target t
 first the code location defines, none of its partitions materialised), the first time
 (Dagster computes and caches the statuses) and again; and the size of Dagster's event log.
 
-Usage: ``.venv/bin/python benchmarks/partitions_ui.py [--counts 10000,50000,100000,200000]``
+Each printed row (JSON) names the profile.
+
+Usage: ``.venv/bin/python benchmarks/partitions_ui.py [--counts 10000,50000,100000,200000]
+[--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -40,7 +43,10 @@ from pgcdc_dagster.demo.local_cluster import LocalCluster
 from pgcdc_dagster.demo.run import stop_process
 from pgcdc_dagster.engine.lsn import LsnRange
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+REPO = harness.REPO
 BATCH = 1000
 QUERY = """
 query ($key: AssetKeyInput!) {
@@ -138,15 +144,14 @@ def wait_for_webserver(port: int, process: subprocess.Popen[bytes]) -> list[list
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__, json=True)
     parser.add_argument("--counts", default="10000,50000,100000,200000")
     parser.add_argument("--port", type=int, default=3391)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
 
     base = Path(tempfile.mkdtemp(prefix="pgcdc-partitions-ui-"))
-    storage = LocalCluster(base / "storage").start()
+    storage = LocalCluster(base / "storage", harness.profile_settings(args.profile)).start()
     home = base / "dagster_home"
     home.mkdir()
     shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
@@ -188,6 +193,7 @@ def main() -> None:
                     keys = wait_for_webserver(args.port, web)
                     targets = sorted(k for k in keys if k[0] == "target")
                     row: dict[str, Any] = {
+                        "profile": args.profile,
                         "partitions": count,
                         "add_s": round(added_s, 1),
                         "event_logs_mb": round(size / 1e6, 1),
@@ -212,7 +218,7 @@ def main() -> None:
         storage.stop()
         shutil.rmtree(base, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

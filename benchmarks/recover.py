@@ -9,32 +9,26 @@ switched, a checkpoint), ``pgcdc recover`` timed:
 * ``scattered``: every 100th ``aid``, which touches every chunk of 100,000 rows.
 
 Then ``pgcdc snapshot --resnapshot`` timed, and the target checked equal (row counts and a
-hash of each table).
+hash of each table). CPU seconds of each side from ``harness.Measured``.
 
-Usage: ``.venv/bin/python benchmarks/recover.py [--scale 100]``
+Usage: ``.venv/bin/python benchmarks/recover.py [--scale 100] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from snapshot import REPO, Measured, _create_database, _quiesce, pgbench_clusters
 
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
-TABLES = ("pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history")
-CONTENT = (
-    "SELECT count(*), sum(hashtext(a::text)) FROM pgbench_accounts a",
-    "SELECT count(*), sum(hashtext(t::text)) FROM pgbench_tellers t",
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+TABLES = harness.PGBENCH_TABLES
+CHECKED = ("public.pgbench_accounts", "public.pgbench_tellers")
+"""The tables the changes touch: compared with the source's after each step."""
 
 
 def _lose(source_dsn: str, slot: str) -> None:
@@ -53,58 +47,35 @@ def _lose(source_dsn: str, slot: str) -> None:
     assert status == "lost", status
 
 
-def _content(dsn: str) -> list[Any]:
-    with psycopg.connect(dsn) as conn:
-        return [conn.execute(q).fetchone() for q in CONTENT]
-
-
-def _command(env: dict[str, str], work: Path, *args: str) -> tuple[float, dict[str, Any], str]:
-    source, target = env["_source"], env["_target"]
-    with Measured(source, target) as measured:  # type: ignore[arg-type]
-        done = subprocess.run(
-            [PGCDC, *args],
-            env={k: v for k, v in env.items() if not k.startswith("_")},
-            capture_output=True,
-            text=True,
-            cwd=work,
-        )
-    if done.returncode != 0:
-        raise RuntimeError(f"pgcdc {' '.join(args)} failed: {done.stderr[-3000:]}")
+def _command(
+    env: dict[str, str], work: Path, clusters: harness.BenchClusters, *args: str
+) -> tuple[float, dict[str, Any], str]:
+    with harness.Measured(clusters.source, clusters.target) as measured:
+        _, done = harness.run_command(env, work, *args)
     return measured.wall, measured.report(), done.stdout
 
 
+def _check(source_dsn: str, target_dsn: str, what: str) -> None:
+    harness.require_equal(harness.fingerprints(source_dsn, CHECKED), target_dsn, what)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=100)
     args = parser.parse_args()
-    report: dict[str, Any] = {"scale": args.scale}
-    with (
-        pgbench_clusters(args.scale) as (source, target),
-        tempfile.TemporaryDirectory(prefix="pgcdc-bench-recover-") as tmp,
-    ):
-        work = Path(tmp)
-        target_dsn = _create_database(target, "bench_recover")
-        _create_database(target, "dagster_recover")
-        home = work / "dagster_home"
-        home.mkdir()
-        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    report: dict[str, Any] = {
+        "scale": args.scale,
+        "cluster_profile": harness.describe_profile(args.profile),
+    }
+    with harness.bench_clusters(args.profile, logical_target=True) as clusters:
+        work, source, target = clusters
+        harness.fill_pgbench(source, args.scale)
         slot = "bench_recover"
-        env: dict[str, Any] = {
-            **os.environ,
-            "PGCDC_SOURCE_DSN": source.dsn(),
-            "PGCDC_TARGET_DSN": target_dsn,
-            "PGCDC_SLOT": slot,
-            "PGCDC_TABLES": ",".join(f"public.{t}" for t in TABLES),
-            "PGCDC_STORE": str(work / "store"),
-            "DAGSTER_HOME": str(home),
-            "DAGSTER_POSTGRES_URL": (
-                f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/dagster_recover"
-            ),
-            "PGCDC_SERVER": "off",
-            "_source": source,
-            "_target": target,
-        }
-        seconds, _, _ = _command(env, work, "snapshot")
+        env = harness.pgcdc_env(
+            work, source.dsn(), target, slot, tables=TABLES, prepare_storage=False
+        )
+        target_dsn = env["PGCDC_TARGET_DSN"]
+        seconds, _, _ = _command(env, work, clusters, "snapshot")
         report["snapshot_seconds"] = round(seconds, 2)
         accounts = args.scale * 100_000
         changes = {
@@ -117,9 +88,9 @@ def main() -> None:
                 conn.execute(change)
                 conn.execute("UPDATE pgbench_tellers SET tbalance = tbalance + 1")
             _lose(source.dsn(), slot)
-            _quiesce(source, target)
-            seconds, measured, out = _command(env, work, "recover", "--json")
-            assert _content(source.dsn()) == _content(target_dsn), name
+            harness.checkpoint(source, target, sync=True)
+            seconds, measured, out = _command(env, work, clusters, "recover", "--json")
+            _check(source.dsn(), target_dsn, name)
             report[f"recover_{name}"] = {
                 "command_seconds": round(seconds, 2),
                 **{
@@ -134,14 +105,14 @@ def main() -> None:
         with psycopg.connect(source.dsn(), autocommit=True) as conn:
             conn.execute(changes["scattered"])
         _lose(source.dsn(), slot)
-        _quiesce(source, target)
-        seconds, measured, _ = _command(env, work, "snapshot", "--resnapshot")
-        assert _content(source.dsn()) == _content(target_dsn)
+        harness.checkpoint(source, target, sync=True)
+        seconds, measured, _ = _command(env, work, clusters, "snapshot", "--resnapshot")
+        _check(source.dsn(), target_dsn, "resnapshot")
         report["resnapshot"] = {
             "command_seconds": round(seconds, 2),
             "cpu_seconds": measured["cpu_seconds"],
         }
-    print(json.dumps(report, indent=2))
+    harness.emit_report(report)
 
 
 if __name__ == "__main__":

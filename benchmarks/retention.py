@@ -1,6 +1,7 @@
 """What the store's retention costs on a store that ran for a long time.
 
-A store of ``--ranges`` ranges is written by hand (a manifest and a 2 KB Parquet file each, as
+A store of ``--ranges`` ranges is written by hand (``harness.write_store``: a manifest and a 2 KB
+Parquet file each, as
 a follow's small steady-state ranges are; stored ``--age`` seconds ago), with a target whose
 replication origin stands at the last range's commit (an origin created on the server
 ``--dsn`` for the run, dropped after), and every range registered as an ``lsn_ranges``
@@ -20,11 +21,8 @@ Usage: ``.venv/bin/python benchmarks/retention.py [--ranges 20000] [--dsn host=1
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,53 +30,16 @@ import uuid
 from pathlib import Path
 
 import psycopg
-import pyarrow as pa
-import pyarrow.parquet as pq
 from psycopg import sql
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # this checkout's code, whatever the virtualenv installed
+sys.path.insert(0, str(REPO / "benchmarks"))
 
-from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
-from pgcdc_dagster.engine.store.output_store import CHANGE_SCHEMA, MANIFEST, OutputStore  # noqa: E402
+import harness  # noqa: E402
+
+from pgcdc_dagster.engine.store.output_store import OutputStore  # noqa: E402
 from pgcdc_dagster.engine.store.retention import prune, prune_if_due  # noqa: E402
-from pgcdc_dagster_tests.support.stores import range_manifest  # noqa: E402
-
-START = 0x1_0000_0000
-STEP = 0x4000
-
-
-def write_store(root: Path, ranges: int, age_s: float) -> Lsn:
-    """``ranges`` ranges of one transaction each; returns the last one's commit."""
-    store = OutputStore(root)
-    store.record_chain("bench", Lsn(START), "snap")
-    sample = root / "sample.parquet"
-    rows = {f.name: [None] * 20 for f in CHANGE_SCHEMA}
-    rows.update(commit_end_lsn=[1] * 20, commit_lsn=[1] * 20, lsn=[1] * 20, xid=[1] * 20)
-    rows.update(commit_ts=[0] * 20, seq=list(range(20)), action=["I"] * 20)
-    rows.update(schema_name=["public"] * 20, table_name=["t"] * 20, relation_version=[0] * 20)
-    rows.update(flags=[0] * 20, new_row=[["x" * 40]] * 20)
-    pq.write_table(pa.table(rows, schema=CHANGE_SCHEMA), sample, compression="zstd")
-    when = time.time() - age_s
-    last = Lsn(START)
-    for i in range(ranges):
-        start, end = START + i * STEP, START + (i + 1) * STEP
-        last = Lsn(end - 0x100)
-        manifest = range_manifest(str(Lsn(start)), str(Lsn(end)), str(last))
-        manifest = manifest.__class__(
-            result=manifest.result,
-            relations=[],
-            types={},
-            bytes=sample.stat().st_size,
-            chain_last_commit=str(last),
-        )
-        folder = store.range_path(LsnRange(Lsn(start), Lsn(end)))  # in the store's layout
-        folder.mkdir(parents=True)
-        shutil.copyfile(sample, folder / "part-00000.parquet")
-        (folder / MANIFEST).write_text(manifest.to_json())
-        os.utime(folder / MANIFEST, (when, when))
-    sample.unlink()
-    return last
 
 
 def du(path: Path) -> int:
@@ -86,7 +47,7 @@ def du(path: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = harness.argument_parser(__doc__, profile=None)
     parser.add_argument("--ranges", type=int, default=20_000)
     parser.add_argument("--age", type=float, default=2 * 86400)
     parser.add_argument("--dsn", default="host=127.0.0.1 port=5432 user=postgres dbname=postgres")
@@ -100,7 +61,7 @@ def main() -> None:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(storage_db)))
     try:
         began = time.perf_counter()
-        last = write_store(work / "store", args.ranges, args.age)
+        last = harness.write_store(work / "store", args.ranges, args.age)
         report["write_s"] = round(time.perf_counter() - began, 2)
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_replication_origin_create(%s)", (origin,))
@@ -143,23 +104,13 @@ def main() -> None:
             prune_if_due(store, last, 3600.0)
         report["not_due_ms"] = round((time.perf_counter() - began), 4)  # 1000 calls: s = ms each
 
-        began = time.perf_counter()
-        done = subprocess.run(
-            [str(REPO / ".venv/bin/pgcdc"), "prune", "--retention", "1h", "--json"],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        report["command_s"] = round(time.perf_counter() - began, 2)
-        if done.returncode != 0:
-            raise SystemExit(done.stderr)
-        run = json.loads(done.stdout)
+        seconds, run, _ = harness.json_command(env, work, "prune", "--retention", "1h")
+        report["command_s"] = round(seconds, 2)
         report["prune_s"] = run["seconds"]
         report["ranges_removed"] = run["ranges_removed"]
         report["partitions_dropped"] = run["partitions_dropped"]
         report["disk_after"] = du(work / "store")
-        print(json.dumps(report, indent=1))
+        harness.emit_report(report, indent=1)
     finally:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             conn.execute(

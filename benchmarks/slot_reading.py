@@ -7,7 +7,7 @@ the reading (no decoding into columns, no store, no apply), so the figures compa
 ways of getting pgoutput messages into this process; everything after that is the same code
 whichever way the bytes came.
 
-Set-up: one throwaway source cluster (logical WAL), ``pgbench -i`` at ``--scale``, a
+Set-up: one source cluster (logical WAL; ``--profile``), ``pgbench -i`` at ``--scale``, a
 publication for all tables and one slot per reader and repeat, created at one point.
 
 Throughput (engine-only): a TPC-B backlog of ``--transactions`` per client (4 clients) is read
@@ -29,27 +29,31 @@ does: look at the flushed position every 50 ms, peek up to it at most every 200 
 (``PGCDC_FOLLOW_CUT_MS``), then move the slot to the last commit read. The stream reader confirms
 the last commit read by a status update.
 
-Usage: ``.venv/bin/python benchmarks/slot_reading.py [--transactions 20000] [--tps 1000]``
+Usage: ``.venv/bin/python benchmarks/slot_reading.py [--transactions 20000] [--tps 1000]
+[--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import struct
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
-from receive import PUBLICATION, raw_read
 
-from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
+from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.lsn import Lsn
 from pgcdc_dagster.engine.source.walsender import Keepalive, SlotStream
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+PUBLICATION = "bench_pub"
 BEGIN = struct.Struct("!cQqI")  # 'B', final_lsn, commit time, xid
 COMMIT_END = struct.Struct("!Q")  # a Commit message's end_lsn, at offset 10
 
@@ -62,7 +66,7 @@ def cpu_wall(fn: Any, *args: Any) -> tuple[float, float, Any]:
 
 def peek_read(dsn: str, slot: str, upto: Lsn) -> int:
     """Every message up to ``upto``, by the cursor and batch size receive uses (data only)."""
-    return raw_read(dsn, slot, upto)[1]
+    return harness.peek_slot(dsn, slot, upto, PUBLICATION)[1]
 
 
 def stream_read(dsn: str, slot: str, upto: Lsn) -> int:
@@ -84,18 +88,18 @@ def stream_read(dsn: str, slot: str, upto: Lsn) -> int:
 
 def throughput(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     dsn = cluster.dsn()
-    slots = make_slots(dsn, ["tp"])
+    slots = ["tp"]
+    harness.make_slots(dsn, slots)
     workload = pgbench(cluster, "-n", "-c", "4", "-j", "2", "-t", str(args.transactions))
     assert workload is not None and workload.wait() == 0
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("CHECKPOINT")
-        upto = Lsn(conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()[0])
+    harness.checkpoint(cluster)
+    upto = harness.wal_position(dsn, of="flush")
     report: dict[str, Any] = {"transactions": 4 * args.transactions}
     for name, reader in (("peek", peek_read), ("stream", stream_read)):
         runs = [cpu_wall(reader, dsn, slots[0], upto) for _ in range(args.repeat)]
         report[name] = {
-            "seconds": round(statistics.median(r[0] for r in runs), 3),
-            "client_cpu_s": round(statistics.median(r[1] for r in runs), 3),
+            "seconds": harness.rounded(harness.median(r[0] for r in runs)),
+            "client_cpu_s": harness.rounded(harness.median(r[1] for r in runs)),
             "messages": runs[0][2],
             "runs_s": [round(r[0], 3) for r in runs],
         }
@@ -103,24 +107,6 @@ def throughput(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         report["stream"]["seconds"] / report["peek"]["seconds"], 2
     )
     return report
-
-
-def make_slots(dsn: str, names: list[str]) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        starts = [
-            Lsn(
-                conn.execute(
-                    "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
-                    (name,),
-                ).fetchone()[0]
-            )
-            for name in names
-        ]
-        for name in names:
-            conn.execute(
-                "SELECT pg_replication_slot_advance(%s, %s::pg_lsn)", (name, str(max(starts)))
-            )
-    return names
 
 
 def peek_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.Event) -> None:
@@ -135,11 +121,7 @@ def peek_follower(dsn: str, slot: str, seen: dict[int, float], stop: threading.E
                 time.sleep(0.05)
                 continue
             with conn.cursor(binary=True) as cur:
-                cur.execute(
-                    "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, NULL, "
-                    "'proto_version', '1', 'publication_names', %s)",
-                    (slot, str(flush), PUBLICATION),
-                )
+                cur.execute(harness.PEEK_SQL, (slot, str(flush), PUBLICATION))
                 for (data,) in cur:
                     if data[0] == 0x42:
                         seen.setdefault(BEGIN.unpack_from(data)[3], time.time())
@@ -171,7 +153,7 @@ def freshness(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     dsn = cluster.dsn()
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE probe (id int PRIMARY KEY, at timestamptz)")
-    make_slots(dsn, ["fr_peek", "fr_stream"])
+    harness.make_slots(dsn, ["fr_peek", "fr_stream"])
     stop = threading.Event()
     seen: dict[str, dict[int, float]] = {"peek": {}, "stream": {}}
     readers = [
@@ -207,7 +189,7 @@ def freshness(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
         lags = sorted(arrivals[x] - t for x, t in committed.items() if x in arrivals)
         report[name] = {
             "seen": len(lags),
-            "median_ms": round(1000 * statistics.median(lags)),
+            "median_ms": round(1000 * harness.median(lags)),  # type: ignore[operator]
             "p95_ms": round(1000 * lags[int(0.95 * (len(lags) - 1))]),
             "max_ms": round(1000 * lags[-1]),
         }
@@ -215,21 +197,23 @@ def freshness(args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, repeat=3)
     parser.add_argument("--scale", type=int, default=10)
     parser.add_argument("--transactions", type=int, default=20_000, help="per client (4 clients)")
-    parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tps", type=int, default=1000)
     parser.add_argument("--seconds", type=int, default=30)
     args = parser.parse_args()
-    cluster = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-")
+    cluster = harness.new_cluster(args.profile, LOGICAL_SOURCE_SETTINGS)
     with cluster:
         pgbench(cluster, "-i", "-q", "-s", str(args.scale))
-        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
-            conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR ALL TABLES")
-        report = {"throughput": throughput(args, cluster), "freshness": freshness(args, cluster)}
+        harness.create_publication(cluster.dsn(), PUBLICATION)
+        report = {
+            "cluster_profile": harness.describe_profile(args.profile),
+            "throughput": throughput(args, cluster),
+            "freshness": freshness(args, cluster),
+        }
     cluster.destroy()
-    print(json.dumps(report, indent=2))
+    harness.emit_report(report)
 
 
 if __name__ == "__main__":

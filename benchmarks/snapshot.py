@@ -1,6 +1,7 @@
 """Base snapshot throughput against PostgreSQL's own initial sync and a plain COPY pipe.
 
-Starts two throwaway clusters with the same settings (a source and a target), fills the source
+Starts two clusters with the same settings (a source and a target; ``--profile``, throwaway by
+default as the recorded figures: ``benchmarks/harness.py``'s profiles), fills the source
 with ``pgbench -i`` (scale 50 by default: 5M ``pgbench_accounts`` rows, so that fixed start-up
 costs do not dominate), starts the SparkSession (timed apart, as fixed cost), then measures on
 that same data, median of ``--repeat`` runs, each run into a fresh target database:
@@ -26,9 +27,10 @@ methods in reverse order, so none always runs first.
 
 Besides wall time, every run records the CPU seconds spent by the source cluster, the target
 cluster and this process's tree (driver, Spark JVM, Spark's Python workers, psql/pg_dump), read
-from ``/proc``, and the WAL the target wrote: where the time goes, measured. ``other`` is the
-CPU the rest of the machine used during the run: on a shared machine, a run with a large
-``other`` was slowed down by someone else (each run's value is under ``runs``).
+from ``/proc`` (``harness.Measured``), and the WAL the target wrote: where the time goes,
+measured. ``other`` is the CPU the rest of the machine used during the run: on a shared
+machine, a run with a large ``other`` was slowed down by someone else (each run's value is
+under ``runs``).
 
 Throughput ratios are "ours is N times as fast": > 1 means we are faster (``ratios_legend``
 says what each divides). MB/s are megabytes (10^6) of binary COPY data, as our copy counted
@@ -39,303 +41,44 @@ Trap: PostgreSQL 15's logical replication launcher starts apply workers at most 
 would wait up to 5 s before copying anything; the native run sleeps that out before its timer.
 
 Usage: ``.venv/bin/python benchmarks/snapshot.py [--scale 50] [--repeat 1] [--parallelism N]
-[--rows-per-task N] [--methods ours,native,pipe]``
+[--rows-per-task N] [--methods ours,native,pipe] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import re
 import signal
-import statistics
 import subprocess
-import tempfile
+import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import warm_command_server
 from psycopg import sql
 
-from pgcdc_dagster.demo.local_cluster import (
-    LOGICAL_SOURCE_SETTINGS,
-    THROWAWAY_SETTINGS,
-    LocalCluster,
-    find_bindir,
-    temporary_cluster,
-)
-from pgcdc_dagster.demo.run import pgbench
+from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, LocalCluster
 from pgcdc_dagster.engine.identifiers import TableName, origin_name
 from pgcdc_dagster.engine.snapshot import DEFAULT_ROWS_PER_TASK, take_base_snapshot
 from pgcdc_dagster.engine.spark.session import get_spark
 
-TABLES = [
-    TableName("public", name)
-    for name in ("pgbench_accounts", "pgbench_branches", "pgbench_history", "pgbench_tellers")
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import Measured
+
+TABLES = harness.PGBENCH_TABLES
 OURS_PUBLICATION = "bench_ours_pub"
 NATIVE_PUBLICATION = "bench_native_pub"
-POLL_SECONDS = 0.02
 NATIVE_TIMEOUT_SECONDS = 3600.0
-MB = 1e6
+MB = harness.MB
 
 
-# ─── measuring: CPU per process tree, target WAL ─────────────────────────────────────────────
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class _Proc:
-    ppid: int
-    comm: str
-    own: int
-    """utime + stime, in clock ticks"""
-    reaped: int
-    """cutime + cstime: the CPU of the children this process has waited for"""
-
-
-def _process_table() -> dict[int, _Proc]:
-    """Every process, from ``/proc/<pid>/stat``.
-
-    Because a process's ``reaped`` ticks hold its finished children's CPU, a tree's sum of
-    ``own + reaped`` stays right across processes that exit in between (backends, psql, Python
-    workers).
-    """
-    table: dict[int, _Proc] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                text = stat.read()
-        except OSError:
-            continue
-        comm = text[text.index(b"(") + 1 : text.rindex(b")")].decode(errors="replace")
-        fields = text[text.rindex(b")") + 2 :].split()
-        own = int(fields[11]) + int(fields[12])
-        table[int(entry.name)] = _Proc(int(fields[1]), comm, own, int(fields[13]) + int(fields[14]))
-    return table
-
-
-def _descendants(table: dict[int, _Proc], root: int, exclude: set[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for pid, proc in table.items():
-        children.setdefault(proc.ppid, []).append(pid)
-    found, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        if pid in exclude or pid not in table:
-            continue
-        found.append(pid)
-        stack += children.get(pid, [])
-    return found
-
-
-def _postmaster_pid(cluster: LocalCluster) -> int:
-    return int((cluster.datadir / "postmaster.pid").read_text().splitlines()[0])
-
-
-class CpuMeter:
-    """CPU seconds of the source cluster, the target cluster, and this process's tree split into
-    the driver (this interpreter), the Spark JVM, Spark's Python workers and the tools (psql,
-    pg_dump, pg_restore); plus what the whole machine used, to tell other people's load apart.
-    """
-
-    def __init__(
-        self, source: LocalCluster, target: LocalCluster, command_server: int | None = None
-    ) -> None:
-        self.servers = {"source_pg": _postmaster_pid(source), "target_pg": _postmaster_pid(target)}
-        if command_server is not None:  # the warm pgcdc server: the command runs in its child
-            self.servers["pgcdc_server"] = command_server
-
-    def sample(self) -> dict[str, int]:
-        table = _process_table()
-        ticks = {
-            name: sum(table[p].own + table[p].reaped for p in _descendants(table, pid, set()))
-            for name, pid in self.servers.items()
-        }
-        me = os.getpid()
-        client = {"driver": 0, "spark_jvm": 0, "spark_python": 0, "tools": 0}
-        jvm_trees: set[int] = set()
-        for pid in _descendants(table, me, set(self.servers.values())):
-            proc = table[pid]
-            if pid == me:
-                client["driver"] += proc.own
-                client["tools"] += proc.reaped  # psql, pg_dump: children we waited for
-            elif proc.comm == "java":
-                client["spark_jvm"] += proc.own + proc.reaped
-                jvm_trees.update(_descendants(table, pid, set()))
-            elif pid in jvm_trees:  # the JVM itself was counted above, before its children
-                client["spark_python"] += proc.own + proc.reaped
-            else:
-                client["tools"] += proc.own + proc.reaped
-        ticks.update(client)
-        with open("/proc/stat") as stat:
-            # user nice system idle iowait irq softirq steal: everything but idle and iowait
-            cpu = [int(v) for v in stat.readline().split()[1:9]]
-        ticks["machine"] = sum(cpu) - cpu[3] - cpu[4]
-        return ticks
-
-    @staticmethod
-    def seconds(before: dict[str, int], after: dict[str, int], wall: float) -> dict[str, Any]:
-        """CPU seconds per part, their ``total``, ``cores_busy`` (total / wall), and ``other``:
-        what the rest of the machine used meanwhile (other people's load: noise in the wall
-        time)."""
-        used = {k: (after[k] - before[k]) / _CLOCK_TICKS for k in before}
-        machine = used.pop("machine")
-        parts = ("driver", "spark_jvm", "spark_python", "tools")
-        client = {k: round(used.pop(k), 2) for k in parts}
-        total = sum(used.values()) + sum(client.values())
-        return {
-            **{k: round(v, 2) for k, v in used.items()},
-            "client": round(sum(client.values()), 2),
-            "client_parts": client,
-            "total": round(total, 2),
-            "cores_busy": round(total / wall, 2) if wall > 0 else 0.0,
-            "other": round(max(0.0, machine - total), 2),
-        }
-
-
-def _wal_lsn(conn: psycopg.Connection[Any]) -> str:
-    row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
-    assert row is not None
-    return str(row[0])
-
-
-def _wal_mb(conn: psycopg.Connection[Any], start: str) -> float:
-    row = conn.execute(
-        "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s::pg_lsn)", (start,)
-    ).fetchone()
-    assert row is not None
-    return round(float(row[0]) / MB, 1)
-
-
-class Measured:
-    """Wall time, CPU split and target WAL of one timed run."""
-
-    def __init__(
-        self, source: LocalCluster, target: LocalCluster, command_server: int | None = None
-    ) -> None:
-        self.meter = CpuMeter(source, target, command_server)
-        self.target_dsn = target.dsn()
-
-    def __enter__(self) -> Measured:
-        with psycopg.connect(self.target_dsn, autocommit=True) as conn:
-            self.wal_start = _wal_lsn(conn)
-        self.cpu_start = self.meter.sample()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.wall = time.perf_counter() - self.started
-        self.cpu = CpuMeter.seconds(self.cpu_start, self.meter.sample(), self.wall)
-        with psycopg.connect(self.target_dsn, autocommit=True) as conn:
-            self.target_wal_mb = _wal_mb(conn, self.wal_start)
-
-    def report(self) -> dict[str, Any]:
-        return {"cpu_seconds": self.cpu, "target_wal_mb": self.target_wal_mb}
-
-
-@contextlib.contextmanager
-def pgbench_clusters(scale: int) -> Iterator[tuple[LocalCluster, LocalCluster]]:
-    """Two throwaway clusters (``LOGICAL_SOURCE_SETTINGS``): a source filled by ``pgbench -i``
-    at ``scale`` (its history table ``REPLICA IDENTITY FULL``, all vacuumed and analysed) and
-    an empty target; both destroyed on the way out."""
-    source = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-source-")
-    target = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-bench-target-")
-    try:
-        source.start()
-        target.start()
-        pgbench(source, "-i", "-q", "-s", str(scale))
-        with psycopg.connect(source.dsn(), autocommit=True) as conn:
-            conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
-            conn.execute("VACUUM ANALYZE")
-        yield source, target
-    finally:
-        for cluster in (source, target):
-            cluster.destroy()
-
-
-# ─── helpers ──────────────────────────────────────────────────────────────────────────────────
-
-
-def _tool(name: str) -> str:
-    return str(find_bindir() / name)
-
-
-def _run(argv: list[str], **kwargs: Any) -> str:
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, **kwargs)
-    if done.returncode != 0:
-        raise RuntimeError(f"{Path(argv[0]).name} failed ({done.returncode}): {done.stderr}")
-    return done.stdout
-
-
-def _psql_file(dsn: str, script: Path) -> None:
-    _run([_tool("psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-1", "-d", dsn, "-f", str(script)])
-
-
-def _dump(dsn: str, out: Path, *options: str) -> None:
-    selection = [f"--table={t.schema}.{t.name}" for t in TABLES]
-    _run(
-        [
-            _tool("pg_dump"),
-            "--schema-only",
-            "--no-owner",
-            "--no-privileges",
-            "--no-publications",
-            "--no-subscriptions",
-            *options,
-            *selection,
-            f"--file={out}",
-            "-d",
-            dsn,
-        ]
-    )
-
-
-def _quiesce(source: LocalCluster, target: LocalCluster) -> None:
-    """Start every timed run from the same place: no dirty buffers, no pending writeback."""
-    for cluster in (source, target):
-        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
-            conn.execute("CHECKPOINT")
-    os.sync()
-
-
-def _create_database(target: LocalCluster, name: str) -> str:
-    _drop_database(target, name)
-    with psycopg.connect(target.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return target.dsn(name)
-
-
-def _drop_database(target: LocalCluster, name: str) -> None:
-    statement = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-    with psycopg.connect(target.dsn(), autocommit=True) as conn:
-        conn.execute(statement)
-
-
-def _row_counts(dsn: str) -> dict[str, int]:
-    counts = {}
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for table in TABLES:
-            row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table.sql)).fetchone()
-            assert row is not None
-            counts[str(table)] = int(row[0])
-    return counts
-
-
-def _verify(dsn: str, expected: dict[str, int], method: str) -> int:
-    counts = _row_counts(dsn)
-    if counts != expected:
-        raise RuntimeError(f"{method}: target rows {counts} differ from the source's {expected}")
-    return sum(counts.values())
+def _verify(dsn: str, expected: dict[str, list[int]], method: str) -> int:
+    """The target's row counts against the source's (not the content: cheap at any scale)."""
+    return harness.require_equal(expected, dsn, method, content=False)["rows"]
 
 
 def _throughput(seconds: float, rows: int, nbytes: int) -> dict[str, float]:
@@ -353,12 +96,12 @@ def run_ours(
     target: LocalCluster,
     spark: Any,
     run: int,
-    expected: dict[str, int],
+    expected: dict[str, list[int]],
     options: dict[str, Any],
 ) -> dict[str, Any]:
     database, slot = f"bench_ours_{run}", f"bench_ours_{run}"
-    target_dsn = _create_database(target, database)
-    _quiesce(source, target)
+    target_dsn = harness.create_database(target, database)
+    harness.checkpoint(source, target, sync=True)
     with Measured(source, target) as measured:
         result = take_base_snapshot(
             source.dsn(), target_dsn, slot, OURS_PUBLICATION, TABLES, spark=spark, **options
@@ -368,7 +111,7 @@ def run_ours(
     with psycopg.connect(target_dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
     rows = _verify(target_dsn, expected, "ours")
-    _drop_database(target, database)
+    harness.drop_database(target, database)
     # A table copied in a bundle (the small ones) has no bytes or seconds of its own.
     busy = sum(t.seconds or 0.0 for t in result.tables)
     fixed = result.seconds - result.copy_seconds
@@ -402,14 +145,11 @@ def run_ours(
     }
 
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 def run_cli(
     source: LocalCluster,
     target: LocalCluster,
     run: int,
-    expected: dict[str, int],
+    expected: dict[str, list[int]],
     work: Path,
     warm: bool = False,
 ) -> dict[str, Any]:
@@ -426,50 +166,24 @@ def run_cli(
     local[*] on this machine's cores, so the driver still copies every table
     (``driver_max_rows``). The command server's CPU (its child's) is counted apart as
     ``pgcdc_server``."""
-    import shutil
-    import sys
-
     from pgcdc_dagster.engine.spark import server as spark_server
 
-    run_name = f"{run}w" if warm else str(run)
-    database, slot = f"bench_cli_{run_name}", f"bench_cli_{run_name}"
-    target_dsn = _create_database(target, database)
-    storage = f"dagster_cli_{run_name}"
-    _create_database(target, storage)
-    home = work / f"dagster_home_{run_name}"
-    home.mkdir()
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-    env = {
-        **os.environ,
-        "PGCDC_SOURCE_DSN": source.dsn(),
-        "PGCDC_TARGET_DSN": target_dsn,
-        "PGCDC_SLOT": slot,
-        "PGCDC_PUBLICATION": "bench_cli_pub",
-        "PGCDC_TABLES": ",".join(str(t) for t in TABLES),
-        "PGCDC_STORE": str(work / f"store_{run_name}"),
-        "DAGSTER_HOME": str(home),
-        "DAGSTER_POSTGRES_URL": (
-            f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/{storage}"
-        ),
-        "PGCDC_SERVER": "auto" if warm else "off",
-        "PGCDC_SERVER_DIR": str(work / f"srv_{run_name}"),
-    }
-    pgcdc = str(Path(sys.executable).parent / "pgcdc")
-    # A user's Dagster storage already has its schema: create it outside the timing.
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from pgcdc_dagster.defs.instance import dagster_instance as d; d()",
-        ],
-        env=env,
-        check=True,
-        cwd=work,
+    database = f"bench_cli_{run}w" if warm else f"bench_cli_{run}"
+    # A user's Dagster storage already has its schema: created outside the timing.
+    env = harness.pgcdc_env(
+        work,
+        source.dsn(),
+        target,
+        database,
+        publication="bench_cli_pub",
+        tables=TABLES,
+        server="auto" if warm else "off",
     )
+    target_dsn, slot = env["PGCDC_TARGET_DSN"], env["PGCDC_SLOT"]
     with contextlib.ExitStack() as stack:
-        command_server = stack.enter_context(warm_command_server(env)) if warm else None
+        command_server = stack.enter_context(harness.warm_command_server(env)) if warm else None
         if warm:
-            store = work / f"store_{run_name}"
+            store = Path(env["PGCDC_STORE"])
             store.mkdir()
             server, _ = spark_server.start(store)
             stack.callback(spark_server.stop, store)
@@ -479,23 +193,15 @@ def run_cli(
                  server.url],
                 check=True, env=env, cwd=work,
             )  # fmt: skip
-        _quiesce(source, target)
+        harness.checkpoint(source, target, sync=True)
         with Measured(source, target, command_server) as measured:
-            done = subprocess.run(
-                [pgcdc, "snapshot"],
-                env=env,
-                capture_output=True,
-                text=True,
-                cwd=work,
-            )
-    if done.returncode != 0:
-        raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
+            _, done = harness.run_command(env, work, "snapshot")
     with psycopg.connect(source.dsn(), autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
     with psycopg.connect(target_dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
     rows = _verify(target_dsn, expected, "cli_warm" if warm else "cli")
-    _drop_database(target, database)
+    harness.drop_database(target, database)
     return {
         "seconds": measured.wall,
         "rows": rows,
@@ -505,45 +211,19 @@ def run_cli(
     }
 
 
-_SUBSCRIPTION_STATES = """
-SELECT r.srrelid::regclass::text, r.srsubstate
-FROM pg_subscription_rel r
-JOIN pg_subscription s ON s.oid = r.srsubid
-WHERE s.subname = %s
-"""
-
-
-_last_subscription_change = [0.0]
-"""When the previous native run last woke the logical replication launcher (monotonic)."""
-
-
-def _wait_for_launcher(conn: psycopg.Connection[Any]) -> None:
-    """PostgreSQL 15's launcher starts apply workers at most once per
-    ``wal_retrieve_retry_interval`` (5 s), counted from its last round: a subscription created
-    sooner after the previous one's CREATE/DROP waits for the rest of it. A first subscription
-    never pays that, so neither does the measurement."""
-    row = conn.execute(
-        "SELECT extract(epoch FROM current_setting('wal_retrieve_retry_interval')::interval)"
-    ).fetchone()
-    assert row is not None
-    remaining = float(row[0]) + 0.5 - (time.monotonic() - _last_subscription_change[0])
-    if remaining > 0:
-        time.sleep(remaining)
-
-
 def run_native(
     source: LocalCluster,
     target: LocalCluster,
     run: int,
-    expected: dict[str, int],
+    expected: dict[str, list[int]],
     schema_script: Path,
 ) -> dict[str, Any]:
-    database, subscription = f"bench_native_{run}", f"bench_native_{run}"
-    target_dsn = _create_database(target, database)
-    _psql_file(target_dsn, schema_script)
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        _wait_for_launcher(conn)
-    _quiesce(source, target)
+    database = f"bench_native_{run}"
+    target_dsn = harness.create_database(target, database)
+    harness.psql(target_dsn, schema_script)
+    subscription = harness.Subscription(source.dsn(), target_dsn, database, NATIVE_PUBLICATION)
+    harness.wait_for_launcher(target_dsn)
+    harness.checkpoint(source, target, sync=True)
     # first time each table was seen in each state: i(nit), d(ata copy), f(inished copy),
     # s(ync done), r(eady)
     seen: dict[str, dict[str, float]] = {}
@@ -551,31 +231,18 @@ def run_native(
         psycopg.connect(target_dsn, autocommit=True) as conn,
         Measured(source, target) as measured,
     ):
-        conn.execute(
-            sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}").format(
-                sql.Identifier(subscription),
-                sql.Literal(source.dsn()),
-                sql.Identifier(NATIVE_PUBLICATION),
-            )
-        )
-        created = time.perf_counter() - measured.started
-        while True:
+
+        def note(states: dict[str, str]) -> None:
             now = time.perf_counter() - measured.started
-            states: dict[str, str] = dict(
-                conn.execute(_SUBSCRIPTION_STATES, (subscription,)).fetchall()
-            )
             for table, state in states.items():
                 seen.setdefault(table, {}).setdefault(state, now)
-            if states and all(s == "r" for s in states.values()):
-                break
-            if now > NATIVE_TIMEOUT_SECONDS:
-                raise RuntimeError(f"native initial sync not ready after {now:.0f} s: {states}")
-            time.sleep(POLL_SECONDS)
-    with psycopg.connect(target_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(subscription)))
-    _last_subscription_change[0] = time.monotonic()
+
+        subscription.create(conn=conn)
+        created = time.perf_counter() - measured.started
+        subscription.wait_ready(timeout=NATIVE_TIMEOUT_SECONDS, seen=note, conn=conn)
+    subscription.drop()
     rows = _verify(target_dsn, expected, "native")
-    _drop_database(target, database)
+    harness.drop_database(target, database)
 
     def first(table: str, *states: str) -> float:
         return min((seen[table][s] for s in states if s in seen[table]), default=float("nan"))
@@ -605,7 +272,7 @@ def _pipe_table(source_dsn: str, target_dsn: str, table: TableName) -> int:
     name = sql.Identifier(table.schema, table.name).as_string(None)
     reader = subprocess.Popen(
         [
-            _tool("psql"),
+            harness.tool("psql"),
             "-X",
             "-q",  # no "COPY n" status line after the data
             "-d",
@@ -619,7 +286,7 @@ def _pipe_table(source_dsn: str, target_dsn: str, table: TableName) -> int:
     assert reader.stdout is not None
     writer = subprocess.Popen(
         [
-            _tool("psql"),
+            harness.tool("psql"),
             "-X",
             "-v",
             "ON_ERROR_STOP=1",
@@ -645,14 +312,14 @@ def run_pipe(
     source: LocalCluster,
     target: LocalCluster,
     run: int,
-    expected: dict[str, int],
+    expected: dict[str, list[int]],
     pre_data: Path,
     post_data: Path,
 ) -> dict[str, Any]:
     database = f"bench_pipe_{run}"
-    target_dsn = _create_database(target, database)
-    _psql_file(target_dsn, pre_data)
-    _quiesce(source, target)
+    target_dsn = harness.create_database(target, database)
+    harness.psql(target_dsn, pre_data)
+    harness.checkpoint(source, target, sync=True)
     per_table: dict[str, dict[str, float]] = {}
     with Measured(source, target) as measured:
         for table in TABLES:
@@ -660,9 +327,9 @@ def run_pipe(
             copied = _pipe_table(source.dsn(), target_dsn, table)
             per_table[str(table)] = {"rows": copied, "seconds": time.perf_counter() - started}
         copy_seconds = time.perf_counter() - measured.started
-        _psql_file(target_dsn, post_data)
+        harness.psql(target_dsn, post_data)
     rows = _verify(target_dsn, expected, "pipe")
-    _drop_database(target, database)
+    harness.drop_database(target, database)
     return {
         "seconds": measured.wall,
         "copy_seconds": copy_seconds,
@@ -674,24 +341,6 @@ def run_pipe(
 
 
 # ─── report ──────────────────────────────────────────────────────────────────────────────────
-
-
-def _median(runs: list[Any]) -> Any:
-    """Medians of the numbers of ``runs`` (dicts of the same shape), key by key."""
-    first = runs[0]
-    if isinstance(first, dict):
-        return {k: _median([r[k] for r in runs]) for k in first}
-    if isinstance(first, bool) or not isinstance(first, int | float):
-        return first
-    return statistics.median(runs)
-
-
-def _rounded(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, float):
-        return round(value, 3)
-    return value
 
 
 def _warm_up_task(index: int) -> int:
@@ -723,9 +372,8 @@ RATIO_LEGEND = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, repeat=1)
     parser.add_argument("--scale", type=int, default=50, help="pgbench scale (100k rows each)")
-    parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--spark-master", default=None, help="default: get_spark's (local[*])")
     parser.add_argument(
         "--parallelism",
@@ -757,28 +405,17 @@ def main() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
     ours_options = {"parallelism": args.parallelism, "target_rows_per_task": args.rows_per_task}
-    settings = LOGICAL_SOURCE_SETTINGS
     load_at_start = [round(x, 2) for x in os.getloadavg()]
-    source = temporary_cluster(settings, prefix="pgcdc-bench-source-")
-    target = temporary_cluster(settings, prefix="pgcdc-bench-target-")
     spark = None
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     try:
-        with tempfile.TemporaryDirectory(prefix="pgcdc-bench-snapshot-") as tmp:
-            source.start()
-            target.start()
-            _last_subscription_change[0] = time.monotonic()  # the launcher's first round
+        with harness.bench_clusters(args.profile, logical_target=True) as (work, source, target):
+            tmp = str(work)
             t0 = time.perf_counter()
-            pgbench(source, "-i", "-q", "-s", str(args.scale))
+            # pgbench_history has no primary key: REPLICA IDENTITY FULL, as our preflight needs
+            harness.fill_pgbench(source, args.scale, analyse=False)
+            harness.create_publication(source.dsn(), NATIVE_PUBLICATION, TABLES)
             with psycopg.connect(source.dsn(), autocommit=True) as conn:
-                # no primary key: needed by our preflight (and harmless: it stays empty)
-                conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
-                conn.execute(
-                    sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-                        sql.Identifier(NATIVE_PUBLICATION),
-                        sql.SQL(", ").join(t.sql for t in TABLES),
-                    )
-                )
                 conn.execute("VACUUM ANALYZE")
                 sizes: dict[str, tuple[int, int]] = {}
                 for table in TABLES:
@@ -790,11 +427,11 @@ def main() -> None:
                     assert row is not None
                     sizes[str(table)] = (int(row[0]), int(row[1]))
                 version = conn.execute("SHOW server_version").fetchone()[0]  # type: ignore[index]
-            expected = _row_counts(source.dsn())
+            expected = harness.fingerprints(source.dsn(), TABLES, content=False)
             schema, pre_data, post_data = (Path(tmp) / f"{n}.sql" for n in ("full", "pre", "post"))
-            _dump(source.dsn(), schema)
-            _dump(source.dsn(), pre_data, "--section=pre-data")
-            _dump(source.dsn(), post_data, "--section=post-data")
+            harness.dump_schema(source.dsn(), TABLES, out=schema)
+            harness.dump_schema(source.dsn(), TABLES, "--section=pre-data", out=pre_data)
+            harness.dump_schema(source.dsn(), TABLES, "--section=post-data", out=post_data)
             setup_seconds = time.perf_counter() - t0
 
             fixed_costs: dict[str, float] = {}
@@ -820,11 +457,9 @@ def main() -> None:
                 fixed_costs["warm_up_seconds"] = round(time.perf_counter() - t0, 3)
             for i in range(args.repeat):
                 # Every other repeat in reverse, so that no method always runs first.
-                for method in methods if i % 2 == 0 else methods[::-1]:
+                for method in harness.order_of(methods, i):
                     runs[method].append(methods_run[method](i))
     finally:
-        for cluster in (source, target):
-            cluster.destroy()
         if spark is not None:
             spark.stop()
 
@@ -835,10 +470,10 @@ def main() -> None:
     else:
         copy_bytes = heap_bytes
         mb_basis = "pg_relation_size of the source tables (ours not run)"
-    total_rows = sum(expected.values())
+    total_rows = sum(v[0] for v in expected.values())
     results: dict[str, Any] = {}
     for method, method_runs in runs.items():
-        med = _median(method_runs)
+        med = harness.medians(method_runs)
         med.update(_throughput(med["seconds"], total_rows, copy_bytes))
         if "copy_seconds" in med:
             copy = _throughput(med["copy_seconds"], total_rows, copy_bytes)
@@ -874,7 +509,7 @@ def main() -> None:
         "data": {
             "pgbench_scale": args.scale,
             "rows": total_rows,
-            "rows_per_table": expected,
+            "rows_per_table": {table: v[0] for table, v in expected.items()},
             "mb": round(copy_bytes / MB, 1),
             "mb_basis": mb_basis,
             "heap_mb": round(heap_bytes / MB, 1),
@@ -886,12 +521,16 @@ def main() -> None:
             "postgres": version,
             "spark_master": spark_master_name(args.spark_master),
             "ours_options": ours_options,
-            "cluster_settings": {**THROWAWAY_SETTINGS, **settings},
+            "cluster_profile": harness.describe_profile(args.profile),
+            "cluster_settings": {
+                **harness.describe_profile(args.profile)["settings"],
+                **LOGICAL_SOURCE_SETTINGS,
+            },
             "repeat": args.repeat,
             "load_average_at_start": load_at_start,
         },
         "fixed_costs": fixed_costs,
-        **_rounded(results),
+        **harness.rounded(results),
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
         "ratios_legend": {k: RATIO_LEGEND[k] for k in ratios},
         # per run: wall seconds and the CPU seconds the rest of the machine used meanwhile
@@ -903,7 +542,7 @@ def main() -> None:
             for m, rs in runs.items()
         },
     }
-    print(json.dumps(report, indent=2))
+    harness.emit_report(report)
 
 
 if __name__ == "__main__":

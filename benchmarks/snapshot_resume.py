@@ -15,37 +15,23 @@ of that many rows (``PGCDC_SNAPSHOT_RANGE_ROWS``, for every command timed), and 
 continues it from the ranges it copied (``pgcdc_dagster/engine/snapshot/continued.py``).
 
 Usage: ``.venv/bin/python benchmarks/snapshot_resume.py [--scale 100] [--tables 10]
-[--kill-after 8] [--range-rows N] [--changed-permille 10]``
+[--kill-after 8] [--range-rows N] [--changed-permille 10] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from snapshot import (
-    REPO,
-    Measured,
-    _create_database,
-    _psql_file,
-    _quiesce,
-    _run,
-    _tool,
-    pgbench_clusters,
-)
 
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
 
 
 def _tables(count: int) -> list[str]:
@@ -80,36 +66,26 @@ def _change(source_dsn: str, count: int, permille: int) -> int:
     return changed
 
 
-def _content(dsn: str, count: int) -> list[Any]:
-    with psycopg.connect(dsn) as conn:
-        return [
-            conn.execute(
-                sql.SQL("SELECT count(*), sum(hashtext(t::text)) FROM {} t").format(
-                    sql.Identifier(name)
-                )
-            ).fetchone()
-            for name in _tables(count)
-        ]
+def _expected(source_dsn: str, count: int) -> dict[str, list[Any]]:
+    """The source's tables: row counts and content hashes, to check a target against."""
+    return harness.fingerprints(source_dsn, _tables(count))
 
 
 def _command(
-    env: dict[str, Any], work: Path, *args: str, failpoint: str | None = None
+    env: dict[str, str],
+    work: Path,
+    clusters: harness.BenchClusters,
+    *args: str,
+    failpoint: str | None = None,
 ) -> tuple[float, dict[str, Any], subprocess.CompletedProcess[str]]:
-    source, target = env["_source"], env["_target"]
-    environment = {k: v for k, v in env.items() if not k.startswith("_")}
+    environment = dict(env)
     if failpoint:
         environment["PGCDC_FAILPOINT"] = failpoint
-    with Measured(source, target) as measured:
-        done = subprocess.run(
-            [PGCDC, *args],
-            env=environment,
-            capture_output=True,
-            text=True,
-            cwd=work,
-            start_new_session=True,  # a kill-group failpoint kills the command's group only
+    with harness.Measured(clusters.source, clusters.target) as measured:
+        # a kill-group failpoint kills the command's group only
+        _, done = harness.run_command(
+            environment, work, *args, check=failpoint is None, start_new_session=True
         )
-    if failpoint is None and done.returncode != 0:
-        raise RuntimeError(f"pgcdc {' '.join(args)} failed: {done.stderr[-3000:]}")
     return measured.wall, measured.report(), done
 
 
@@ -124,46 +100,30 @@ def _phase_ends(stderr: str) -> dict[str, str]:
     return ends
 
 
-def _native(source: Any, target: Any, count: int) -> float:
+def _native(clusters: harness.BenchClusters, count: int) -> float:
     """Native logical replication's initial sync of the tables into a fresh database (schema
     from ``pg_dump --schema-only``): seconds from ``CREATE SUBSCRIPTION`` until every table is
     ready."""
-    dsn = _create_database(target, "bench_resume_native")
-    names = _tables(count)
-    script = Path(tempfile.mkdtemp(prefix="pgcdc-bench-resume-schema-")) / "schema.sql"
-    tables = [f"--table={n}" for n in names]
-    _run([_tool("pg_dump"), "--schema-only", *tables, "-f", str(script), source.dsn()])
-    _psql_file(dsn, script)
-    with psycopg.connect(source.dsn(), autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("CREATE PUBLICATION bench_resume_native FOR TABLE {}").format(
-                sql.SQL(", ").join(sql.Identifier(n) for n in names)
-            )
-        )
-    _quiesce(source, target)
-    with psycopg.connect(dsn, autocommit=True) as conn, Measured(source, target) as measured:
-        conn.execute(
-            sql.SQL(
-                "CREATE SUBSCRIPTION bench_resume_native CONNECTION {} "
-                "PUBLICATION bench_resume_native"
-            ).format(sql.Literal(source.dsn()))
-        )
-        while True:
-            states = conn.execute(
-                "SELECT count(*) FILTER (WHERE srsubstate <> 'r'), count(*) "
-                "FROM pg_subscription_rel"
-            ).fetchone()
-            if states is not None and states[1] == count and states[0] == 0:
-                break
-            time.sleep(0.1)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("DROP SUBSCRIPTION bench_resume_native")
-    assert _content(source.dsn(), count) == _content(dsn, count), "native"
+    source, target = clusters.source, clusters.target
+    name = "bench_resume_native"
+    dsn = harness.create_database(target, name)
+    harness.copy_schema(source.dsn(), dsn, _tables(count))
+    harness.create_publication(source.dsn(), name, _tables(count))
+    subscription = harness.Subscription(source.dsn(), dsn, name, name)
+    harness.checkpoint(source, target, sync=True)
+    with (
+        psycopg.connect(dsn, autocommit=True) as conn,
+        harness.Measured(source, target) as measured,
+    ):
+        subscription.create(conn=conn)
+        subscription.wait_ready(tables=count, conn=conn)
+    subscription.drop()
+    harness.require_equal(_expected(source.dsn(), count), dsn, "native")
     return measured.wall
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=100)
     parser.add_argument("--tables", type=int, default=10)
     parser.add_argument("--kill-after", type=int, default=8)
@@ -171,51 +131,45 @@ def main() -> None:
     parser.add_argument("--changed-permille", type=int, default=0)
     args = parser.parse_args()
     report: dict[str, Any] = vars(args).copy()
-    with (
-        pgbench_clusters(args.scale) as (source, target),
-        tempfile.TemporaryDirectory(prefix="pgcdc-bench-resume-") as tmp,
-    ):
+    report["cluster_profile"] = harness.describe_profile(args.profile)
+    with harness.bench_clusters(args.profile, logical_target=True) as clusters:
+        work, source, target = clusters
+        harness.fill_pgbench(source, args.scale)
         _cut(source.dsn(), args.tables)
-        work = Path(tmp)
-        target_dsn = _create_database(target, "bench_resume")
-        _create_database(target, "dagster_resume")
-        home = work / "dagster_home"
-        home.mkdir()
-        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
-        env: dict[str, Any] = {
-            **os.environ,
-            "PGCDC_SOURCE_DSN": source.dsn(),
-            "PGCDC_TARGET_DSN": target_dsn,
-            "PGCDC_SLOT": "bench_resume",
-            "PGCDC_TABLES": ",".join(f"public.{t}" for t in _tables(args.tables)),
-            "PGCDC_STORE": str(work / "store"),
-            "DAGSTER_HOME": str(home),
-            "DAGSTER_POSTGRES_URL": (
-                f"postgresql+psycopg2://postgres@127.0.0.1:{target.port}/dagster_resume"
-            ),
-            "PGCDC_SERVER": "off",
-            **({"PGCDC_SNAPSHOT_RANGE_ROWS": str(args.range_rows)} if args.range_rows else {}),
-            "_source": source,
-            "_target": target,
-        }
-        _quiesce(source, target)
+        ranges = {"PGCDC_SNAPSHOT_RANGE_ROWS": str(args.range_rows)} if args.range_rows else {}
+        env = harness.pgcdc_env(
+            work,
+            source.dsn(),
+            target,
+            "bench_resume",
+            tables=[f"public.{t}" for t in _tables(args.tables)],
+            prepare_storage=False,
+            extra=ranges,
+        )
+        target_dsn = env["PGCDC_TARGET_DSN"]
+
+        def check(what: str) -> None:
+            harness.require_equal(_expected(source.dsn(), args.tables), target_dsn, what)
+
+        harness.checkpoint(source, target, sync=True)
         seconds, _, killed = _command(
             env,
             work,
+            clusters,
             "snapshot",
             failpoint=f"snapshot.range_copied=kill-group@{args.kill_after}",
         )
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
         report["killed_after_seconds"] = round(seconds, 2)
         report["changed_rows"] = _change(source.dsn(), args.tables, args.changed_permille)
-        _quiesce(source, target)
-        seconds, measured, resumed = _command(env, work, "snapshot")
+        harness.checkpoint(source, target, sync=True)
+        seconds, measured, resumed = _command(env, work, clusters, "snapshot")
         line = " | ".join(
             ln
             for ln in resumed.stderr.splitlines()
             if "did not finish" in ln or ": continued:" in ln or "copied whole again" in ln
         )
-        assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
+        check("resume")
         report["resume"] = {
             "command_seconds": round(seconds, 2),
             "cpu_seconds": measured["cpu_seconds"],
@@ -224,11 +178,11 @@ def main() -> None:
         }
         print(json.dumps({"resume": report["resume"]}), flush=True)
 
-        def full(environment: dict[str, Any]) -> dict[str, Any]:
+        def full(environment: dict[str, str]) -> dict[str, Any]:
             """``pgcdc snapshot --resnapshot``, timed, its target checked."""
-            _quiesce(source, target)
-            seconds, measured, _ = _command(environment, work, "snapshot", "--resnapshot")
-            assert _content(source.dsn(), args.tables) == _content(target_dsn, args.tables)
+            harness.checkpoint(source, target, sync=True)
+            seconds, measured, _ = _command(environment, work, clusters, "snapshot", "--resnapshot")
+            check("full snapshot")
             return {"command_seconds": round(seconds, 2), "cpu_seconds": measured["cpu_seconds"]}
 
         report["full_snapshot"] = full(env)
@@ -237,11 +191,11 @@ def main() -> None:
             report["full_snapshot_default_ranges"] = full(
                 {k: v for k, v in env.items() if k != "PGCDC_SNAPSHOT_RANGE_ROWS"}
             )
-        report["native_initial_sync_seconds"] = round(_native(source, target, args.tables), 2)
+        report["native_initial_sync_seconds"] = round(_native(clusters, args.tables), 2)
         report["resume_share_of_full"] = round(
             report["resume"]["command_seconds"] / report["full_snapshot"]["command_seconds"], 3
         )
-    print(json.dumps(report, indent=2))
+    harness.emit_report(report)
 
 
 if __name__ == "__main__":

@@ -59,15 +59,16 @@ Work:
     and the busiest stage's tasks (one executor core's staging rate, Spark's per-task costs).
 
 Every target (snapshot: CLI, engine and native; range: every path's) is compared with the
-source: row count and a content hash per table (the sum of a 64-bit hash of each row's text,
-``hashtextextended``, in sessions that print values the same way: duplicates count, order does
-not; the source's once per data set, since nothing writes it meanwhile). A mismatch fails the
-run.
+source (``harness.require_equal``): row count and a content hash per table (the sum of a 64-bit
+hash of each row's text, ``hashtextextended``, in sessions that print values the same way:
+duplicates count, order does not; the source's once per data set, since nothing writes it
+meanwhile). A mismatch fails the run.
 
 Every measurement records ``os.getloadavg()`` at its start and, over its wall time, the CPU
-seconds of the source and target clusters, this script's process tree (commands, children,
-the Spark cluster, its executors, the Spark JVMs they leave behind: this process is a child
-subreaper, see :func:`become_subreaper`), the warm Connect server and ``others``: the rest of
+seconds (``harness.CpuMeter``) of the source and target clusters, this script's process tree
+(commands, children, the Spark cluster, its executors, the Spark JVMs they leave behind: this
+process is a child subreaper, see :func:`become_subreaper`), the warm Connect server and
+``others``: the rest of
 the machine (other people's tests), so a slow figure can be told from a busy machine. (The
 split between the trees is good to a couple of CPU-seconds: a process orphaned inside one
 tree is counted in ``ours`` from then on.)
@@ -79,8 +80,9 @@ Usage::
         [--range-rounds 2] [--json results.json]
 
 A smoke run: ``--scales 1 --changes 100000 --small-changes 20000 --rounds 1 --range-rounds 1
---range-scale 1``. Raw results go to ``--json`` (and stdout's last block); a table is printed
-to stderr at the end.
+--range-scale 1``. Raw results go to ``--json`` (and stdout's last block); Markdown tables are
+printed to stderr at the end. ``--profile production|throwaway``: the clusters' settings
+(``benchmarks/harness.py``'s profiles; throwaway by default, as the recorded figures).
 """
 
 from __future__ import annotations
@@ -93,7 +95,6 @@ import re
 import resource
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,10 +105,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
-REPO = Path(__file__).resolve().parent.parent
-MB = 1e6
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+from harness import median, rounded
+
+REPO = harness.REPO
+MB = harness.MB
 PATHS = ("driver", "local", "cluster")
 LOCAL_MASTER = "local[2]"
 ACCOUNTS = "public.pgbench_accounts"
@@ -123,21 +127,6 @@ def log(message: str) -> None:
 
 def load_now() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def rounded(value: Any, digits: int = 3) -> Any:
-    if isinstance(value, float):
-        return round(value, digits)
-    if isinstance(value, dict):
-        return {k: rounded(v, digits) for k, v in value.items()}
-    if isinstance(value, list):
-        return [rounded(v, digits) for v in value]
-    return value
-
-
-def median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -163,51 +152,12 @@ def run_child(kind: str, params: dict[str, Any], timeout: float = 1800) -> dict[
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-# ─── CPU and load over a measurement ─────────────────────────────────────────────────────────
+# ─── CPU over a measurement: harness.CpuMeter, this process a child subreaper ─────────────────
 
 
-class Meter:
-    """Load average at the start; CPU seconds over the block: the servers, this script's tree,
-    the warm Connect server, and ``others`` (the rest of the machine)."""
-
-    def __init__(self, roots: dict[str, int]) -> None:
-        self.roots = {k: v for k, v in roots.items() if v}
-
-    def __enter__(self) -> Meter:
-        from apply import machine_busy, process_trees
-
-        self.load = load_now()
-        self.busy = machine_busy()
-        self.trees = self._trees(process_trees)
-        self.started = time.perf_counter()
-        return self
-
-    def _trees(self, process_trees: Any) -> dict[str, Any]:
-        """Each root's tree; ``ours`` without the other roots' (this process adopts the
-        servers' postmasters and the Connect server: see :func:`become_subreaper`)."""
-        trees = process_trees(self.roots)
-        others = {pid for name, tree in trees.items() if name != "ours" for pid in tree}
-        if "ours" in trees:
-            trees["ours"] = {p: v for p, v in trees["ours"].items() if p not in others}
-        return trees
-
-    def __exit__(self, *exc: object) -> None:
-        from apply import cpu_between, machine_busy, process_trees
-
-        self.wall = time.perf_counter() - self.started
-        reap_adopted()
-        ended = self._trees(process_trees)
-        busy = machine_busy() - self.busy
-        ours = {k: cpu_between(self.trees[k], ended[k]) for k in self.roots}
-        self.cpu = {k: round(v, 2) for k, v in ours.items()}
-        self.cpu["others"] = round(max(0.0, busy - sum(ours.values())), 2)
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "load_at_start": self.load,
-            "cpu_s": self.cpu,
-            "others_cores": round(self.cpu["others"] / self.wall, 2) if self.wall else 0.0,
-        }
+def meter(roots: dict[str, int]) -> harness.CpuMeter:
+    """:class:`harness.CpuMeter` over ``roots``, the adopted orphans reaped before its end."""
+    return harness.CpuMeter(roots, settle=reap_adopted)
 
 
 # A process whose parent exits is handed to init, and its CPU time with it: a Spark JVM
@@ -376,47 +326,6 @@ def copy_task_rates(lines: list[str], table: str = ACCOUNTS) -> dict[str, Any] |
         "mb_per_s": round(nbytes / MB / seconds, 1) if seconds else None,
         "task_seconds": [float(s) for _, _, _, s in tasks],
     }
-
-
-# ─── verification: counts and a content hash per table ───────────────────────────────────────
-
-FINGERPRINT = (
-    "SELECT count(*), coalesce(sum(hashtextextended(t::text, 0)::numeric), 0)::text FROM {} t"
-)
-
-
-def user_tables(dsn: str) -> list[str]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT format('%I.%I', n.nspname, c.relname) FROM pg_class c "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p') "
-            "AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pgcdc_staging') "
-            "AND n.nspname NOT LIKE 'pg_%' ORDER BY 1"
-        ).fetchall()
-    return [r[0] for r in rows]
-
-
-def fingerprints(dsn: str, tables: list[str]) -> dict[str, list[Any]]:
-    from pgcdc_dagster.engine.compare.verify import _COMPARABLE_SESSION
-
-    out: dict[str, list[Any]] = {}
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(_COMPARABLE_SESSION)
-        for table in tables:
-            schema, name = table.split(".", 1)
-            count, digest = conn.execute(  # type: ignore[misc]
-                sql.SQL(FINGERPRINT).format(sql.Identifier(schema, name))
-            ).fetchone()
-            out[table] = [int(count), str(digest)]
-    return out
-
-
-def verify(expected: dict[str, list[Any]], dsn: str, what: str) -> dict[str, Any]:
-    got = fingerprints(dsn, list(expected))
-    differ = [t for t in expected if got[t] != expected[t]]
-    if differ:
-        raise RuntimeError(f"{what}: target differs from the source in {differ}: {got}")
-    return {"equal": True, "rows": sum(v[0] for v in got.values()), "tables": len(got)}
 
 
 # ─── Spark in a child: session, check, first job, REST metrics ───────────────────────────────
@@ -594,8 +503,6 @@ def child_snapshot(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_range(params: dict[str, Any]) -> dict[str, Any]:
-    from spark_staging import apply_split
-
     from pgcdc_dagster.engine.apply.transaction import apply_range
     from pgcdc_dagster.engine.lsn import LsnRange
     from pgcdc_dagster.engine.store.output_store import OutputStore
@@ -624,7 +531,7 @@ def child_range(params: dict[str, Any]) -> dict[str, Any]:
                 "range": key,
                 "seconds": round(seconds, 3),
                 "status": str(result.status),
-                **apply_split(result),
+                **harness.apply_split(result),
                 "spark_stages": work,
             }
         )
@@ -651,41 +558,25 @@ class SnapshotBench:
         self.ctx = ctx  # cluster url, warm server record, roots
 
     def setup(self, stack: contextlib.ExitStack) -> dict[str, Any]:
-        import snapshot as snapbench
-
-        from pgcdc_dagster.demo.local_cluster import LOGICAL_SOURCE_SETTINGS, temporary_cluster
-        from pgcdc_dagster.demo.run import pgbench
-
         t0 = time.perf_counter()
-        self.source = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-paths-src-")
-        stack.callback(self.source.destroy)
-        self.target = temporary_cluster(LOGICAL_SOURCE_SETTINGS, prefix="pgcdc-paths-tgt-")
-        stack.callback(self.target.destroy)
-        self.source.start()
-        self.target.start()
-        snapbench._last_subscription_change[0] = time.monotonic()
-        pgbench(self.source, "-i", "-q", "-s", str(self.scale))
+        profile = self.args.profile
+        clusters = harness.bench_clusters(profile, logical_target=True, prefix="pgcdc-paths-")
+        _, self.source, self.target = stack.enter_context(clusters)
+        harness.fill_pgbench(self.source, self.scale, analyse=False)
+        self.tables = [str(t) for t in harness.PGBENCH_TABLES]
+        harness.create_publication(self.source.dsn(), NATIVE_PUBLICATION, self.tables)
         with psycopg.connect(self.source.dsn(), autocommit=True) as conn:
-            conn.execute("ALTER TABLE pgbench_history REPLICA IDENTITY FULL")
-            conn.execute(
-                sql.SQL("CREATE PUBLICATION {} FOR TABLE {}").format(
-                    sql.Identifier(NATIVE_PUBLICATION),
-                    sql.SQL(", ").join(t.sql for t in snapbench.TABLES),
-                )
-            )
             conn.execute("VACUUM ANALYZE")
             (heap,) = conn.execute(  # type: ignore[misc]
                 "SELECT pg_relation_size('pgbench_accounts')"
             ).fetchone()
-        self.tables = [str(t) for t in snapbench.TABLES]
         t1 = time.perf_counter()
-        self.expected = fingerprints(self.source.dsn(), self.tables)
+        self.expected = harness.fingerprints(self.source.dsn(), self.tables)
         fingerprint_s = time.perf_counter() - t1
-        self.schema = self.work / f"schema_{self.scale}.sql"
-        snapbench._dump(self.source.dsn(), self.schema)
+        self.schema = harness.dump_schema(self.source.dsn(), self.tables)
         self.roots = {
-            "source_pg": snapbench._postmaster_pid(self.source),
-            "target_pg": snapbench._postmaster_pid(self.target),
+            "source_pg": harness.postmaster_pid(self.source),
+            "target_pg": harness.postmaster_pid(self.target),
             "ours": os.getpid(),
             "warm_connect_server": self.ctx.get("connect_server_pid", 0),
         }
@@ -698,14 +589,7 @@ class SnapshotBench:
             "source_fingerprint_s": round(fingerprint_s, 2),
         }
 
-    def _database(self, name: str) -> str:
-        import snapshot as snapbench
-
-        return snapbench._create_database(self.target, name)
-
     def _cleanup(self, database: str, slot: str | None) -> None:
-        import snapshot as snapbench
-
         from pgcdc_dagster.engine.identifiers import origin_name
 
         if slot is not None:
@@ -720,39 +604,26 @@ class SnapshotBench:
                     "SELECT FROM pg_replication_origin WHERE roname = %s", (origin_name(slot),)
                 ).fetchone():
                     conn.execute("SELECT pg_replication_origin_drop(%s)", (origin_name(slot),))
-        snapbench._drop_database(self.target, database)
-
-    def _quiesce(self) -> None:
-        import snapshot as snapbench
-
-        snapbench._quiesce(self.source, self.target)
+        harness.drop_database(self.target, database)
 
     # -- the command --------------------------------------------------------------------------
 
     def cli(self, path: str, run: str) -> dict[str, Any]:
         name = f"cli_{path}_{run}"
-        target_dsn = self._database(name)
-        storage = f"dagster_{name}"
-        self._database(storage)
-        home = self.work / f"home_{name}"
-        home.mkdir()
-        shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
         store = self.work / f"store_{name}"
         store.mkdir()
-        env = child_env(
-            PGCDC_SOURCE_DSN=self.source.dsn(),
-            PGCDC_TARGET_DSN=target_dsn,
-            PGCDC_SLOT=name,
-            PGCDC_PUBLICATION=SNAPSHOT_PUBLICATION,
-            PGCDC_TABLES=",".join(self.tables),
-            PGCDC_STORE=str(store),
-            PGCDC_SERVER="off",
-            PGCDC_SERVER_DIR=str(self.work / f"srv_{name}"),
-            DAGSTER_HOME=str(home),
-            DAGSTER_POSTGRES_URL=(
-                f"postgresql+psycopg2://postgres@127.0.0.1:{self.target.port}/{storage}"
-            ),
+        # A user's Dagster storage already has its schema: made outside the timing.
+        env = harness.pgcdc_env(
+            self.work,
+            self.source.dsn(),
+            self.target,
+            name,
+            publication=SNAPSHOT_PUBLICATION,
+            tables=self.tables,
+            store=store,
+            base_env=child_env(),
         )
+        target_dsn = env["PGCDC_TARGET_DSN"]
         if path == "local":
             shutil.copy(self.ctx["connect_record"], store / "spark-connect.json")
             env["PGCDC_SNAPSHOT_DRIVER_ROWS"] = str(self.args.driver_rows)
@@ -763,45 +634,35 @@ class SnapshotBench:
                 f"spark.executor.memory={self.args.executor_memory}"
             )
             env["PGCDC_SNAPSHOT_DRIVER_ROWS"] = str(self.args.driver_rows)
-        # A user's Dagster storage already has its schema: made outside the timing.
-        subprocess.run(
-            [sys.executable, "-c",
-             "from pgcdc_dagster.defs.instance import dagster_instance as d; d()"],
-            env=env, check=True, cwd=self.work, capture_output=True,
-        )  # fmt: skip
-        pgcdc = str(Path(sys.executable).parent / "pgcdc")
-        self._quiesce()
-        with Meter(self.roots) as meter:
-            done = subprocess.run(
-                [pgcdc, "snapshot"], env=env, capture_output=True, text=True, cwd=self.work
-            )
-        if done.returncode != 0:
-            raise RuntimeError(f"pgcdc snapshot ({path}) failed: {done.stderr[-3000:]}")
+        harness.checkpoint(self.source, self.target, sync=True)
+        with meter(self.roots) as measured:
+            _, done = harness.run_command(env, self.work, "snapshot")
+        storage = f"dagster_{name}"
         meta = snapshot_metadata(self.target.dsn(storage))
         app = re.search(r"Spark application (\S+)", done.stdout)
         out: dict[str, Any] = {
-            "seconds": round(meter.wall, 3),
+            "seconds": round(measured.wall, 3),
             "engine_seconds": meta.get("seconds"),
             "copy_s": meta.get("copy_seconds"),
             "accounts": (meta.get("tables") or {}).get(ACCOUNTS),
             "spark_application_id": app.group(1) if app else None,
             "stdout": done.stdout.strip(),
-            **meter.report(),
+            **measured.report(),
         }
         if path == "cluster" and app and self.ctx.get("cluster") is not None:
             out["executor_copy"] = copy_task_rates(self.ctx["cluster"].task_lines(app.group(1)))
-        out["verify"] = verify(self.expected, target_dsn, f"cli {path} scale {self.scale}")
+        out["verify"] = harness.require_equal(
+            self.expected, target_dsn, f"cli {path} scale {self.scale}"
+        )
         self._cleanup(name, name)
-        import snapshot as snapbench
-
-        snapbench._drop_database(self.target, storage)
+        harness.drop_database(self.target, storage)
         return out
 
     # -- the engine, a warm session -----------------------------------------------------------
 
     def engine(self, path: str, run: str) -> dict[str, Any]:
         name = f"eng_{path}_{run}"
-        target_dsn = self._database(name)
+        target_dsn = harness.create_database(self.target, name)
         params = {
             "path": path,
             "source_dsn": self.source.dsn(),
@@ -813,53 +674,40 @@ class SnapshotBench:
             "executor_python": self.args.executor_python,
             "executor_memory": self.args.executor_memory,
         }
-        self._quiesce()
-        with Meter(self.roots) as meter:
+        harness.checkpoint(self.source, self.target, sync=True)
+        with meter(self.roots) as measured:
             out = run_child("snapshot", params)
-        out.update(meter.report(), process_wall_s=round(meter.wall, 3))
+        out.update(measured.report(), process_wall_s=round(measured.wall, 3))
         lines = out.pop("task_lines", [])
         if path == "cluster" and self.ctx.get("cluster") is not None:
             lines = self.ctx["cluster"].task_lines(out["application_id"])
         out["executor_copy"] = copy_task_rates(lines) if lines else None
-        out["verify"] = verify(self.expected, target_dsn, f"engine {path} scale {self.scale}")
+        out["verify"] = harness.require_equal(
+            self.expected, target_dsn, f"engine {path} scale {self.scale}"
+        )
         self._cleanup(name, name)
         return out
 
     # -- native logical replication's initial sync --------------------------------------------
 
     def native(self, run: str) -> dict[str, Any]:
-        import snapshot as snapbench
-
         name = f"native_{run}"
-        target_dsn = self._database(name)
-        snapbench._psql_file(target_dsn, self.schema)
-        with psycopg.connect(target_dsn, autocommit=True) as conn:
-            snapbench._wait_for_launcher(conn)
-        self._quiesce()
+        target_dsn = harness.create_database(self.target, name)
+        harness.psql(target_dsn, self.schema)
+        subscription = harness.Subscription(self.source.dsn(), target_dsn, name, NATIVE_PUBLICATION)
+        harness.wait_for_launcher(target_dsn)
+        harness.checkpoint(self.source, self.target, sync=True)
         with (
             psycopg.connect(target_dsn, autocommit=True) as conn,
-            Meter(self.roots) as meter,
+            meter(self.roots) as measured,
         ):
-            conn.execute(
-                sql.SQL("CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {}").format(
-                    sql.Identifier(name),
-                    sql.Literal(self.source.dsn()),
-                    sql.Identifier(NATIVE_PUBLICATION),
-                )
-            )
-            while True:
-                rows = conn.execute(snapbench._SUBSCRIPTION_STATES, (name,)).fetchall()
-                states: dict[str, str] = dict(rows)
-                if states and all(s == "r" for s in states.values()):
-                    break
-                if time.perf_counter() - meter.started > 1800:
-                    raise RuntimeError(f"native initial sync not ready: {states}")
-                time.sleep(0.02)
-        with psycopg.connect(target_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(sql.Identifier(name)))
-        snapbench._last_subscription_change[0] = time.monotonic()
-        out = {"seconds": round(meter.wall, 3), **meter.report()}
-        out["verify"] = verify(self.expected, target_dsn, f"native scale {self.scale}")
+            subscription.create(conn=conn)
+            subscription.wait_ready(timeout=1800, conn=conn)
+        subscription.drop()
+        out = {"seconds": round(measured.wall, 3), **measured.report()}
+        out["verify"] = harness.require_equal(
+            self.expected, target_dsn, f"native scale {self.scale}"
+        )
         self._cleanup(name, None)
         return out
 
@@ -899,34 +747,27 @@ def snapshot_metadata(storage_dsn: str) -> dict[str, Any]:
 
 
 def range_bench(args: argparse.Namespace, ctx: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    import snapshot as snapbench
-    from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, bench_clusters, clone_database, prepare
-    from apply import checkpoint as do_checkpoint
-    from spark_staging import bulk_updates
-
     from pgcdc_dagster.engine.control import pipeline
 
     def no_spark() -> Any:
         raise RuntimeError("the range's setup copies everything from the driver")
 
-    with bench_clusters() as (work, source, target):
+    with harness.bench_clusters(args.profile, extra=harness.QUIET) as (work, source, target):
         t0 = time.perf_counter()
         prep = argparse.Namespace(
             scale=args.range_scale, transactions=args.transactions, range_mb=1 << 20,
             workload="tpcb",
         )  # fmt: skip
-        setup = prepare(source, target, no_spark, work / "store", prep)
+        setup = harness.prepare(source, target, no_spark, work / "store", prep)
         settings = setup.settings
-        with psycopg.connect(source.dsn(), autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (NATIVE_SLOT,))
-        with psycopg.connect(target.dsn(), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE {}").format(sql.Identifier(DB_NATIVE)))
+        harness.drop_slot(source.dsn(), harness.NATIVE_SLOT)
+        harness.drop_database(target, harness.DB_NATIVE)
         targets = {
             (r, p): f"bench_r{r}_{p}" for r in range(args.range_rounds) for p in paths
         }  # fmt: skip
         for db in targets.values():
-            clone_database(target, DB_OURS, db)
-        with psycopg.connect(target.dsn(DB_OURS), autocommit=True) as conn:
+            harness.clone_database(target, harness.DB_OURS, db)
+        with psycopg.connect(target.dsn(harness.DB_OURS), autocommit=True) as conn:
             (progress,) = conn.execute(  # type: ignore[misc]
                 "SELECT pg_replication_origin_progress(%s, true)::text", (settings.origin,)
             ).fetchone()
@@ -943,7 +784,7 @@ def range_bench(args: argparse.Namespace, ctx: dict[str, Any], paths: list[str])
         sizes = (("first", 0), ("small", args.small_changes), ("big", args.changes))
         for label, count in sizes:
             t0 = time.perf_counter()
-            written = bulk_updates(source.dsn(), count)
+            written = harness.bulk_updates(source.dsn(), count)
             bulk_s = time.perf_counter() - t0
             with psycopg.connect(source.dsn(), autocommit=True) as conn:
                 conn.execute("CHECKPOINT")
@@ -966,17 +807,17 @@ def range_bench(args: argparse.Namespace, ctx: dict[str, Any], paths: list[str])
             )
             last_end = rng.end
             log(f"range {label}: {received.changes:,} changes received")
-        expected = fingerprints(source.dsn(), user_tables(source.dsn()))
+        expected = harness.fingerprints(source.dsn(), harness.user_tables(source.dsn()))
         roots = {
-            "source_pg": snapbench._postmaster_pid(source),
-            "target_pg": snapbench._postmaster_pid(target),
+            "source_pg": harness.postmaster_pid(source),
+            "target_pg": harness.postmaster_pid(target),
             "ours": os.getpid(),
             "warm_connect_server": ctx.get("connect_server_pid", 0),
         }
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
         orders = []
         for r in range(args.range_rounds):
-            order = paths if r % 2 == 0 else list(reversed(paths))
+            order = harness.order_of(paths, r)
             orders.append(order)
             for path in order:
                 db = targets[(r, path)]
@@ -991,21 +832,20 @@ def range_bench(args: argparse.Namespace, ctx: dict[str, Any], paths: list[str])
                     "executor_memory": args.executor_memory,
                 }
                 log(f"range round {r} {path} (load {load_now()})")
-                do_checkpoint(source, target)
-                with Meter(roots) as meter:
+                harness.checkpoint(source, target)
+                with meter(roots) as measured:
                     out = run_child("range", params)
-                out.update(meter.report(), process_wall_s=round(meter.wall, 3))
-                out["verify"] = verify(expected, target.dsn(db), f"range {path} round {r}")
+                out.update(measured.report(), process_wall_s=round(measured.wall, 3))
+                out["verify"] = harness.require_equal(
+                    expected, target.dsn(db), f"range {path} round {r}"
+                )
                 log(
                     f"  {path}: "
                     + ", ".join(f"{x['seconds']:.1f} s" for x in out["ranges"])
                     + f" (fixed {out.get('fixed_s')})"
                 )
                 runs[path].append(out)
-                with psycopg.connect(target.dsn(), autocommit=True) as conn:
-                    conn.execute(
-                        sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(db))
-                    )
+                harness.drop_database(target, db)
         return {
             "scale": args.range_scale,
             "setup_s": round(setup_s, 1),
@@ -1136,48 +976,52 @@ def summarise_range(rng: dict[str, Any], paths: list[str]) -> dict[str, Any]:
 
 
 def print_table(report: dict[str, Any]) -> str:
-    lines: list[str] = []
+    """The medians in two Markdown tables: the snapshot's per path and scale, the range's per
+    path."""
+    tables: list[str] = []
     snap = report.get("summary", {}).get("snapshot", {})
     native = report.get("summary", {}).get("native", {})
     if snap:
-        lines.append(
-            "Snapshot (medians): path | scale | fixed (session+check+first job) s | "
-            "engine copy s | copy rows/s, MB/s | per core rows/s, MB/s | pgcdc snapshot s "
-            "(its copy phase s) | native s"
-        )
+        rows = []
         for path, data in snap.items():
             for scale, s in data["per_scale"].items():
-                lines.append(
-                    f"  {path:7} | {scale:>3} | "
-                    f"{s['fixed_s'] if s['fixed_s'] is not None else '-'} "
-                    f"({s['session_start_s']}+{s['executor_check_s']}+{s['first_job_s']}) | "
-                    f"{s['engine_copy_s']} | {s['copy_rows_per_s']}, {s['copy_mb_per_s']} | "
-                    f"{s['per_core_rows_per_s']}, {s['per_core_mb_per_s']} | "
-                    f"{s['cli_s']} ({s['cli_copy_s']}) | {native.get(scale, {}).get('seconds')}"
-                )
+                fixed = f"{s['session_start_s']}+{s['executor_check_s']}+{s['first_job_s']}"
+                rows.append(
+                    [path, scale, f"{s['fixed_s']} ({fixed})", s["engine_copy_s"],
+                     f"{s['copy_rows_per_s']}, {s['copy_mb_per_s']}",
+                     f"{s['per_core_rows_per_s']}, {s['per_core_mb_per_s']}",
+                     f"{s['cli_s']} ({s['cli_copy_s']})", native.get(scale, {}).get("seconds")]
+                )  # fmt: skip
             m = data["marginal_between_scales"]
-            lines.append(
-                f"  {path:7} | marginal between scales: engine copy "
-                f"{m['engine_copy_s']} | command copy phase {m['cli_copy_s']} | command "
-                f"{m['cli_s']}"
-            )
+            rows.append(
+                [path, "marginal", "-", m["engine_copy_s"], "-", "-",
+                 f"{m['cli_s']} (copy phase {m['cli_copy_s']})", "-"]
+            )  # fmt: skip
+        header = ["path", "scale", "fixed s (session+check+first job)", "engine copy s",
+                  "copy rows/s, MB/s", "per core rows/s, MB/s",
+                  "pgcdc snapshot s (its copy phase s)", "native s"]  # fmt: skip
+        tables.append("Snapshot (medians)\n\n" + harness.markdown_table(header, rows))
     rng = report.get("summary", {}).get("range", {})
     if rng:
-        lines.append(
-            "Range (medians): path | fixed s (session start+check+first job+first range) | "
-            "small: changes, s | big: changes, s, changes/s | marginal changes/s, intercept s | "
-            "executor run s, per core changes/s | driver RSS MB"
-        )
+        rows = []
         for path, r in rng.items():
-            lines.append(
-                f"  {path:7} | {r['fixed_s']} ({r['session_start_s']}+{r['executor_check_s']}+"
-                f"{r['first_job_s']}+{r['first_range_s']}) | {r['small_changes']:,}, "
-                f"{r['small_s']} | "
-                f"{r['big_changes']:,}, {r['big_s']}, {r['big_changes_per_s']} | "
-                f"{r['marginal_changes_per_s']}, {r['intercept_s']} | {r['executor_run_s']}, "
-                f"{r['per_core_changes_per_s']} | {r['driver_peak_rss_mb']}"
+            fixed = (
+                f"{r['session_start_s']}+{r['executor_check_s']}+{r['first_job_s']}"
+                f"+{r['first_range_s']}"
             )
-    return "\n".join(lines)
+            rows.append(
+                [path, f"{r['fixed_s']} ({fixed})", f"{r['small_changes']:,}, {r['small_s']}",
+                 f"{r['big_changes']:,}, {r['big_s']}, {r['big_changes_per_s']}",
+                 f"{r['marginal_changes_per_s']}, {r['intercept_s']}",
+                 f"{r['executor_run_s']}, {r['per_core_changes_per_s']}",
+                 r["driver_peak_rss_mb"]]
+            )  # fmt: skip
+        header = ["path", "fixed s (session start+check+first job+first range)",
+                  "small: changes, s", "big: changes, s, changes/s",
+                  "marginal changes/s, intercept s", "executor run s, per core changes/s",
+                  "driver RSS MB"]  # fmt: skip
+        tables.append("Range (medians)\n\n" + harness.markdown_table(header, rows))
+    return "\n\n".join(tables)
 
 
 # ─── main ────────────────────────────────────────────────────────────────────────────────────
@@ -1222,7 +1066,7 @@ def code_version() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, json=True)
     parser.add_argument("--scales", default="10,50")
     parser.add_argument("--changes", type=int, default=3_000_000, help="the big range's")
     parser.add_argument("--small-changes", type=int, default=300_000, help="the small range's")
@@ -1239,7 +1083,6 @@ def main() -> None:
     parser.add_argument("--worker-memory", default="2g")
     parser.add_argument("--executor-memory", default="1g")
     parser.add_argument("--executor-python", default=sys.executable)
-    parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -1266,6 +1109,7 @@ def main() -> None:
         "command": " ".join([".venv/bin/python", "benchmarks/spark_paths.py", *sys.argv[1:]]),
         "code": code_version(),
         "machine": {"cpus": os.cpu_count(), "load_at_start": load_now()},
+        "cluster_profile": harness.describe_profile(args.profile),
         "paths": paths,
     }
     ctx: dict[str, Any] = {}
@@ -1316,7 +1160,7 @@ def main() -> None:
                         items.append(("native", None))
                     items += [("engine", p) for p in paths]
                     for r in range(args.rounds):
-                        order = items if r % 2 == 0 else list(reversed(items))
+                        order = harness.order_of(items, r)
                         result["orders"].append([f"{k}:{p}" if p else k for k, p in order])
                         for kind, path in order:
                             log(f"scale {scale} round {r} {kind} {path or ''} "

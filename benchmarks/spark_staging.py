@@ -4,11 +4,12 @@ production path from ``PGCDC_SPARK_MIN_CHANGES`` on) against compacted and stage
 Engine-level figures (``apply_range`` called from a fresh Python process per path; for the
 Spark path its session start is timed apart), not the user's command.
 
-1. :func:`benchmarks.apply.prepare` builds the source (pgbench scale ``--scale``), the base
-   snapshot into target database ``bench_a`` and its clone ``bench_b``, with a small pgbench
-   backlog (``--transactions`` per client); then ``--bulk`` more changes are written as UPDATE
-   statements of ``pgbench_accounts`` (one tenth of the rows each, one transaction each), so
-   the range holds millions of changes of which one net row per account remains;
+1. ``harness.prepare`` (``benchmarks/harness.py``) builds the source (pgbench scale
+   ``--scale``), the base snapshot into target database ``bench_a`` and its clone ``bench_b``,
+   with a small pgbench backlog (``--transactions`` per client); then ``--bulk`` more changes
+   are written as UPDATE statements of ``pgbench_accounts`` (one tenth of the rows each, one
+   transaction each), so the range holds millions of changes of which one net row per account
+   remains;
 2. the whole backlog is received as **one** range (no byte cap), timed;
 3. each path applies that range in a fresh process of its own (so its peak RSS is its own):
    ``in-process`` into ``bench_a`` (origin ``pgcdc_bench``), ``executors`` into ``bench_b``
@@ -24,7 +25,7 @@ path, in process on the other): what an add meets when a big transaction wrote i
 while it copied. Reported besides: that step's seconds and split.
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/spark_staging.py
-[--scale 10] [--bulk 3000000] [--held-back]``
+[--scale 10] [--bulk 3000000] [--held-back] [--profile production|throwaway]``
 """
 
 from __future__ import annotations
@@ -39,49 +40,20 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from apply import DB_NATIVE, DB_OURS, NATIVE_SLOT, bench_clusters, prepare, verify_target
 
 from pgcdc_dagster.engine.apply.held_back import apply_added_changes
 from pgcdc_dagster.engine.apply.transaction import apply_range
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
-from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster.engine.spark.session import get_spark
 from pgcdc_dagster.engine.store.output_store import OutputStore
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
 OTHER_ORIGIN = "pgcdc_bench_b"
 ADDED = TableName("public", "pgbench_accounts")
-
-
-def apply_split(result: Any) -> dict[str, Any]:
-    """Where an ``apply_range`` result says its time went, and what it applied."""
-    return {
-        "compaction_path": result.compaction_path,
-        "staged_by": result.staged_by,
-        "compaction_s": result.compaction_seconds,
-        "staging_s": result.staging_seconds,
-        "apply_s": result.apply_seconds,
-        "changes": result.changes,
-        "net_rows": result.net_rows,
-    }
-
-
-def bulk_updates(dsn: str, changes: int) -> int:
-    """``changes`` row updates of ``pgbench_accounts``, one tenth of the table a transaction."""
-    written = 0
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        (accounts,) = conn.execute("SELECT count(*) FROM pgbench_accounts").fetchone()  # type: ignore[misc]
-        k = 0
-        while written < changes:
-            cur = conn.execute(
-                "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid %% 10 = %s",
-                (k % 10,),
-            )
-            written += cur.rowcount
-            k += 1
-    assert accounts > 0
-    return written
 
 
 def child(
@@ -128,13 +100,13 @@ def child(
         **added,
         "spark_start_s": round(spark_s, 2),
         "seconds": round(seconds, 2),
-        **apply_split(result),
+        **harness.apply_split(result),
         "driver_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=10)
     parser.add_argument("--transactions", type=int, default=2500, help="pgbench, per client")
     parser.add_argument("--bulk", type=int, default=3_000_000, help="account updates")
@@ -145,15 +117,14 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
 
-    with bench_clusters() as (work, source, target):
+    with harness.bench_clusters(args.profile, extra=harness.QUIET) as (work, source, target):
         spark = get_spark()
         args.range_mb = 1 << 20
-        setup = prepare(source, target, spark, work / "store", args)
+        setup = harness.prepare(source, target, spark, work / "store", args)
         spark.stop()
-        with psycopg.connect(source.dsn(), autocommit=True) as conn:
-            conn.execute("SELECT pg_drop_replication_slot(%s)", (NATIVE_SLOT,))
+        harness.drop_slot(source.dsn(), harness.NATIVE_SLOT)
         t0 = time.perf_counter()
-        bulk = bulk_updates(source.dsn(), args.bulk)
+        bulk = harness.bulk_updates(source.dsn(), args.bulk)
         bulk_s = time.perf_counter() - t0
         settings = setup.settings
         end = pipeline.resolve_endpos(settings, "current")
@@ -163,7 +134,7 @@ def main() -> None:
         t0 = time.perf_counter()
         pipeline.receive_range(settings, rng)
         receive_s = time.perf_counter() - t0
-        with psycopg.connect(target.dsn(DB_NATIVE), autocommit=True) as conn:
+        with psycopg.connect(target.dsn(harness.DB_NATIVE), autocommit=True) as conn:
             (progress,) = conn.execute(
                 "SELECT pg_replication_origin_progress(%s, true)::text", (settings.origin,)
             ).fetchone()  # type: ignore[misc]
@@ -175,8 +146,8 @@ def main() -> None:
             pipeline.store_of(settings).begin_adding([ADDED])
         runs = []
         for path, db, origin in (
-            ("in-process", DB_OURS, settings.origin),
-            ("executors", DB_NATIVE, OTHER_ORIGIN),
+            ("in-process", harness.DB_OURS, settings.origin),
+            ("executors", harness.DB_NATIVE, OTHER_ORIGIN),
         ):
             out = subprocess.run(
                 [sys.executable, __file__, "--child", path,
@@ -185,22 +156,21 @@ def main() -> None:
                 check=True, capture_output=True, text=True,
             ).stdout  # fmt: skip
             run = json.loads(out.strip().splitlines()[-1])
-            check = ReplicationSettings(**{**settings.model_dump(), "target_dsn": target.dsn(db)})
-            run["target_equals_source"] = verify_target(check)["equal"]
+            run["target_equals_source"] = harness.replication_equal(settings, target.dsn(db))[
+                "equal"
+            ]
             runs.append(run)
-        print(
-            json.dumps(
-                {
-                    "scale": args.scale,
-                    "pgbench_transactions": args.transactions * 4,
-                    "bulk_updates": bulk,
-                    "bulk_s": round(bulk_s, 1),
-                    "range": rng.key,
-                    "receive_s": round(receive_s, 1),
-                    "runs": runs,
-                },
-                indent=2,
-            )
+        harness.emit_report(
+            {
+                "scale": args.scale,
+                "pgbench_transactions": args.transactions * 4,
+                "bulk_updates": bulk,
+                "bulk_s": round(bulk_s, 1),
+                "range": rng.key,
+                "receive_s": round(receive_s, 1),
+                "cluster_profile": harness.describe_profile(args.profile),
+                "runs": runs,
+            }
         )
 
 

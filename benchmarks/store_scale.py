@@ -2,9 +2,9 @@
 
 A follow stores a range every few hundred milliseconds and the retention keeps a week of them:
 millions of folders. This writes a chain of ``--ranges`` ranges by hand (``--step`` bytes of WAL
-each, one transaction each, as :mod:`retention`'s benchmark does, in the layout of the code
-under test), then times, each from a fresh :class:`OutputStore` (nothing cached), median of
-``--repeat``:
+each, one transaction each: ``harness.write_store``, as the retention benchmark does, in the
+layout of the code under test), then times, each from a fresh :class:`OutputStore` (nothing
+cached), median of ``--repeat``:
 
 * ``write_next_s``: storing the next range (a writer, one manifest, the fsyncs, the rename):
   what a follow pays per range;
@@ -22,10 +22,7 @@ file in that checkout. Usage: ``.venv/bin/python benchmarks/store_scale.py [--ra
 
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # this checkout's code, whatever the virtualenv installed
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import retention as retention_bench  # noqa: E402
+import harness  # noqa: E402
 
 from pgcdc_dagster.engine.control.next_step import decide  # noqa: E402
 from pgcdc_dagster.engine.lsn import Lsn, LsnRange  # noqa: E402
@@ -52,22 +49,19 @@ def timed(repeat: int, call: Callable[[], Any]) -> float:
         began = time.perf_counter()
         call()
         runs.append(time.perf_counter() - began)
-    return round(statistics.median(runs), 4)
+    return round(harness.median(runs), 4)  # type: ignore[arg-type]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.argument_parser(__doc__, profile=None, repeat=5, json=True)
     parser.add_argument("--ranges", type=int, default=300_000)
     parser.add_argument("--step", type=lambda v: int(v, 0), default=0x4000)
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    retention_bench.STEP = args.step
     work = Path(tempfile.mkdtemp(prefix="pgcdc-store-scale-"))
     try:
         root = work / "store"
         began = time.perf_counter()
-        last = retention_bench.write_store(root, args.ranges, 3600)
+        last = harness.write_store(root, args.ranges, 3600, step=args.step)
         report: dict[str, Any] = {
             "ranges": args.ranges,
             "step": args.step,
@@ -96,9 +90,7 @@ def main() -> None:
         counted = getattr(store, "chain_count", lambda: len(store.chain_ranges()))
         report["count_s"] = timed(args.repeat, counted)
         report["counted"] = counted()
-        print(json.dumps(report, indent=1))
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=1))
+        harness.emit_report(report, args.json, indent=1)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

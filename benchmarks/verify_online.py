@@ -1,7 +1,7 @@
 """Online verify (``compare_online``) on pgbench data: on a quiet source, then under a steady
 pgbench load with a follow applying, against the whole-table compare on the quiet source.
 
-Engine only: two throwaway clusters, ``pgbench -i`` at ``--scale``, a base snapshot
+Engine only: two clusters (``--profile``), ``pgbench -i`` at ``--scale``, a base snapshot
 (:func:`pgcdc_dagster.engine.control.pipeline.take_snapshot`), then, each timed and checked
 equal:
 
@@ -14,36 +14,32 @@ equal:
   applies; it must find the tables equal (no lag reported as a difference) and the follow
   must go on after it.
 
-Usage: ``.venv/bin/python benchmarks/verify_online.py [--scale 100] [--tps 500]``
+Usage: ``.venv/bin/python benchmarks/verify_online.py [--scale 100] [--tps 500]
+[--profile production|throwaway]``
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from snapshot import Measured, _quiesce, pgbench_clusters
-
 from pgcdc_dagster.demo.run import pgbench
 from pgcdc_dagster.engine.compare import verify
 from pgcdc_dagster.engine.control import pipeline
 from pgcdc_dagster.engine.follow.follower import Follower
-from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.settings import ReplicationSettings
 
-TABLES = [
-    TableName("public", t)
-    for t in ("pgbench_accounts", "pgbench_branches", "pgbench_tellers", "pgbench_history")
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness
+
+TABLES = harness.PGBENCH_TABLES
 
 
 def _timed(source: Any, target: Any, call: Any) -> tuple[Any, dict[str, Any]]:
-    with Measured(source, target) as measured:
+    with harness.Measured(source, target) as measured:
         result = call()
     return result, {
         "seconds": round(measured.wall, 2),
@@ -52,24 +48,26 @@ def _timed(source: Any, target: Any, call: Any) -> tuple[Any, dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__)
     parser.add_argument("--scale", type=int, default=100)
     parser.add_argument("--tps", type=int, default=500)
     args = parser.parse_args()
-    report: dict[str, Any] = {"scale": args.scale, "tps": args.tps}
-    with (
-        pgbench_clusters(args.scale) as (source, target),
-        tempfile.TemporaryDirectory(prefix="pgcdc-bench-verify-") as tmp,
-    ):
+    report: dict[str, Any] = {
+        "scale": args.scale,
+        "tps": args.tps,
+        "cluster_profile": harness.describe_profile(args.profile),
+    }
+    with harness.bench_clusters(args.profile, logical_target=True) as (work, source, target):
+        harness.fill_pgbench(source, args.scale)
         settings = ReplicationSettings(
             source_dsn=source.dsn(),
             target_dsn=target.dsn(),
             slot="bench_verify",
-            store=str(Path(tmp) / "store"),
+            store=str(work / "store"),
             tables=tuple(TABLES),
         )
         pipeline.take_snapshot(settings, None)
-        _quiesce(source, target)
+        harness.checkpoint(source, target, sync=True)
 
         whole, report["whole_quiet"] = _timed(
             source, target, lambda: verify.compare_tables(settings, TABLES)
@@ -118,7 +116,7 @@ def main() -> None:
                 load.wait()
             follower.stop("benchmark")
             thread.join(timeout=120)
-    print(json.dumps(report, indent=2))
+    harness.emit_report(report)
 
 
 if __name__ == "__main__":
