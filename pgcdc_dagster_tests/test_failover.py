@@ -24,9 +24,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetCheckSeverity
+from dagster import AssetCheckSeverity, DagsterRunStatus, RunsFilter
 
+from pgcdc_dagster.defs import instance as instance_module
 from pgcdc_dagster.defs.checks import slot_survives_failover_result
+from pgcdc_dagster.defs.instance import dagster_instance
 from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installation
 from pgcdc_dagster.engine.settings import ReplicationSettings
@@ -35,6 +37,7 @@ from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby
 from pgcdc_dagster_tests.test_cli import run_cli
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
+REPO = Path(__file__).resolve().parent.parent
 CONTENT = "SELECT count(*), coalesce(sum(hashtext(a::text)), 0) FROM accounts a"
 
 
@@ -199,6 +202,59 @@ def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a
         code, out, err = run_cli(capsys, "verify", "--json")
         assert code == 0, err
         assert json.loads(out)["equal"] is True, out
+
+
+@pytest.mark.long
+def test_the_sensors_follow_run_rides_a_failover_with_no_hands(
+    failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    """dagster-daemon with the slot sensor in follow mode (the shipped dagster.yaml): the
+    primary crashes and the standby is promoted under writes; the sensor's follow run goes on
+    from the promoted standby by itself, and the target ends equal to it."""
+    pair = failover_pair
+    source = _app_database(pair)
+    # This test reads its own storage: not the instance an earlier test left to the process.
+    monkeypatch.setattr(instance_module, "_instance", None)
+    with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+        slot = env["PGCDC_SLOT"]
+        code, _, err = run_cli(capsys, "snapshot")
+        assert code == 0, err
+        daemon = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", "workspace.yaml"],
+            cwd=REPO,
+            env={**os.environ, "PGCDC_MODE": "follow", "PGCDC_SENSOR_INTERVAL": "1"},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        writer = Writer(source)
+        writer.start()
+        try:
+            _wait_for(
+                "the sensor's follow run to apply",
+                lambda: _content(target_dsn)[0] > 1_050,
+                timeout=180,
+            )
+            _synced(pair, slot, lambda: None)  # the follow run advances the slot
+            pair.crash_primary()
+            pair.promote()
+            promoted = pair.standby.dsn("app")
+            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_100)
+            writer.finish()
+            _wait_for(
+                "the target to equal the new primary",
+                lambda: _content(target_dsn) == _content(promoted),
+                timeout=120,
+            )
+            runs = dagster_instance().get_runs(RunsFilter(job_name="follow"))
+            assert [r.status for r in runs] == [DagsterRunStatus.STARTED], runs
+        finally:
+            writer.stop.set()
+            os.killpg(daemon.pid, signal.SIGTERM)
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(daemon.pid, signal.SIGKILL)
 
 
 def test_a_follow_killed_in_the_failover_window_is_finished_by_the_next_catchup(
