@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# One worker by default: on 2 cores, two (TEST_WORKERS=2) ran the suite in 22 min against 26,
-# but the machine is then CPU-bound and the timing-sensitive tests flaked (docs/contributing.md).
+# One worker by default: on 2 cores, two workers (TEST_WORKERS=2) gain little time and leave the
+# machine CPU-bound, where timing-sensitive tests can time out (docs/contributing.md).
 TEST_WORKERS ?= 1
 TEST_ARGS = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 

@@ -3,7 +3,7 @@
 While Dagster's storage is away, a follow goes on applying and its ranges wait for the run to
 record them (``defs/storage_outage.py``). This builds ``--ranges`` finished ranges as a follow
 at 1,000 tps of the demo's load produces them (8 replicated tables, 2 changed a range, about
-200 transactions each), queues them in a plain ``queue.Queue`` (the follower's queue before
+200 transactions each), queues them in a plain ``queue.Queue`` (the follower's queue without
 :mod:`pgcdc_dagster.engine.follow.backlog`) and in a
 :class:`~pgcdc_dagster.engine.follow.backlog.Backlog`, and reports for each the memory held
 (``tracemalloc``) once all are queued, the bytes on disk, and the seconds to put and to get them all

@@ -98,8 +98,8 @@ in the other side's timing. ``throwaway``: the demo's and the tests' (``fsync`` 
 writes off), what most figures in ``HISTORY.md`` were taken with."""
 DEFAULT_PROFILE = PRODUCTION
 RECORDED_PROFILE = THROWAWAY
-"""The ``--profile`` default of the scripts that were measured before the profiles existed: the
-profile of their figures in ``HISTORY.md``, kept so that a run compares with them. Set it to
+"""The ``--profile`` default of the scripts whose figures in ``HISTORY.md`` were all taken on
+throwaway clusters: the profile of those figures, kept so that a run compares with them. Set it to
 :data:`PRODUCTION` to move them all to the production profile."""
 
 

@@ -13,10 +13,9 @@ and its held-back step is a fraction of a second at the sizes that benchmark can
    while it copies), and the backlog is caught up into ``bench_a`` in ranges of at most
    ``--range-kb`` KB of WAL: the other tables' changes applied, the accounts' held back;
 3. ``bench_b`` gets the same origin position; then ``apply_added_changes`` applies the held-back
-   changes into each database: ``bench_a`` in one transaction per range
-   (``batch_changes=1``, what the code did before the batches), ``bench_b`` with the default
-   batch, alternating which goes first over ``--repeat`` rounds (each round on fresh copies
-   of the two databases);
+   changes into each database: ``bench_a`` in one transaction per range (``batch_changes=1``: no
+   batches), ``bench_b`` with the default batch, alternating which goes first over ``--repeat``
+   rounds (each round on fresh copies of the two databases);
 4. both targets are compared with the source (row counts and a content hash per table).
 
 Usage: ``SPARK_LOCAL_IP=127.0.0.1 .venv/bin/python benchmarks/held_back.py [--scale 1]

@@ -21,8 +21,8 @@ that same data, median of ``--repeat`` runs, each run into a fresh target databa
 
 Before the timed runs, one untimed pipe run warms both clusters up (``--no-warm-up`` skips it).
 Why: a fresh cluster has no WAL segments to recycle, so its first few GB of WAL cost creating and
-zero-filling each 16 MB file; at scale 200 that made whichever method ran first pay 7-9 target
-CPU-s more than the next (``HISTORY.md``, 2026-11-29 afternoon). Every other repeat runs the
+zero-filling each 16 MB file, and whichever method runs first would pay for that in target CPU
+(``HISTORY.md``, ``benchmarks/snapshot.py --methods ...``). Every other repeat runs the
 methods in reverse order, so none always runs first.
 
 Besides wall time, every run records the CPU seconds spent by the source cluster, the target

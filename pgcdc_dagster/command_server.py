@@ -52,8 +52,8 @@ PRELOAD = (
     "sqlalchemy.dialects.postgresql.psycopg2",
     "psycopg2",
     # what Dagster imports lazily on a command's path (instance, run, compute logs): the
-    # modules a snapshot's child still imported (their cost: benchmarks/HISTORY.md, "Figures
-    # moved from docstrings")
+    # modules a snapshot's child would import itself (their cost: benchmarks/HISTORY.md, "A
+    # command's start-up and teardown")
     "dagster._core.instance.factory",
     "dagster._core.instance.runs.run_domain",
     "dagster._core.execution.execute_in_process",

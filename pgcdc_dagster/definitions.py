@@ -230,7 +230,7 @@ def op_job_definitions() -> Definitions:
     """The location's op jobs with its resources, and nothing else: for a command that runs
     one of them in its own process. The asset graph's specs (three assets a table) and a query
     for the columns cost every ``pgcdc catchup`` time that grows with the tables (see
-    ``benchmarks/HISTORY.md``, "Figures moved from docstrings"); the daemon's runs load the
+    ``benchmarks/HISTORY.md``, "Many tables"); the daemon's runs load the
     whole location as the UI shows it."""
     tables, _ = resolve_tables(os.environ)
     settings = ReplicationSettings.from_env(require_servers=False)

@@ -2,14 +2,13 @@
 up, else run it in this process (and leave a server behind for the next command).
 
 Why: a fresh process imports Dagster, its PostgreSQL storage and this project's definitions
-before a run can start, every command, and for a small snapshot or catch-up those imports are
-a large part of the whole (see ``benchmarks/HISTORY.md``, "Figures moved from the README", the
-warm command server; ``benchmarks/catchup_cli.py`` and ``benchmarks/snapshot.py`` compare
-cold and warm). A command server (:mod:`.command_server`) pays that once: it imports
-everything, then forks one child per command. The child is a new process with the
-modules already loaded that runs exactly :func:`pgcdc_dagster.cli.main`, with this command's
-arguments, environment, working directory, umask and standard streams (passed as file
-descriptors, so a terminal stays a terminal).
+before a run can start, every command, and for a small snapshot or catch-up those imports are a
+large part of the whole (see ``benchmarks/HISTORY.md``, "A command's start-up and teardown";
+``benchmarks/catchup_cli.py`` and ``benchmarks/snapshot.py`` compare cold and warm). A command
+server (:mod:`.command_server`) pays that once: it imports everything, then forks one child per
+command. The child is a new process with the modules already loaded that runs exactly
+:func:`pgcdc_dagster.cli.main`, with this command's arguments, environment, working directory,
+umask and standard streams (passed as file descriptors, so a terminal stays a terminal).
 
 What must hold:
 
@@ -75,10 +74,10 @@ def _command_of(argv: list[str]) -> str | None:
 def entry() -> None:
     """The ``pgcdc`` command. After a command run here: leave without the interpreter's
     teardown. Tearing down the modules Dagster, SQLAlchemy and PySpark load takes a large part
-    of a short command (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings") and has
-    nothing left to do: every run record and every byte of the store was written and synced
-    before ``main`` returned, a local Spark JVM exits when its parent goes, and a process
-    killed at any instruction is the case the whole design already survives."""
+    of a short command (see ``benchmarks/HISTORY.md``, "A command's start-up and teardown") and
+    has nothing left to do: every run record and every byte of the store was written and synced
+    before ``main`` returned, a local Spark JVM exits when its parent goes, and a process killed
+    at any instruction is the case the whole design already survives."""
     argv = sys.argv[1:]
     mode = server_mode()
     if mode not in ("auto", "off"):

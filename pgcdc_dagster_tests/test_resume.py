@@ -759,7 +759,7 @@ def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converg
     small.mkdir()
     site_store = Path(site.env["PGCDC_STORE"])
     # Room for the store the earlier tests left (its size varies with how their ranges were
-    # cut: a fixed 3 MB once failed the copy below, and every later test with it), and 16 MB
+    # cut, and too little room fails the copy below, and every later test with it), and 16 MB
     # for the catch-up once space is freed (the random fillers' range and its spill files).
     stored = sum(f.stat().st_size for f in site_store.rglob("*") if f.is_file())
     size_kb = (stored * 3 // 2 + 16 * 1024 * 1024) // 1024
@@ -817,16 +817,15 @@ def test_a_full_store_fails_in_one_line_and_once_space_is_freed_the_next_converg
 
 
 def test_a_store_in_the_one_folder_layout_is_continued_by_the_next_catchup(site: Site):
-    """A store written before ranges lay in buckets (every range directly under
-    ``changes/``, as the code before stored them): the next plain catch-up reads it, goes on
-    from the target's origin, stores its new ranges in buckets, and converges; ``pgcdc
-    status`` counts both."""
+    """A store in the flat layout (every range directly under ``changes/``, as older stores hold
+    them): the next plain catch-up reads it, goes on from the target's origin, stores its new
+    ranges in buckets, and converges; ``pgcdc status`` counts both."""
     store = OutputStore(site.env["PGCDC_STORE"])
     with site.writer(seed=86):
         time.sleep(2.0)
     assert site.pgcdc("catchup", "--endpos", "current").returncode == 0
     before = store.ranges()
-    for rng in before:  # the layout before buckets
+    for rng in before:  # the flat layout
         os.rename(store.range_path(rng), store.changes_dir / rng.key)
     for bucket in [p for p in store.changes_dir.iterdir() if len(p.name) == 8]:
         shutil.rmtree(bucket)
@@ -994,8 +993,8 @@ def _lock_taken_from_the_follower(settings: ReplicationSettings, holder: str) ->
     taken from the follower that holds it: this session waits for the lock first, then the
     target ends every other pgcdc session, the lock's among them. PostgreSQL grants a released
     lock to the session waiting for it, so this one has it before the follower can try again
-    (``pg_terminate_backend`` only signals: a try right after it raced the lock's release, and
-    failed on CI naming "a session that just ended")."""
+    (``pg_terminate_backend`` only signals: a try right after it can race the lock's release,
+    and fail naming "a session that just ended")."""
     with (
         holder_session(settings.target_dsn, holder) as intruder,
         psycopg.connect(settings.target_dsn, autocommit=True) as admin,
@@ -1661,7 +1660,7 @@ def test_the_daemon_alone_converges_after_run_workers_and_its_code_server_are_ki
                 time.sleep(chance.uniform(1.0, 4.0))
                 # The code server spawns each run worker through multiprocessing. A per-range
                 # run lives a second or two: look for one for up to 3 s (one look, at a random
-                # moment, found a worker once in 35 s now and then).
+                # moment, can miss every worker for a long while).
                 looking_until = time.monotonic() + 3.0
                 while True:
                     tree = descendants(daemon.pid)

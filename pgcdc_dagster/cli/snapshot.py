@@ -96,11 +96,11 @@ def _until_copying(copying: threading.Event, work: Any) -> None:
 
     Why: until its rows flow, the head start's thread runs many short steps (connections, the
     slot, ``pg_dump``, the plan), each of which waits for the interpreter lock (and on 2 cores
-    for a core) while Dagster's import (about 1.5 CPU-s of Python) holds it; importing after
-    them starts the copy about half a second sooner, and the import then overlaps the copy,
-    whose work is in other processes (``benchmarks/HISTORY.md``, the snapshot's time to its
-    first row). The bound keeps a snapshot waiting for its slot (open transactions on the
-    source) from hiding its run in the UI for long."""
+    for a core) while Dagster's import (seconds of pure Python) holds it; importing after
+    them starts the copy sooner, and the import then overlaps the copy, whose work is in other
+    processes (``benchmarks/HISTORY.md``, "A command's start-up and teardown", and the
+    snapshot's time to its first row). The bound keeps a snapshot waiting for its slot (open
+    transactions on the source) from hiding its run in the UI for long."""
     deadline = time.monotonic() + HEAD_START_SETTLE_S
     while not copying.is_set() and work.running() and time.monotonic() < deadline:
         copying.wait(0.05)

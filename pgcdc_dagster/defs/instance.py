@@ -98,8 +98,8 @@ def keep_storage_connections(instance: Any) -> None:
     Why: a ``follow`` run writes the events of every range it materialises, a range every
     ``PGCDC_FOLLOW_CUT_MS`` while changes flow, and a new connection for each write starts and
     ends a server backend every time, where kept connections are a few for the whole run; the
-    machine was noticeably less busy with them (see ``benchmarks/HISTORY.md``, "Figures moved
-    from the README" and "Figures moved from docstrings"). Their commits do not wait for the disk
+    machine is noticeably less busy with them (see ``benchmarks/HISTORY.md``, "Dagster's
+    storage: kept connections and asynchronous commits"). Their commits do not wait for the disk
     (:func:`_commit_asynchronously`).
 
     What must hold: a kept connection the server dropped while it sat in the pool (a restart,
@@ -132,13 +132,13 @@ def _listen_for_checkouts() -> None:
 
 def _commit_asynchronously(dbapi_connection: Any, record: Any) -> None:
     """``synchronous_commit = off`` on each storage connection this process opens: a commit
-    returns before its WAL is flushed to disk. Dagster commits each event on its own (twice
-    for an asset event), so a follow would wait for two disk flushes per event; without them
-    an event is written clearly faster (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py
-    --extra-tables 100`` and "Figures moved from docstrings"). What a crash of the storage
-    server can then lose is its last fraction of a second of events, never progress: that
-    lives in the slot, the store and the origin, and Dagster's records are a view of them (the
-    next range's events, or ``pgcdc status``, show where things stand)."""
+    returns before its WAL is flushed to disk. Dagster commits each event on its own (twice for
+    an asset event), so a follow would wait for two disk flushes per event; without them an
+    event is written clearly faster (see ``benchmarks/HISTORY.md``, ``benchmarks/freshness.py
+    --extra-tables 100`` and "Dagster's storage: kept connections and asynchronous commits").
+    What a crash of the storage server can then lose is its last fraction of a second of events,
+    never progress: that lives in the slot, the store and the origin, and Dagster's records are
+    a view of them (the next range's events, or ``pgcdc status``, show where things stand)."""
     del record
     if not type(dbapi_connection).__module__.startswith("psycopg2"):
         return  # Dagster's local SQLite storage

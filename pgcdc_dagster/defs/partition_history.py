@@ -6,8 +6,8 @@ materialisations of its partition (``decoded_changes`` and every target table) a
 ``no_gap`` evaluations. Without that, Dagster's storage would keep growing after the store
 stopped: after ``make demo``, Dagster's event log held more than the store itself, and a follow
 at 1,000 tps, storing 5 ranges a second, would add gigabytes a day of history nobody prunes (see
-``benchmarks/HISTORY.md``, "``pgcdc prune`` after ``make demo``" and "Figures moved from the
-README").
+``benchmarks/HISTORY.md``, "``pgcdc prune`` after ``make demo``" and "Dagster's history of the
+ranges").
 
 Dagster's public calls cannot do it: ``delete_dynamic_partition`` deletes one key per
 transaction, far slower than a thousand keys in one statement (see ``benchmarks/HISTORY.md``,

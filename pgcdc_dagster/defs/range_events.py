@@ -62,7 +62,7 @@ def register_range(
     That look lists every partition and looks each up in the store, which a follow (a range
     every few hundred milliseconds, for as long as it runs) cannot afford per range: with a
     long follow's partitions, the listing alone takes about as long as the time between two
-    ranges (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). Nothing stale can
+    ranges (see ``benchmarks/HISTORY.md``, "A follow that runs for days"). Nothing stale can
     appear at the start of a range that begins where this process's last registered range
     ended, except by another process, so a follow's ranges look once a minute (the partitions
     may then pass the limit by a minute's ranges); any other registration (a sensor tick, a

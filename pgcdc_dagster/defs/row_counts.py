@@ -76,7 +76,7 @@ class TargetRowCounts:
         """The counts in the tables' latest materialisations, with the progress each is exact
         at; one read of Dagster's storage for all of them: a read per table made the first
         range's events slow with hundreds of tables (see ``benchmarks/HISTORY.md``,
-        ``benchmarks/many_tables.py`` and "Figures moved from docstrings")."""
+        ``benchmarks/many_tables.py`` and "Many tables")."""
         if not tables:
             return {}
         events = self.instance.get_latest_materialization_events([target_key(t) for t in tables])

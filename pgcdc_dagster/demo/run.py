@@ -405,9 +405,9 @@ GROUP_GRACE_S = 10.0
 def stop_process(process: subprocess.Popen[bytes]) -> None:
     """Stop a Dagster process started by :func:`start_dagster_process` and everything in its
     process group: its code servers and run workers. A code server whose own cleanup thread
-    died (it did when Dagster's storage was away for 15 s under ``pgcdc demo --ui``: the
-    thread that ends the server once its heartbeats stop raised, and SIGTERM then left the
-    server running for good) is killed after :data:`GROUP_GRACE_S`."""
+    died (Dagster's storage away under ``pgcdc demo --ui`` can make the thread that ends the
+    server once its heartbeats stop raise, and SIGTERM then leaves the server running for
+    good) is killed after :data:`GROUP_GRACE_S`."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
         try:

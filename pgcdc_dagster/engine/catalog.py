@@ -101,8 +101,7 @@ def count_rows(
     ``conn`` is in autocommit: each count is one statement and one round trip under the
     session's ``statement_timeout``, set for the counts and put back after them (a
     transaction with ``SET LOCAL`` around each count takes four round trips a table, which
-    adds up with hundreds of small tables; see ``benchmarks/HISTORY.md``, "Figures moved from
-    docstrings")."""
+    adds up with hundreds of small tables; see ``benchmarks/HISTORY.md``, "Many tables")."""
     counts: dict[TableName, int | None] = {}
     (before,) = conn.execute("SELECT current_setting('statement_timeout')").fetchone()  # type: ignore[misc]
     conn.execute(

@@ -133,12 +133,13 @@ NEWER_TIMEOUTS = (
 :data:`SESSION_DEFAULTS` are unless the connection's own options name them; by a ``SET`` after
 connecting, because a startup option a server does not know refuses the connection (a ``SET``
 costs a connection less than reading ``pg_settings`` for where each came from; see
-``benchmarks/HISTORY.md``, ``benchmarks/catchup_cli.py``, and "Figures moved from docstrings").
+``benchmarks/HISTORY.md``, ``benchmarks/catchup_cli.py``, and "Sessions: their settings and
+set-up").
 
 Why: ``idle_session_timeout`` (PostgreSQL 14) ends a session idle outside a transaction, as
 the range lock's is for as long as a snapshot or a follow runs, and the follower's target
 session between ranges of an idle source: with 1 s of it on the target, ``pgcdc snapshot``
-failed ("terminating connection due to idle-session timeout"), and so would a snapshot longer
+fails ("terminating connection due to idle-session timeout"), and so does a snapshot longer
 than a production setting of minutes. ``transaction_timeout`` (17) would end a copy's or a
 range's transaction the same way (tested on 18). ``client_connection_check_interval`` (14)
 would abort a statement whose client it finds gone: the apply's final message, the origin's
@@ -154,13 +155,13 @@ Why: the engine handles text as UTF-8 bytes (pgoutput values go into Arrow strin
 strings go into COPY and into inline literals, ``pg_restore --list`` names are matched with
 catalog names), and PostgreSQL converts between a session's client encoding and the database's
 both ways: pgoutput's values too, in the session that reads the slot (``café`` in a LATIN1
-database peeks as ``636166e9`` under LATIN1 and ``636166c3a9`` under UTF8). Left to the
-default (the database's own encoding), a LATIN1 source failed its snapshot on a table named
-``größe`` (``pg_restore --list`` output read as UTF-8) and would have failed its first
-non-ASCII change. Native logical replication does the same: its subscriber asks the publisher
-for its own database's encoding. What cannot be converted (a character the target's encoding
-lacks; bytes that are not UTF-8 in a ``SQL_ASCII`` database, which PostgreSQL never converts)
-fails with the server's error, as it does natively."""
+database peeks as ``636166e9`` under LATIN1 and ``636166c3a9`` under UTF8). Left to the default
+(the database's own encoding), a LATIN1 source fails its snapshot on a table named ``größe``
+(``pg_restore --list`` output read as UTF-8), and would fail on its first non-ASCII change.
+Native logical replication does the same: its subscriber asks the publisher for its own
+database's encoding. What cannot be converted (a character the target's encoding lacks; bytes
+that are not UTF-8 in a ``SQL_ASCII`` database, which PostgreSQL never converts) fails with the
+server's error, as it does natively."""
 
 SESSION_SETTINGS = (
     "-c jit=off -c DateStyle=ISO -c IntervalStyle=postgres -c extra_float_digits=3 "
@@ -171,23 +172,25 @@ SESSION_SETTINGS = (
 * ``jit=off``: this project's own queries are catalog reads and set-based statements whose
   plans PostgreSQL's estimates can push past ``jit_above_cost`` (an ``unnest`` of the table
   oids is estimated at 100 rows, a set-returning function at 1,000) although they touch a few
-  hundred rows: with hundreds of published tables, JIT compilation was nearly all of the
-  preflight's one query (see ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``). Nothing
-  here scans enough rows for compiled expressions to pay back.
+  hundred rows: with hundreds of published tables, JIT compilation is nearly all of the
+  preflight's one query (see ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py`` and
+  "Sessions: their settings and set-up"). Nothing here scans enough rows for compiled
+  expressions to pay back.
 * The value formats, as native logical replication sets them on its walsender session: text
   values cross from the source's output functions to the target's input functions, and both
   follow the session's settings, the slot's decoded changes included. Left to a database's or
   role's own (``ALTER DATABASE ... SET DateStyle = 'SQL, DMY'``, ``extra_float_digits = 0``),
-  a change of ``2026-03-04`` arrived as ``04/03/2026`` and the target, in ``ISO, MDY``, stored
-  April 3rd; a ``float8`` of ``0.30000000000000004`` arrived as ``0.3``. ``DateStyle=ISO``
+  a change of ``2026-03-04`` arrives as ``04/03/2026`` and the target, in ``ISO, MDY``, stores
+  April 3rd; a ``float8`` of ``0.30000000000000004`` arrives as ``0.3``. ``DateStyle=ISO``
   (unambiguous year-month-day, read the same under every ``DateStyle``),
   ``IntervalStyle=postgres`` and ``extra_float_digits=3`` (every float exact) make the text
   mean one value on both sides. ``xmloption=content`` (as in pg_dump's scripts): an ``xml``
   value may be a fragment (``abc<b/>``), which a database set to ``DOCUMENT`` refuses to read.
 * ``row_security=off``, as pg_dump sets it: a read or write that a row-level security policy
-  would filter fails instead. Left on, a role under a policy had the base snapshot copy 5 of
-  a table's 10 rows without a word, while the change stream, which no policy filters, carried
-  them all. The source's preflight names the fix first (:mod:`.source.preflight`)."""
+  would filter fails instead. Left on, a role under a policy has the base snapshot copy only
+  the rows the policy shows it, without a word, while the change stream, which no policy
+  filters, carries them all. The source's preflight names the fix first
+  (:mod:`.source.preflight`)."""
 
 
 SESSION_DEFAULTS = (
@@ -198,12 +201,12 @@ given, so that a DSN's own ``options`` or ``PGOPTIONS`` may still set them, but 
 or role's settings (``ALTER DATABASE ... SET``), which are meant for its applications.
 
 Why: a copy, a merge or a held snapshot of this project runs as long as the data needs, as
-pg_dump's and pg_restore's sessions do, which set the same three to 0. Tried with 500 ms of
-each on the database: a source's ended the connection that exported the snapshot while the
-copies started ("invalid snapshot identifier"), and a target's cancelled the copy of a
-1.5M-row table. Only settings every supported server knows (9.6 and later) go here: an
-unknown one in the startup packet refuses the connection (``idle_session_timeout``, 14 and
-later, is not set for that reason)."""
+pg_dump's and pg_restore's sessions do, which set the same three to 0. With 500 ms of each on
+the database, a source's ends the connection that exported the snapshot while the copies start
+("invalid snapshot identifier"), and a target's cancels the copy of any table that takes longer.
+Only settings every supported server knows (9.6 and later) go here: an unknown one in the
+startup packet refuses the connection (``idle_session_timeout``, 14 and later, is not set for
+that reason)."""
 
 
 def given_options(dsn: str, options: str | None = None) -> str:

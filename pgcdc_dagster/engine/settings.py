@@ -56,7 +56,7 @@ between the JVM and Python, and executor-side staging is slower than this proces
 cores. Spark is there for ranges whose changes would not fit the driver's memory (several
 hundred bytes per change while compacting) and for clusters with many cores: the threshold is
 about memory, not speed (``benchmarks/spark_staging.py``; figures in ``benchmarks/HISTORY.md``,
-"Figures moved from settings.py")."""
+"Spark's fixed costs and the driver/Spark split")."""
 MiB = 1024 * 1024
 DEFAULT_MEMORY_LIMIT = 1024 * MiB
 DEFAULT_DECODING_WORK_MEM = 0
@@ -112,7 +112,7 @@ class ReplicationSettings(BaseModel):
     """One range holds at most this much WAL, so one run stays a bounded amount of work."""
     snapshot_parquet: bool = False
     """Also write the base snapshot as Parquet into the store; off unless asked for, since it
-    adds about as much time again to the copy (``benchmarks/HISTORY.md``)."""
+    adds much to the copy's time (``benchmarks/HISTORY.md``, "The snapshot's Parquet export")."""
     snapshot_driver_rows: NonNegativeInt | None = None
     """Tables estimated at or below this many rows are copied by ``pgcdc`` itself while Spark
     starts in the background; bigger ones by Spark (never started when none is bigger). 0: every
@@ -148,9 +148,9 @@ class ReplicationSettings(BaseModel):
     transactions being decoded the source holds in memory before it spills them to disk (a
     peek), or sends them before their COMMIT (a follow's stream, PostgreSQL 14 and later:
     :mod:`.source.streamed`). The source's memory, one session's, only while it decodes. Not
-    raised by default: through ``pgcdc follow`` a big transaction was received no faster with
+    raised by default: through ``pgcdc follow`` a big transaction is received no faster with
     more than the server's default (``benchmarks/HISTORY.md``, big_transaction), although a
-    lone peek on a loaded machine decoded it faster."""
+    lone peek on a loaded machine decodes it faster."""
     memory_limit: PositiveInt = DEFAULT_MEMORY_LIMIT
     """About how much memory the process that applies may use (``PGCDC_MEMORY_LIMIT``: bytes,
     or with a unit, ``1GB``, ``512MB``): a range too big to compact whole within it is

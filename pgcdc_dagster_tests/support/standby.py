@@ -119,7 +119,7 @@ class Pair:
         The copy stays temporary until the primary's slot has a restart_lsn and catalog_xmin
         no older than the copy's, which takes a consumer confirming past a running-xacts record
         logged after the copy was made (the bgwriter logs one every 15 s when there is
-        activity). Quick on 18.6 (about 0.2 s): a write, ``pg_log_standby_snapshot()``,
+        activity). Quick on 18.6: a write, ``pg_log_standby_snapshot()``,
         ``pg_logical_emit_message(false, 'x', '', true)`` (it flushes), then
         ``pg_replication_slot_advance(slot, pg_current_wal_flush_lsn())`` on the primary. The
         sync worker naps up to 30 s between rounds when nothing changes."""

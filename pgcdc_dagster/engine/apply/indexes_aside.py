@@ -1,8 +1,9 @@
 """A target table's indexes set aside while it is loaded whole, and built again after.
 
 Why: a table loaded into its indexes maintains each of them row by row, through the index's
-pages and their WAL; building them after the rows costs a sort (``benchmarks/recover.py``: a
-10M-row table loaded with its key took about twice the time of the load plus the key's build).
+pages and their WAL; building them after the rows costs a sort, and the load plus the build
+takes far less time than a load into the key (``benchmarks/recover.py``; figures in
+``benchmarks/HISTORY.md``, "The repair: chunks or the whole table").
 The snapshot gets this from the order of pg_dump's sections; a table replaced whole by a repair
 (:mod:`..compare.repair`) already has its indexes, so it sets them aside here.
 

@@ -417,8 +417,9 @@ def truncate_tables(conn: psycopg.Connection[Any], tables: Mapping[TableName, in
 
 NEW_ROWS_APART = 10_000
 """From this many rows of new keys on, a table's upsert inserts them apart, without an
-``ON CONFLICT`` arbiter (less than half the target's work for a big insert:
-``benchmarks/HISTORY.md``, big_transaction); below it, one statement less is worth more."""
+``ON CONFLICT`` arbiter (much less of the target's work for a big insert:
+``benchmarks/HISTORY.md``, big_transaction and "The apply's upserts"); below it, one statement
+less is worth more."""
 
 
 def insert_new(conn: psycopg.Connection[Any], stage: _Staged, what: str) -> bool:
@@ -612,9 +613,9 @@ def _apply_ordered(conn: psycopg.Connection[Any], stage: _Staged, counts: TableA
     touches exactly one row equal to the old row (found first, then touched by its
     ``tableoid`` and ``ctid``), so duplicate rows stay duplicates, as on the source. The
     ``tableoid`` matters in a partitioned table, whose partitions each have a row at ``(0,1)``:
-    by ``ctid`` alone, one DELETE removed the row of every partition there. The function's
-    variables are named ``pgcdc_*``: PL/pgSQL takes a bare name for its variable, so a user's
-    column named like one (``c``, ``n``) made the statements ambiguous."""
+    by ``ctid`` alone, one DELETE would remove the row of every partition there. The
+    function's variables are named ``pgcdc_*``: PL/pgSQL takes a bare name for its variable,
+    so a user's column named like one (``c``, ``n``) would make the statements ambiguous."""
     rel, target = stage.net.relation, stage.target
     what = f"the changes of table {rel.table}"
     if stage.direct is not None:

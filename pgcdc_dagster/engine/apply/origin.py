@@ -124,7 +124,7 @@ def check_origin_rights(conn: psycopg.Connection[Any]) -> None:
 
 ORIGIN_SLOTS_SETTING_SINCE = 180000
 """From PostgreSQL 18 the origins' state slots have a setting of their own,
-``max_active_replication_origins``; before, they were ``max_replication_slots``."""
+``max_active_replication_origins``; on older servers, ``max_replication_slots`` bounds them."""
 
 
 def origin_slots_setting(server_version: int) -> str:
@@ -223,10 +223,11 @@ def marked_commit(lsn: Lsn, commit_time: dt.datetime) -> sql.Composed:
 
     Why one message: on newer servers (PostgreSQL 18 does, 15 does not), a transaction marked by
     ``pg_replication_origin_xact_setup`` that *aborts* moves the origin too, to the marked
-    LSN (the abort record carries it). A client killed between the mark and its COMMIT made
-    the server abort the transaction, and the origin then claimed a range whose rows were
-    never written: the next run skipped them. Sent as one simple query, the mark and the
-    COMMIT run together once the server has the message, whatever becomes of the client.
+    LSN (the abort record carries it). Sent apart, a client killed between the mark and its
+    COMMIT would make the server abort the transaction, and the origin would then claim a
+    range whose rows were never written: the next run would skip them. Sent as one simple
+    query, the mark and the COMMIT run together once the server has the message, whatever
+    becomes of the client.
     What is left: a COMMIT the server itself refuses after the mark would still move the
     origin there; the apply's has nothing deferred to check (``session_replication_role =
     replica`` keeps deferred triggers quiet), so no such refusal is known.
@@ -234,8 +235,9 @@ def marked_commit(lsn: Lsn, commit_time: dt.datetime) -> sql.Composed:
     The transaction is given a transaction id (``pg_current_xact_id``): the origin moves with
     the COMMIT record, and a transaction that wrote nothing has none. A range whose changes
     net to nothing on the target (a row inserted and deleted inside it, a job queue's whole
-    life; or a table's changes its own copy already holds) then left the origin where it was:
-    the next range found a gap, and every re-run applied the same range again."""
+    life; or a table's changes its own copy already holds) would otherwise leave the origin
+    where it was: the next range would find a gap, and every re-run would apply the same range
+    again."""
     return sql.SQL(
         "SELECT pg_replication_origin_xact_setup({}::pg_lsn, {}::timestamptz), "
         "pg_current_xact_id(); COMMIT"

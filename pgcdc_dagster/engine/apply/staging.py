@@ -8,8 +8,8 @@ identity), so the merge SQL of :mod:`.transaction` reads any of them:
   column, for a table whose net rows are few (:data:`INLINE_MAX_VALUES`) and which the merge
   only reads. A temporary table costs its catalog rows, a COPY and a drop at COMMIT, on the
   server and in this process, whatever its size: with hundreds of tables changed a little
-  each, those fixed costs were most of a range's staging (see ``benchmarks/HISTORY.md``,
-  ``benchmarks/many_tables.py``);
+  each, those fixed costs are most of a range's staging (see ``benchmarks/HISTORY.md``,
+  ``benchmarks/many_tables.py`` and "Many tables");
 
 * **temporary** tables (``ON COMMIT DROP``) filled by the driver inside the apply transaction,
   for ranges compacted in this process: a table's net rows past that size, those the merge

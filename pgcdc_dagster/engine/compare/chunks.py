@@ -17,8 +17,9 @@ so a scan could be split further (ctid ranges, Spark tasks) and its parts added.
 Where both servers hash text alike (:func:`same_text_hash`: one server encoding, and
 ``hashtextextended`` giving the same values, which it does between machines of one byte order
 and hash algorithm), a keyed table's rows are hashed with it instead, with two seeds (two
-64-bit sums): the md5 was most of the compare's cost, and this hash costs about a third of it
-(``benchmarks/recover.py``). A table without a key keeps the md5, whose hex digits cut it.
+64-bit sums): the md5 is most of the compare's cost, and this hash is far cheaper
+(``benchmarks/recover.py``; ``benchmarks/HISTORY.md``, "The compare's row hash"). A table
+without a key keeps the md5, whose hex digits cut it.
 
 For a differing chunk of a keyed table, :func:`differing_keys` reads that chunk again on both
 sides and names the keys whose row is missing, extra or changed.

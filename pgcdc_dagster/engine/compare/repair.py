@@ -119,10 +119,10 @@ def repair_chunks(
 
 WHOLE_TABLE_SHARE = 0.5
 """A table with at least this share of its chunks differing is replaced whole (see the module
-docstring). On 10M rows, every chunk replaced one by one took at least twice as long as the
-table replaced whole (``benchmarks/README.md``, a lost slot), so the whole table is the cheaper
-repair from about half of its chunks on; below that the chunks' path, which locks only the
-chunk, is kept."""
+docstring). A chunk's rows are deleted through the key's index and the new ones go into a
+table whose dead rows and index grow, so the whole table is the cheaper repair from about half
+of its chunks on (``benchmarks/recover.py``; ``benchmarks/HISTORY.md``, "The repair: chunks or
+the whole table"); below that the chunks' path, which locks only the chunk, is kept."""
 
 _REFERENCED = """
 SELECT EXISTS (

@@ -4,7 +4,7 @@
 module decodes the hot message kinds (Begin, Commit, Insert, Update, Delete) of a batch at once,
 because a per-message Python loop costs more per message than the server's decoding and
 sending of it, and so caps receive at a fraction of what the server sends (see
-``benchmarks/HISTORY.md``, "Figures moved from docstrings"; ``benchmarks/receive.py`` measures
+``benchmarks/HISTORY.md``, "Decoding pgoutput in batches"; ``benchmarks/receive.py`` measures
 the receive). Rare kinds (Relation, Type, Truncate, Message, Origin) are left to the scalar
 decoder. Tests check both decoders agree.
 
@@ -273,7 +273,7 @@ def text_lists(
 def one_byte_strings(codes: np.ndarray) -> pa.Array:
     """A string array of one-character values from their bytes (the change kinds ``I``/``U``/
     ``D``), built on those bytes directly: NumPy's unicode arrays are slow for it (see
-    ``benchmarks/HISTORY.md``, "Figures moved from docstrings")."""
+    ``benchmarks/HISTORY.md``, "Decoding pgoutput in batches")."""
     offsets = np.arange(len(codes) + 1, dtype=np.int32)
     data = np.ascontiguousarray(codes, dtype=np.uint8)
     return pa.Array.from_buffers(

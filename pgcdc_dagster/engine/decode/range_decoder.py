@@ -156,7 +156,7 @@ class RangeDecoder:
     def feed(self, rows: Sequence[tuple[int, bytes]]) -> None:
         failpoint("receive.fetching")
         # Column by column through C iterators: zip(*rows) and np.array of a tuple of ints cost
-        # several times as much (see benchmarks/HISTORY.md, "Figures moved from docstrings").
+        # several times as much (see benchmarks/HISTORY.md, "Decoding pgoutput in batches").
         lsns = np.fromiter(map(_first, rows), np.int64, len(rows))
         batch = MessageBatch.from_messages(list(map(_second, rows)))
         self.wire_bytes += int(batch.ends[-1]) if len(rows) else 0

@@ -186,7 +186,7 @@ PEEK_WAIT_S = 2.0
 """How long a peek read in cuts waits, its transaction open, for the applier to take a range;
 then it ends there (see :meth:`Follower._receive_rest`). On the backlog of
 ``benchmarks/catchup_cli.py`` each wait is shorter than this (see ``benchmarks/HISTORY.md``,
-"Figures moved from docstrings")."""
+"The follow's first ranges")."""
 ASK_POLL_S = 1.0
 """How often a follower looks for a command asking for the range (one query on a target
 connection of its own) when no notification woke it first: the command waits about the range
@@ -601,8 +601,8 @@ class Follower:
                     # The rest of a backlog, after its first range (its first two when cut
                     # small): peeks of a few ranges, cut as they stream. (A peek's decode,
                     # before its first row comes, runs while the applier applies the range
-                    # before; after the first small range alone, the applier sat idle and
-                    # receive and apply overlapped less: see benchmarks/HISTORY.md,
+                    # before; after the first small range alone, the applier would sit idle
+                    # and receive and apply overlap less: see benchmarks/HISTORY.md,
                     # benchmarks/catchup_cli.py.)
                     start, sized = self._receive_rest(conn, store, start, goal, previous, flush)
                     if start == self.endpos:
@@ -727,10 +727,9 @@ class Follower:
 
         The peek's first range is ``previous`` again, not double: the source decodes the whole
         peek before its first row comes back, and the applier, done with the range before,
-        waits for that first range; the doubling goes on from the next. It was faster than a
-        doubled first range in alternating pairs, and the applier waited less (see
-        ``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures moved from
-        docstrings")."""
+        waits for that first range; the doubling goes on from the next. A doubled first range
+        keeps the applier waiting longer and the whole catch-up takes longer (see
+        ``benchmarks/HISTORY.md``, "The follow's first ranges")."""
         cap = self.settings.follow_range_bytes
         span = self._peek_ranges or PEEK_MAX_RANGES
         again = decoded_again(conn, self.settings.slot, start)
@@ -739,7 +738,7 @@ class Follower:
             # A transaction open for a long stretch of WAL (a table rewrite, a backfill) holds
             # the slot's restart point before it: every peek decodes it again from there. A
             # peek at least as long as that stretch keeps the total to about twice the WAL,
-            # where fixed spans made it grow with the square of the transaction.
+            # where fixed spans make it grow with the square of the transaction.
             span = -(-again // cap)
         peek_end = Lsn(min(goal, start + span * cap))
         sized = previous // 2  # planned up to previous by its first cut
@@ -801,7 +800,7 @@ class Follower:
     def _apply_loop(self) -> None:
         """Apply each range received, on one target connection for the whole follow (a new
         one per range would add a connection's set-up to every apply, and cost the server a
-        backend; see ``benchmarks/HISTORY.md``, "Figures moved from the README")."""
+        backend; see ``benchmarks/HISTORY.md``, "Sessions: their settings and set-up")."""
         cpu = time.thread_time()
         target: psycopg.Connection[Any] | None = None
         try:

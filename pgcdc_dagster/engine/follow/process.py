@@ -8,9 +8,9 @@ On threads, the follower's receive and apply share one interpreter lock with all
 forked process they do not. So a cold command's follow on threads is clearly slower than the
 engine's follow alone, and in a process of its own it comes close to it. Warm (the command
 server's child, Dagster already imported), the backlog cut into growing ranges
-(:func:`~.follower.backlog_range_bytes`) gained in a process and nothing on threads (more run
+(:func:`~.follower.backlog_range_bytes`) gains in a process and nothing on threads (more run
 events on the same lock). The figures: ``benchmarks/HISTORY.md``, "The follow's range shaping"
-and "Figures moved from docstrings".
+and "The follower in a process of its own".
 
 How: :class:`ProcessFollower` forks; the child runs an ordinary :class:`~.follower.Follower` and
 sends each range it applies, its progress reports and, at the end, its summary and error (if

@@ -65,9 +65,9 @@ def backlog_range_bytes(previous: int | None, remaining: int, cap: int) -> int:
     applier idle and the last applied with the receiver idle. So there the first range is small
     (:data:`FIRST_RANGE_BYTES`), each next one doubles (per-range costs, a target transaction
     and the run's events, shrink as ranges grow), and none takes more than half of what remains
-    (the last one is small again). A bigger backlog is cut at ``cap``, as it always was: those
-    two idle ends are a small part of it, and every range more costs its target transaction
-    and the run's events (more small ranges were no faster and cost the source more CPU).
+    (the last one is small again). A bigger backlog is cut at ``cap``: those two idle ends are
+    a small part of it, and every range more costs its target transaction and the run's
+    events (more small ranges are no faster and cost the source more CPU).
     Never above ``cap``, so a small cap keeps its meaning. After a backlog's first range (its
     first two when they are cut small), the rest is read by peeks of at most
     :data:`PEEK_MAX_RANGES` ranges (:meth:`Follower._receive_rest`), which re-decode from the

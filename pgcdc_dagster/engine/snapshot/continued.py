@@ -34,7 +34,7 @@ Why the table then holds exactly the source's rows at ``C2``:
   duplicate left by a mistake here would fail that key's build, loudly. So the touched keys
   are deleted by a scan of the kept rows (which also sets their hint bits, which the key's
   build would otherwise do). Building the key on the kept rows first, to delete through it
-  and maintain it during the rest of the copy, was no faster (``benchmarks/HISTORY.md``,
+  and maintain it during the rest of the copy, is no faster (``benchmarks/HISTORY.md``,
   snapshot_resume).
 
 From ``C2`` on the table is a resynced table like any other

@@ -138,7 +138,8 @@ def merge_ranges(ranges: Sequence[TableRange], rows_per_task: int) -> list[Table
 
     Why: every range costs a pair of ``psql`` processes, two backends, a snapshot import and
     the refill of the pipe, so one worker copies a big table faster as one range than as ten
-    (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). Joining
+    (see ``benchmarks/HISTORY.md``, "The snapshot's copy: its ranges and the path of its
+    rows"). Joining
     ``[a, b)`` and ``[b, c)`` gives ``[a, c)``, so the merged ranges still tile each relation
     without gap or overlap, and the last one stays open-ended.
     """
@@ -221,7 +222,8 @@ def stream_copy_out(
 
     This talks to libpq directly: psycopg's ``Copy`` reads one row message per Python-level
     call, much slower than ``psql | psql``; with blocking ``PQgetCopyData`` and batched writes
-    it is on par (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings"). If anything
+    it is on par (see ``benchmarks/HISTORY.md``, "The snapshot's copy: its ranges and the path
+    of its rows"). If anything
     fails mid-stream the connection is closed, since it is stuck in COPY state and holds
     nothing worth keeping.
     """
@@ -334,8 +336,8 @@ def _copy_piped(task: CopyTask, copy_format: str) -> tuple[int, int] | None:
     (``PQgetCopyData`` returns one row), far more CPU than ``psql | psql``; and a relay
     through a thread of this process waits for the GIL on every read and write whenever
     another thread computes (the command loads Dagster while the head start copies), which
-    slowed a copy many times over. The figures: ``benchmarks/HISTORY.md``, "Figures moved from
-    docstrings".
+    slows a copy many times over. The figures: ``benchmarks/HISTORY.md``, "The snapshot's copy:
+    its ranges and the path of its rows".
     """
     copied = _run_pair(
         [_select_statement(task, copy_format)],
@@ -457,8 +459,8 @@ def bundle_tasks(tasks: Sequence[CopyTask]) -> tuple[list[list[CopyTask]], list[
 
     A bundled table is not loaded frozen (:attr:`~.common.CopyTask.freeze`): the truncate that
     freezing needs costs a new file per table, and a small table gains nothing measurable from
-    it: bundles of small tables loaded frozen were slower (see ``benchmarks/HISTORY.md``,
-    "Figures moved from docstrings")."""
+    it: bundles of small tables loaded frozen are slower (see ``benchmarks/HISTORY.md``,
+    "The snapshot's small tables in bundles")."""
     small = [
         t
         for t in tasks

@@ -200,7 +200,7 @@ def copy_tables(
     (written last: a folder without it is incomplete). The copy then uses CSV on the wire so the
     same bytes feed the target and the Parquet writer; the folder must be reachable by every
     Spark worker. It is off by default because it is not cheap: it adds more to the copy time
-    than its 30 % budget (see ``benchmarks/HISTORY.md``, "Figures moved from docstrings").
+    than its 30 % budget (see ``benchmarks/HISTORY.md``, "The snapshot's Parquet export").
 
     ``new_tables``: the tables this snapshot created on the target (empty, with no keys,
     foreign keys or triggers yet). A range that is the whole of such a plain table is loaded
@@ -379,8 +379,8 @@ def _whole_new_table(rng: TableRange, new: set[TableName]) -> bool:
 
 DRIVER_PROCESSES_MIN_ROWS = 2_000_000
 """Below this many rows in all, the driver's copies run on threads; above, on processes: below
-it, starting the processes costs more than they gain (see ``benchmarks/HISTORY.md``, "Figures
-moved from docstrings")."""
+it, starting the processes costs more than they gain (see ``benchmarks/HISTORY.md``, "The
+driver's copy processes")."""
 
 
 def _driver_workers(tasks: int, parallelism: int | None) -> int:
@@ -419,7 +419,7 @@ def _driver_pool(tasks: Sequence[CopyTask], workers: int) -> Executor:
     Without ``psql`` threads would share one core through the GIL (``PQgetCopyData`` returns
     one row at a time): past :data:`DRIVER_PROCESSES_MIN_ROWS` the tasks run on spawned
     processes (this process may hold threads: no fork), which cost their start-up (see
-    ``benchmarks/HISTORY.md``, "Figures moved from docstrings").
+    ``benchmarks/HISTORY.md``, "The driver's copy processes").
     """
     if piped_copy_available():
         return ThreadPoolExecutor(workers, thread_name_prefix="pgcdc-driver-copy")
@@ -428,7 +428,7 @@ def _driver_pool(tasks: Sequence[CopyTask], workers: int) -> Executor:
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
     # Start every worker now, before the copies compete with them for the CPU: a worker
     # spawned while the first copies run is slow to take its first task (see
-    # benchmarks/HISTORY.md, "Figures moved from docstrings").
+    # benchmarks/HISTORY.md, "The driver's copy processes").
     list(pool.map(time.sleep, [0.2] * workers))
     return pool
 

@@ -447,8 +447,8 @@ def _present_all(
 
     Why: a probe is three round trips, and the snapshot runs beside the command's import of
     Dagster, so every round trip also waits for Python's GIL: with hundreds of small tables,
-    one probe after the other took more of ``pgcdc snapshot`` than the copy of the rows (see
-    ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py``)."""
+    one probe after the other takes more of ``pgcdc snapshot`` than the copy of the rows (see
+    ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py`` and "Many tables")."""
     if not addresses:
         return {}
     listed = json.dumps([{"type": a.type, "names": a.names, "args": a.args} for a in addresses])

@@ -181,8 +181,7 @@ def receive_in_cuts(
     restart point, which PostgreSQL 15 moves only at running-xacts records (about every 15 s of
     the WAL's writing time), so N peeks over a backlog decode its head N times: one peek and
     one advance cost the source's backend much less time and CPU than a peek and an advance
-    per range (see ``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures
-    moved from docstrings").
+    per range (see ``benchmarks/HISTORY.md``, "Reading the slot: peeks and advances").
 
     ``next_bytes(remaining)`` sizes each range as it begins (``remaining``: WAL bytes from its
     start to ``goal``). A range is cut just after the first COMMIT that ends at or past its

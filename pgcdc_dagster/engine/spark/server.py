@@ -2,7 +2,7 @@
 
 Why: every process that starts a local SparkSession waits for its JVM, Spark context and first
 job; a Connect client attaches to a running server much sooner (see ``benchmarks/HISTORY.md``,
-``benchmarks/spark_paths.py`` and "Figures moved from the README").
+``benchmarks/spark_paths.py`` and "Spark's fixed costs and the driver/Spark split").
 ``pgcdc spark start`` starts the server that ships inside the pyspark wheel
 (``sbin/start-connect-server.sh``) on a free loopback port and records where it listens in the
 output store (``<store>/spark-connect.json``), the one place every ``pgcdc`` command and every

@@ -13,8 +13,8 @@ a week of them is millions of folders. In one folder, every range written would 
 (to sweep a crashed write's leftovers) and every decision of what to do next would list and
 parse them all, each slower as the store grows; in buckets, each walks only the buckets it
 needs (:meth:`OutputStore.walk`; see ``benchmarks/store_scale.py`` and
-``benchmarks/HISTORY.md``). Ranges stored directly under ``changes/`` (the layout before
-buckets) are still read, and leave as the retention removes them.
+``benchmarks/HISTORY.md``). Ranges stored directly under ``changes/`` (the flat layout of
+older stores) are read too, and leave as the retention removes them.
 
 The manifest is the store's single source of truth for "what each LSN range holds"; a range
 exists exactly when its folder (with manifest) exists. A range is written into a hidden
@@ -26,7 +26,7 @@ The rooms of the store: a range's format and manifest (:mod:`.range_format`), th
 record and its codec (:mod:`.chain`), the folders on disk (:mod:`.layout`), the atomic writer
 (:mod:`.range_writer`). This module is the one owner of every durable write of the store (the
 chain under its lock, a range through its writer): the store's durable facts are written
-nowhere else. Its names are where callers have always found them.
+nowhere else. Every name of those rooms is importable from here too.
 """
 
 from __future__ import annotations
@@ -112,8 +112,7 @@ MANIFESTS_KEPT = 256
 """Stored ranges an :class:`OutputStore` keeps read (the most recently used): a follow's
 receiver writes through one store for as long as it runs, and keeping every range it stored
 would grow it with every range, without end; bounded, it stays small (see
-``benchmarks/HISTORY.md``, "Figures moved from the README" and "Figures moved from
-docstrings")."""
+``benchmarks/HISTORY.md``, "A follow that runs for days")."""
 ENDS_SEEN = 4096
 """Range ends a process remembers per store (the latest seen)."""
 
@@ -176,8 +175,8 @@ class OutputStore:
             os.rmdir(self.scratch_of(start))
 
     def range_path(self, rng: LsnRange) -> Path:
-        """Where ``rng`` is stored: in its bucket, or directly under ``changes/`` when it was
-        stored before buckets (one more ``stat``, paid by those and by ranges not stored)."""
+        """Where ``rng`` is stored: in its bucket, or directly under ``changes/`` when it lies
+        in the flat layout (one more ``stat``, paid by those and by ranges not stored)."""
         path = self.bucket_of(rng.start) / rng.key
         if path.is_dir():
             return path
@@ -229,7 +228,7 @@ class OutputStore:
     def _names(self, start: Lsn | None, reverse: bool) -> Iterator[str]:
         """The names of the stored ranges' folders in order (fixed-width hex: they sort as
         their LSNs do), from the first starting at or after ``start``, or at or before it with
-        ``reverse``: the ranges directly under ``changes/`` (the layout before buckets) merged
+        ``reverse``: the ranges directly under ``changes/`` (the flat layout) merged
         with those of the buckets, listed as they are reached."""
         bound = None if start is None else start.hex16
         first_hi, first_mid = ("", "") if start is None else bucket_names(start)
@@ -573,8 +572,9 @@ class OutputStore:
         return bucket
 
     def sweep_removed(self) -> None:
-        """Delete what a prune killed mid-removal left hidden, and what a writer of the layout
-        before buckets, killed mid-write, left (a writer now sweeps its own, in its bucket)."""
+        """Delete what a prune killed mid-removal left hidden, and the hidden scratch folders
+        directly under ``changes/`` (a writer killed mid-write in the flat layout; a writer
+        in a bucket sweeps its own)."""
         if self.changes_dir.is_dir():
             for left in self.changes_dir.glob(".*"):
                 if left.name.startswith(PRUNED_PREFIX):

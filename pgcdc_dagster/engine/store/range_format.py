@@ -159,7 +159,7 @@ class StoredRange:
     @property
     def store_root(self) -> Path:
         """The root of the store the range lies in (in its bucket, or directly under
-        ``changes/`` when stored before buckets)."""
+        ``changes/`` in the flat layout)."""
         folder = self.path.parent
         if folder.name != "changes":  # a bucket: changes/<hi>/<mid>
             folder = folder.parent.parent

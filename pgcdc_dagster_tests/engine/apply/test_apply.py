@@ -170,8 +170,8 @@ def test_insert_update_delete_of_one_key_in_one_range_nets_out(make_replica, sta
 def test_a_range_that_nets_to_nothing_on_the_target_still_moves_the_origin(make_replica, staged):
     """A row inserted and deleted inside one range (a job queue's whole life) writes nothing
     on the target. The origin still moves to the range's end, with the transaction's COMMIT
-    (before, no row written meant no COMMIT record and no move: the next range found a gap,
-    and every re-run stopped there again)."""
+    (without a COMMIT record it would not move: the next range would find a gap, and every
+    re-run would stop there again)."""
     replica = make_replica(ITEMS, ["items"])
     replica.source("INSERT INTO items (id, name, n) VALUES (1, 'a', 1)")
     replica.sync()

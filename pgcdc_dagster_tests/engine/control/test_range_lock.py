@@ -41,11 +41,11 @@ def test_a_live_holder_is_named_at_once(target_dsn):
 def test_a_holder_whose_session_ends_between_the_try_and_the_look_gives_the_lock_up(
     target_dsn, monkeypatch
 ):
-    """``pg_terminate_backend`` only signals: a try right after it can find the lock still
-    held and, a moment later, no session holding it (the raw try then look found that 16 times
-    in 200 by hand; CI failed on it). Here the holder's session is ended, and waited out,
-    exactly between the failed try and the look at who holds the lock: the ending holder is
-    waited for and the lock taken, instead of "a session that just ended" being reported."""
+    """``pg_terminate_backend`` only signals: a try right after it can find the lock still held
+    and, a moment later, no session holding it (a raw try then look meets that race now and
+    then). Here the holder's session is ended, and waited out, exactly between the failed try
+    and the look at who holds the lock: the ending holder is waited for and the lock taken,
+    instead of "a session that just ended" being reported."""
     holder = _holding(target_dsn, "s2", "run ending")
     real_holders = range_lock_module._holders
     looked: list[list[LockHolder]] = []

@@ -40,7 +40,7 @@ def test_folded_totals_equal_the_totals_of_every_interval_and_memory_stays_bound
     assert busy.busy_s(1) == pytest.approx(sum(b - a for a, b in ys))
     assert busy.both_s() == pytest.approx(overlap(xs, ys))
     assert 0 < busy.both_s() < min(busy.busy_s(0), busy.busy_s(1))
-    assert most <= 4 * FOLD_AT, most  # against 10,000 kept before
+    assert most <= 4 * FOLD_AT, most  # of the 10,000 intervals added
 
     again = pickle.loads(pickle.dumps(busy))  # a follow process sends its summary
     assert again.both_s() == pytest.approx(busy.both_s())

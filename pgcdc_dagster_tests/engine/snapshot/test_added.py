@@ -646,8 +646,8 @@ def test_foreign_keys_between_an_added_table_and_the_replicated_ones_hold_once_c
     """An added table is copied as of a later point than the target's: its rows may
     reference rows the target has yet to receive (a customer created since), and rows of the
     target may reference its rows the source has since deleted. Created valid, such a key
-    failed the add, and every add after it (the apply refuses while one is unfinished, so the
-    missing rows never came). So its foreign keys, both ways, are created ``NOT VALID``
+    would fail the add, and every add after it (the apply refuses while one is unfinished, so
+    the missing rows would never come). So its foreign keys, both ways, are created ``NOT VALID``
     (enforced for new writes, the old rows not checked), and the cutover, once caught up,
     validates them."""
     settings = _orders_of_customers(source_dsn, target_dsn, tmp_path, spark, "addfk")

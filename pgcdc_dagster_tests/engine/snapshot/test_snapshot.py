@@ -1018,7 +1018,7 @@ def test_progress_estimates_a_never_analysed_table_as_the_planner_does(
 ) -> None:
     """A table fresh from a restore has no statistics (``reltuples`` is -1): its row estimate
     comes from its size and the widths of the columns copied (not the generated one), the
-    planner's, not 0 (which showed as ``~0 rows``)."""
+    planner's, not 0 (which would show as ``~0 rows``)."""
     from pgcdc_dagster.engine.progress import CopyWatcher, listening
 
     run_sql(
