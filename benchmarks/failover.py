@@ -3,18 +3,19 @@ against native logical replication with a failover slot, in the same run, same f
 
 Set-up, fresh for every run: a PostgreSQL 18 primary and a physical standby
 (:func:`pgcdc_dagster_tests.support.standby.primary_with_standby`: ``synchronized_standby_slots`` on
-the primary, slot sync on the standby), restarted with production durability (``fsync``,
-``full_page_writes`` on, :data:`DURABLE`; the throwaway clusters' defaults turn them off); a
-database ``app`` with ``accounts`` of ``--rows`` rows. Two PostgreSQL 18 targets with the same
-durability: ``target`` holds our target database, Dagster's storage and native's database
-``native`` (``wal_retrieve_retry_interval`` left at its default, 5 s); ``target_fast`` holds
-``native`` only, with ``wal_retrieve_retry_interval = 1s`` (a server setting, hence a cluster
-of its own; ``--no-fast-native`` leaves it out).
+the primary, slot sync on the standby), restarted with the settings of ``--profile``
+(``production`` by default: ``fsync`` and ``full_page_writes`` on, which the throwaway clusters'
+defaults turn off); a database ``app`` with ``accounts`` of ``--rows`` rows. Two PostgreSQL 18
+targets of the same profile: ``target`` holds our target database, Dagster's storage and
+native's database ``native`` (``wal_retrieve_retry_interval`` left at its default, 5 s);
+``target_fast`` holds ``native`` only, with ``wal_retrieve_retry_interval = 1s`` (a server
+setting, hence a cluster of its own; ``--no-fast-native`` leaves it out).
 
 Every connection goes through the multi-host DSN (``host=primary,standby
 target_session_attrs=read-write``): ``pgcdc snapshot`` (its slot a failover slot), then ``pgcdc
 follow --json`` as a fresh process (``PGCDC_SERVER=off``), and the native subscriptions
-``CREATE SUBSCRIPTION ... PUBLICATION p WITH (failover = true)`` (initial sync waited out). A
+``CREATE SUBSCRIPTION ... PUBLICATION p WITH (failover = true)`` (initial sync waited out; the
+harness's subscription has no ``failover`` option, so the statement is this script's). A
 writer thread commits ``--rate`` single-row updates a second through the same DSN, riding the
 failover (a lost connection is retried every 50 ms). Once every consumer has shown a warm-up
 probe row, the standby's copies of the three slots are waited for until ``synced`` and not
@@ -25,12 +26,15 @@ The failover: the primary crashed (``pg_ctl stop -m immediate``), ``--down-secon
 then one read-write connection). The clock starts when that returns; a probe row is committed
 on the new primary right away and every target is polled for it every 10 ms. The figure is the
 time from the promotion to the poll that first sees the probe. Then the writer goes on for 3 s
-and stops, and every target must equal the new primary (row count and ``sum(hashtext(row))``
-of ``accounts``); the follow must still be running, say it failed over, and end with exit 0 on
-SIGTERM (its ``--json`` totals give its outage).
+and stops, and every target must equal the new primary (row count and content hash of
+``accounts``, :func:`harness.fingerprints`); the follow must still be running, say it failed
+over, and end with exit 0 on SIGTERM (its ``--json`` totals give its outage).
+
+The cluster profiles, the databases, the native subscription's wait, the comparison, the
+median and the table are ``benchmarks/harness.py``'s.
 
 Usage: ``.venv/bin/python benchmarks/failover.py [--runs 3] [--rows 100000] [--rate 150]
-[--down-seconds 0] [--no-fast-native] [--json out.json]``
+[--down-seconds 0] [--no-fast-native] [--profile production|throwaway] [--json out.json]``
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,27 +71,19 @@ from pgcdc_dagster.demo.local_cluster import (  # noqa: E402
 from pgcdc_dagster.engine.control.range_lock import lock_holders  # noqa: E402
 from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby  # noqa: E402
 
-PGCDC = str(Path(sys.executable).parent / "pgcdc")
+sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
+
 MAJOR = 18
 POLL_S = 0.01
 PROBE_TIMEOUT_S = 300.0
-DURABLE = {
-    "fsync": "on",
-    "full_page_writes": "on",
-    "max_wal_size": "1GB",
-    "checkpoint_timeout": "5min",
-}
-"""PostgreSQL's own defaults where the throwaway clusters trade crash safety for speed."""
-CONTENT = "SELECT count(*), coalesce(sum(hashtext(a::text)), 0) FROM accounts a"
+DURABILITY = ("fsync", "full_page_writes")
+"""The settings checked on the primary and the standby once the profile's are in force."""
+TABLES = ["public.accounts"]
 SCHEMA = "CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL, pad text)"
 SLOT = "bench_failover"
 WARMUP_PROBE, PROBE = 2_000_000, 3_000_000
 OURS, NATIVE, NATIVE_FAST = "ours", "native", "native_1s"
-
-
-def content(dsn: str) -> tuple[int, int]:
-    with psycopg.connect(dsn, connect_timeout=5) as conn:
-        return conn.execute(CONTENT).fetchone()  # type: ignore[return-value]
 
 
 def wait_for(what: str, done: Callable[[], bool], timeout: float, every: float = 0.2) -> None:
@@ -99,31 +94,29 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float, every: float =
         time.sleep(every)
 
 
-def make_durable(pair: Pair) -> None:
-    """Restart both servers with :data:`DURABLE` (``LocalCluster`` writes its settings at every
-    start): the standby stopped first, started last, so it reconnects at once."""
+def apply_profile(pair: Pair, profile: str) -> None:
+    """Restart both servers with the settings of ``profile`` (``LocalCluster`` writes its
+    settings at every start): the standby stopped first, started last, so it reconnects at
+    once; :data:`DURABILITY` checked on both."""
+    settings = harness.profile_settings(profile)
     for cluster in (pair.primary, pair.standby):
-        cluster.settings = {**cluster.settings, **DURABLE}  # type: ignore[misc]
+        cluster.settings = {**cluster.settings, **settings}  # type: ignore[misc]
     pair.standby.stop()
     pair.primary.stop()
     pair.primary.start()
     pair.standby.start()
     for cluster in (pair.primary, pair.standby):
         with psycopg.connect(cluster.dsn()) as conn:
-            shown = [conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABLE]  # type: ignore[index]
-        assert shown[:2] == ["on", "on"], (cluster.directory, shown)
+            shown = [conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY]  # type: ignore[index]
+        assert shown == [settings[name] for name in DURABILITY], (cluster.directory, shown)
     pair.wait_replayed(timeout=60)
 
 
-def target_cluster(name: str, extra: dict[str, str]) -> LocalCluster:
-    settings = {**LOGICAL_SOURCE_SETTINGS, **origin_room(20, MAJOR), **DURABLE, **extra}
+def target_cluster(name: str, profile: str, extra: dict[str, str]) -> LocalCluster:
+    settings = harness.profile_settings(
+        profile, {**LOGICAL_SOURCE_SETTINGS, **origin_room(20, MAJOR), **extra}
+    )
     return temporary_cluster(settings, prefix=f"pgcdc-bench-{name}-", major=MAJOR)
-
-
-def create_database(cluster: LocalCluster, name: str) -> str:
-    with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    return cluster.dsn(name)
 
 
 class Writer(threading.Thread):
@@ -179,26 +172,26 @@ class Writer(threading.Thread):
             raise self.error
 
 
-def subscribe(target: LocalCluster, name: str, source_dsn: str) -> str:
+def subscribe(target: LocalCluster, name: str, source_dsn: str) -> harness.Subscription:
     """Database ``native`` on ``target`` with ``accounts``, subscribed to publication ``p``
-    with a failover slot ``name``; its initial sync waited out. Returns its DSN."""
-    dsn = create_database(target, "native")
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with a failover slot ``name`` (:meth:`harness.Subscription.create` has no ``failover``
+    option, hence the statement here); :meth:`~harness.Subscription.wait_ready` waits out its
+    initial sync."""
+    subscription = harness.Subscription(
+        source_dsn, harness.create_database(target, "native"), name, "p"
+    )
+    with psycopg.connect(subscription.target_dsn, autocommit=True) as conn:
         conn.execute(SCHEMA)
         conn.execute(
             sql.SQL(
-                "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION p WITH (failover = true)"
-            ).format(sql.Identifier(name), sql.Literal(source_dsn))
+                "CREATE SUBSCRIPTION {} CONNECTION {} PUBLICATION {} WITH (failover = true)"
+            ).format(
+                sql.Identifier(name),
+                sql.Literal(source_dsn),
+                sql.Identifier(subscription.publication),
+            )
         )
-    return dsn
-
-
-def native_ready(dsn: str) -> bool:
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute(
-            "SELECT count(*), count(*) FILTER (WHERE srsubstate <> 'r') FROM pg_subscription_rel"
-        ).fetchone()
-    return row is not None and row[0] > 0 and row[1] == 0
+    return subscription
 
 
 def wait_copies_persistent(pair: Pair, slots: list[str], timeout: float = 180.0) -> float:
@@ -268,7 +261,11 @@ def insert_probe(dsn: str, probe: int) -> float:
 
 
 def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
-    report: dict[str, Any] = {"run": number, "started": datetime.now(UTC).strftime("%H:%M:%S")}
+    report: dict[str, Any] = {
+        "run": number,
+        "started": datetime.now(UTC).strftime("%H:%M:%S"),
+        "cluster_profile": args.profile,
+    }
     targets: list[LocalCluster] = []
     follow: subprocess.Popen[str] | None = None
     writer: Writer | None = None
@@ -278,7 +275,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
     ):
         work = Path(tmp)
         try:
-            make_durable(pair)
+            apply_profile(pair, args.profile)
             with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
                 conn.execute("CREATE DATABASE app")
             source = pair.multi_host_dsn("app")
@@ -293,14 +290,15 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
                 conn.execute("CREATE PUBLICATION p FOR TABLE accounts")
             pair.wait_replayed(timeout=60)
 
-            target = target_cluster("target", {})
+            target = target_cluster("target", args.profile, {})
             targets.append(target)
             if args.fast_native:
-                targets.append(target_cluster("target-fast", {"wal_retrieve_retry_interval": "1s"}))
+                fast = {"wal_retrieve_retry_interval": "1s"}
+                targets.append(target_cluster("target-fast", args.profile, fast))
             for cluster in targets:
                 cluster.start()
-            ours_dsn = create_database(target, "bench_failover")
-            create_database(target, "dagster_failover")
+            ours_dsn = harness.create_database(target, "bench_failover")
+            harness.create_database(target, "dagster_failover")
             home = work / "dagster_home"
             home.mkdir()
             shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
@@ -317,22 +315,18 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
                 ),
                 "PGCDC_SERVER": "off",
             }
-            done = subprocess.run(
-                [PGCDC, "snapshot"], env=env, cwd=work, capture_output=True, text=True
-            )
-            if done.returncode != 0:
-                raise RuntimeError(f"pgcdc snapshot failed: {done.stderr[-3000:]}")
+            _, done = harness.run_command(env, work, "snapshot")
             if "synchronized_standby_slots" in done.stderr:
                 raise RuntimeError(f"the source is not set up for failover: {done.stderr}")
 
             slots = {OURS: SLOT, NATIVE: "bench_native"}
-            dsns = {OURS: ours_dsn, NATIVE: subscribe(target, slots[NATIVE], source)}
+            natives = {NATIVE: subscribe(target, slots[NATIVE], source)}
             if args.fast_native:
                 slots[NATIVE_FAST] = "bench_native_1s"
-                dsns[NATIVE_FAST] = subscribe(targets[1], slots[NATIVE_FAST], source)
-            for name in (NATIVE, NATIVE_FAST):
-                if name in dsns:
-                    wait_for(f"{name}'s initial sync", lambda n=name: native_ready(dsns[n]), 300)
+                natives[NATIVE_FAST] = subscribe(targets[1], slots[NATIVE_FAST], source)
+            dsns = {OURS: ours_dsn, **{n: s.target_dsn for n, s in natives.items()}}
+            for subscription in natives.values():
+                subscription.wait_ready(timeout=300)
             with psycopg.connect(pair.primary.dsn("app")) as conn:
                 failover = dict(
                     conn.execute(
@@ -345,7 +339,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
             writer = Writer(source, args.rows, args.rate)
             writer.start()
             follow = subprocess.Popen(
-                [PGCDC, "follow", "--json"],
+                [harness.PGCDC, "follow", "--json"],
                 env=env,
                 cwd=work,
                 stdout=(work / "follow.out").open("w"),
@@ -391,22 +385,23 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
 
             time.sleep(3)
             writer.finish()
-            expected = content(new_primary)
+            expected = harness.fingerprints(new_primary, TABLES)
             for name, dsn in dsns.items():
                 wait_for(
-                    f"{name} to equal the new primary", lambda d=dsn: content(d) == expected, 180
+                    f"{name} to equal the new primary",
+                    lambda d=dsn: bool(harness.equality(expected, d)["equal"]),
+                    180,
                 )
-            report["rows"] = expected[0]
+            report["rows"] = expected[TABLES[0]][0]
             report["equal"] = True
             if follow.poll() is not None:
-                raise RuntimeError(f"pgcdc follow ended: {tail(work / 'follow.err')}")
+                raise RuntimeError(f"pgcdc follow ended: {harness.tail(work / 'follow.err', 20)}")
             follow.send_signal(signal.SIGTERM)
             follow.wait(120)
             err = (work / "follow.err").read_text(errors="replace")
             if follow.returncode != 0:
-                raise RuntimeError(
-                    f"pgcdc follow exited {follow.returncode}: {tail(work / 'follow.err')}"
-                )
+                said = harness.tail(work / "follow.err", 20)
+                raise RuntimeError(f"pgcdc follow exited {follow.returncode}: {said}")
             switched = re.search(r"the source failed over: timeline \d+ -> \d+ at \S+", err)
             if switched is None:
                 raise RuntimeError(f"pgcdc follow never said it failed over: {err[-2000:]}")
@@ -429,13 +424,6 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def seconds(value: float | str | None) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value or "")
 
@@ -445,7 +433,7 @@ def table(runs: list[dict[str, Any]], fast: bool) -> str:
     head = ["run", "crash → promoted s", "ours s", "native (retry 5 s) s"]
     head += ["native (retry 1 s) s"] if fast else []
     head += ["ours / native", "follow outage s", "targets equal"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows: list[list[str]] = []
 
     def ratio(ours: Any, native: Any) -> str:
         ok = isinstance(ours, float) and isinstance(native, float) and native > 0
@@ -457,21 +445,21 @@ def table(runs: list[dict[str, Any]], fast: bool) -> str:
         cells += [seconds(seen.get(n)) for n in names]
         cells += [ratio(seen.get(OURS), seen.get(NATIVE)), seconds(r.get("follow_outage_s"))]
         cells += ["yes" if r.get("equal") else "no"]
-        lines.append("| " + " | ".join(cells) + " |")
-    medians: dict[str, float] = {}
+        rows.append(cells)
+    medians: dict[str, float | None] = {}
     for n in names:
         values = [r["visible_s"].get(n) for r in runs]
         if values and all(isinstance(v, float) for v in values):
-            medians[n] = statistics.median(values)
-    cells = ["median", seconds(statistics.median(r["crash_to_promoted_s"] for r in runs))]
+            medians[n] = harness.median(values)
+    cells = ["median", seconds(harness.median(r["crash_to_promoted_s"] for r in runs))]
     cells += [seconds(medians.get(n)) for n in names]
     cells += [ratio(medians.get(OURS), medians.get(NATIVE)), "", ""]
-    lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    rows.append(cells)
+    return harness.markdown_table(head, rows)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.argument_parser(__doc__, profile=harness.PRODUCTION, json=True)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=150.0, help="writer commits a second")
@@ -484,13 +472,14 @@ def main() -> None:
         action="store_false",
         help="leave out native with wal_retrieve_retry_interval = 1s",
     )
-    parser.add_argument("--json", type=Path, help="write every run's figures there")
     args = parser.parse_args()
-    runs = []
-    for number in range(1, args.runs + 1):
-        report = one_run(number, args)
+
+    def run(index: int) -> dict[str, Any]:
+        report = one_run(index + 1, args)
         print(json.dumps(report), flush=True)
-        runs.append(report)
+        return report
+
+    runs = harness.run_repeats(run, args.runs)
     if args.json:
         args.json.write_text(json.dumps(runs, indent=2))
     print()
