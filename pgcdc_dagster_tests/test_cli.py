@@ -83,6 +83,23 @@ def test_missing_settings_are_one_clear_line(monkeypatch, capsys):
     assert err.startswith("pgcdc: PGCDC_SOURCE_DSN and PGCDC_TARGET_DSN not set")
 
 
+@pytest.mark.parametrize("url", ["s3://bucket/store", "gs://bucket/store", "abfs://c@a/store"])
+def test_an_object_store_url_is_refused_in_one_line_and_never_taken_for_a_folder(
+    url, monkeypatch, capsys, tmp_path
+):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PGCDC_STORE", url)
+    monkeypatch.setenv("PGCDC_SOURCE_DSN", "host=127.0.0.1 port=1 dbname=x")
+    monkeypatch.setenv("PGCDC_TARGET_DSN", "host=127.0.0.1 port=1 dbname=y")
+    code, _, err = run_cli(capsys, "status")
+    assert code == 2, err
+    assert "output store is not supported" in err and "\n" not in err.strip(), err
+    assert list(tmp_path.iterdir()) == []  # no folder "s3:" made here
+    monkeypatch.setenv("PGCDC_STORE", f"file://{tmp_path}/store")
+    settings = ReplicationSettings.from_env(require_servers=False)
+    assert settings.store_path == tmp_path / "store"
+
+
 def test_spark_settings_pass_through_and_a_wrong_one_is_one_line_without_its_value():
     conf = (
         "spark.executor.memory=4g; spark.archives=deps.tar.gz#deps,more.zip#more;"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -95,7 +96,10 @@ class ReplicationSettings(BaseModel):
     tables: tuple[TableName, ...] | None = None
     """``None``: every user table of the source. From a comma list of ``schema.table``."""
     store: str = ".pgcdc/store"
-    """Where the output store (decoded ranges, the chain record) lives."""
+    """Where the output store (decoded ranges, the chain record) lives: a local path, or a
+    ``file://`` URL. An object store's URL (``s3://``, ``gs://``, ``abfs://``...) is refused
+    in one line, never taken for a local folder: the store's commit protocol relies on a file
+    system's atomic rename and lock, which object storage does not have."""
     owners: tuple[str, ...] = ()
     """Who answers for this replication, shown as the owners of every asset in the Dagster UI
     (``PGCDC_OWNERS``: a comma list, each an email address or ``team:name``)."""
@@ -303,6 +307,11 @@ class ReplicationSettings(BaseModel):
     def _empty_is_none(cls, value: Any) -> Any:
         return value or None
 
+    @field_validator("store", mode="before")
+    @classmethod
+    def _local_store(cls, value: Any) -> Any:
+        return local_store_path(value) if isinstance(value, str) else value
+
     def spark_target(self) -> dict[str, str | None]:
         """Where Spark runs, as :func:`~.spark.session.get_spark`'s ``master`` and ``remote``:
         the configured ones, else the warm server ``pgcdc spark start`` recorded in the store
@@ -460,6 +469,29 @@ def parse_duration(text: str) -> float | None:
             f"{text!r} is not a duration: use 90s, 30m, 12h, 7d, plain seconds, or forever"
         )
     return seconds
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_store_path(value: str) -> str:
+    """``PGCDC_STORE`` as a local path: a ``file://`` URL's path, a path as it is; a
+    :class:`ValueError` naming the fix for any other URL (an object store's), which a local
+    path resolution would otherwise turn into a folder ``s3:/bucket`` on this machine."""
+    found = _URL.match(value)
+    if found is None:
+        return value
+    scheme = found.group(1).lower()
+    if scheme == "file":
+        path = urllib.parse.urlparse(value).path
+        if not path:
+            raise ValueError(f"{value} names no path: write file:///absolute/path")
+        return urllib.parse.unquote(path)
+    raise ValueError(
+        f"a {scheme}:// output store is not supported: the store needs a file system with "
+        "atomic rename and locks; give a local path or one every process mounts (NFS, a "
+        "cloud file system), as a path or file:// URL"
+    )
 
 
 def _one_line(exc: ValidationError) -> str:
