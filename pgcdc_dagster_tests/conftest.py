@@ -33,11 +33,16 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PGCDC_SERVER"] = "off"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     """Tests marked ``long`` first: ``make test`` hands tests to its workers in this order, so
     the minute-long ones start early and the short ones fill the gaps, rather than one worker
-    running a long test alone at the end."""
+    running a long test alone at the end. A wrapper that sorts once every other hook is done:
+    the random order (pytest-randomly) shuffles first, and the sort keeps it within each
+    kind."""
+    result = yield
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -143,7 +143,6 @@ def failover_pair() -> Iterator[Pair]:
         yield pair
 
 
-@pytest.mark.long
 def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a_recopy(
     failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
 ):
@@ -204,7 +203,6 @@ def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a
         assert json.loads(out)["equal"] is True, out
 
 
-@pytest.mark.long
 def test_the_sensors_follow_run_rides_a_failover_with_no_hands(
     failover_pair, target_dsn, target_cluster, tmp_path, monkeypatch, capsys
 ):
@@ -301,7 +299,6 @@ def test_a_follow_killed_in_the_failover_window_is_finished_by_the_next_catchup(
         assert code == 0 and json.loads(out)["equal"] is True, out
 
 
-@pytest.mark.long
 def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
     target_dsn, target_cluster, tmp_path, monkeypatch, capsys
 ):
