@@ -226,6 +226,8 @@ def _record_ranges(
         rng = LsnRange.from_key(done.received.range_key)
         for line in done.applied.schema_changes:  # the source's DDL, followed on the target
             log(f"range {rng.partition_key}: {line}")
+        for line in done.applied.warnings:
+            storage.write(lambda line=line: context.log.warning(line))
         counts = storage.write(lambda done=done: row_counts.after(done.applied))
         gap = None
         if tables:

@@ -831,6 +831,8 @@ class Follower:
                 self.summary.busy.add(APPLYING, began, time.monotonic())
                 if applied.spark_app is not None:
                     self.summary.note_spark(applied)
+                for warning in applied.warnings:  # shown at once, whatever the run records
+                    self._report(None, note=f"warning: {warning}")
                 self._count(received, lag)
                 done = RangeDone(received, applied)
                 self._done.put(Followed(done, lag, time.monotonic(), self._sessions))
