@@ -9,6 +9,7 @@ stderr under the workers' work dirs says where the tasks ran.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -326,7 +327,10 @@ def test_a_store_the_executors_cannot_read_is_staged_on_the_driver_or_refused(
     assert "cannot read" in refused.last_line and "PGCDC_STORE" in refused.last_line
     assert table_digest(target, "items") == before  # nothing applied
 
-    staged = pgcdc(env, "catchup", "--endpos", "current")
+    staged = pgcdc(env, "catchup", "--endpos", "current", "--json")
     assert staged.code == 0, staged.err[-4000:]
-    assert "staged on the driver: executors cannot read the store" in staged.err, staged.err
+    totals = json.loads(staged.out)["follow"]
+    assert totals["staged_on_driver"] == 1, (totals, staged.err[-4000:])
+    assert "executors cannot read the store" in totals["staged_on_driver_why"], totals
+    assert "pgcdc: warning: 1 range(s) staged on the driver" in staged.err, staged.err
     assert table_digest(target, "items") == table_digest(source, "items")

@@ -150,6 +150,8 @@ def follow_summary_metadata(
         "spark_tasks": summary.spark_tasks,
         "spark_changes": summary.spark_changes,
         "spark_seconds": summary.spark_seconds,
+        "staged_on_driver": summary.driver_staged,
+        "staged_on_driver_why": summary.driver_staged_why,
         **spark_metadata(summary.spark_app),
         "storage_outages": storage.outages.count if storage else 0,
         "storage_outage_s": storage.outages.total_s if storage else 0.0,
