@@ -9,8 +9,10 @@ stderr under the workers' work dirs says where the tasks ran.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -49,9 +51,20 @@ class ExecutorPythons:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[StandaloneCluster]:
+def driver_only(tmp_path_factory) -> Path | None:
+    """A folder the cluster's workers see empty (a mount namespace of their own with a tmpfs
+    over it, as on hosts that do not mount the driver's disk); ``None`` without root."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return None
+    return tmp_path_factory.mktemp("driver-only")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, driver_only) -> Iterator[StandaloneCluster]:
     """One master and two one-core workers for the whole module."""
-    with standalone_cluster(tmp_path_factory.mktemp("spark-standalone")) as running:
+    with standalone_cluster(
+        tmp_path_factory.mktemp("spark-standalone"), hidden=driver_only
+    ) as running:
         yield running
 
 
@@ -287,3 +300,37 @@ def test_executors_that_cannot_reach_the_target_fail_at_once(cluster, executor_p
     assert cluster.task_lines(app) == {}  # no copy task started
     assert sum(rows_on_target(target).values()) == 0, rows_on_target(target)
     assert slots_of(source) == []
+
+
+def test_a_store_the_executors_cannot_read_is_staged_on_the_driver_or_refused(
+    cluster, executor_pythons, cli_env, driver_only
+):
+    """The output store on the driver's disk only: a range big enough for Spark is staged on
+    the driver, with one warning line, and the target ends equal; with
+    ``PGCDC_SPARK_STAGING=required`` the catch-up stops in one line, nothing applied."""
+    if driver_only is None:
+        pytest.skip("hiding a folder from the workers needs root (a mount namespace)")
+    source, target = cli_env["PGCDC_SOURCE_DSN"], cli_env["PGCDC_TARGET_DSN"]
+    env = {
+        **spark_env(cluster, executor_pythons.deps),
+        "PGCDC_STORE": str(driver_only / cli_env["PGCDC_SLOT"]),
+        "PGCDC_SNAPSHOT_DRIVER_ROWS": str(10**9),  # the copy is the driver's: not the point
+    }
+    taken = pgcdc(env, "snapshot")
+    assert taken.code == 0, taken.err[-4000:]
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("INSERT INTO items SELECT g, 'more' FROM generate_series(101, 1300) g")
+    before = table_digest(target, "items")
+
+    refused = pgcdc({**env, "PGCDC_SPARK_STAGING": "required"}, "catchup", "--endpos", "current")
+    assert refused.code == 1, refused.err[-4000:]
+    assert "cannot read" in refused.last_line and "PGCDC_STORE" in refused.last_line
+    assert table_digest(target, "items") == before  # nothing applied
+
+    staged = pgcdc(env, "catchup", "--endpos", "current", "--json")
+    assert staged.code == 0, staged.err[-4000:]
+    totals = json.loads(staged.out)["follow"]
+    assert totals["staged_on_driver"] == 1, (totals, staged.err[-4000:])
+    assert "executors cannot read the store" in totals["staged_on_driver_why"], totals
+    assert "pgcdc: warning: 1 range(s) staged on the driver" in staged.err, staged.err
+    assert table_digest(target, "items") == table_digest(source, "items")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import sys
 from typing import Any
 
 from ..cli_progress import shown
@@ -56,6 +57,12 @@ def _follow(args: argparse.Namespace, endpos: str | None, command: str) -> int:
         config = {"endpos": str(target) if target else NO_ENDPOS}
         result = run_in_worker({"ops": {"follow_stream": {"config": config}}})
     totals = _follow_totals(result)
+    if int(totals.get("staged_on_driver") or 0):
+        print(
+            f"pgcdc: warning: {totals['staged_on_driver']} range(s) staged on the driver, the "
+            f"last: {totals.get('staged_on_driver_why')}",
+            file=sys.stderr,
+        )
     ran = int(totals.get("ranges", len(keys)))
     summary = _range_summary(settings, list(keys))
     summary["ranges_run"] = ran

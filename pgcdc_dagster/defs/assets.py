@@ -236,6 +236,8 @@ def _target_tables(
         )
         for line in applied.schema_changes:  # the source's DDL, followed on the target
             context.log.info(f"range {rng.partition_key}: {line}")
+        for line in applied.warnings:
+            context.log.warning(line)
         for table in tables:
             yield MaterializeResult(
                 asset_key=target_key(table),

@@ -150,6 +150,8 @@ def follow_summary_metadata(
         "spark_tasks": summary.spark_tasks,
         "spark_changes": summary.spark_changes,
         "spark_seconds": summary.spark_seconds,
+        "staged_on_driver": summary.driver_staged,
+        "staged_on_driver_why": summary.driver_staged_why,
         **spark_metadata(summary.spark_app),
         "storage_outages": storage.outages.count if storage else 0,
         "storage_outage_s": storage.outages.total_s if storage else 0.0,
@@ -226,6 +228,8 @@ def _record_ranges(
         rng = LsnRange.from_key(done.received.range_key)
         for line in done.applied.schema_changes:  # the source's DDL, followed on the target
             log(f"range {rng.partition_key}: {line}")
+        for line in done.applied.warnings:
+            storage.write(lambda line=line: context.log.warning(line))
         counts = storage.write(lambda done=done: row_counts.after(done.applied))
         gap = None
         if tables:

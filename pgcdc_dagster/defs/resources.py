@@ -71,6 +71,9 @@ class ReplicationResource(ConfigurableResource):
     """``drop`` or ``keep``: a column dropped on the source, on the target."""
     slot_failover: str = "auto"
     """``auto``, ``on`` or ``off``: whether the slot is a failover slot (PostgreSQL 17+)."""
+    spark_staging: str = "auto"
+    """``auto`` or ``required``: a range the executors cannot read, staged on the driver or
+    refused."""
 
 
 class OutputStoreResource(ConfigurableResource):
@@ -142,6 +145,7 @@ class PgcdcResource(ConfigurableResource):
             auto_recover=self.replication.auto_recover,
             dropped_columns=self.replication.dropped_columns,  # type: ignore[arg-type]
             slot_failover=self.replication.slot_failover,  # type: ignore[arg-type]
+            spark_staging=self.replication.spark_staging,  # type: ignore[arg-type]
         )
 
 
@@ -227,6 +231,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             auto_recover=settings.auto_recover,
             dropped_columns=settings.dropped_columns,
             slot_failover=settings.slot_failover,
+            spark_staging=settings.spark_staging,
         ),
         store=OutputStoreResource(path=settings.store),
     )

@@ -191,6 +191,12 @@ class ReplicationSettings(BaseModel):
     recovery reads every row on both sides, and a user may rather take a new snapshot, or first
     learn why the slot was lost (``max_slot_wal_keep_size``); off, the sensor skips, naming
     ``pgcdc recover``."""
+    spark_staging: Literal["auto", "required"] = "auto"
+    """A range big enough for Spark (``PGCDC_SPARK_MIN_CHANGES``) whose files Spark's
+    executors cannot read (the output store is not on storage they mount at the same path):
+    ``auto`` stages it on the driver instead, with one warning, and the range's metadata says
+    so (``staged_by``); ``required`` stops the apply in one line, nothing applied
+    (``PGCDC_SPARK_STAGING``)."""
     slot_failover: Literal["auto", "on", "off"] = "auto"
     """Whether the slot is a failover slot (PostgreSQL 17+): synchronised to the source's
     physical standbys that have ``sync_replication_slots`` on, so that a promoted standby has

@@ -176,10 +176,27 @@ def kill_group(process: Process, grace_s: float = 5.0) -> None:
     end_groups([process], grace_s)
 
 
-def _spark_class(home: Path, name: str, args: list[str], env: dict[str, str], log: Path) -> Daemon:
+def _spark_class(
+    home: Path,
+    name: str,
+    args: list[str],
+    env: dict[str, str],
+    log: Path,
+    hidden: Path | None = None,
+) -> Daemon:
+    """A Spark daemon; with ``hidden``, in a mount namespace of its own where an empty tmpfs
+    lies over that folder (as on another host that does not mount it): it and every process
+    it starts (executors, their Python workers) see the folder empty."""
+    command = [str(home / "bin" / "spark-class"), *args]
+    if hidden is not None:
+        hidden.mkdir(parents=True, exist_ok=True)
+        command = [
+            "unshare", "-m", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs pgcdc-hidden "$0" && exec "$@"', str(hidden), *command,
+        ]  # fmt: skip
     with open(log, "wb") as sink:
         process = subprocess.Popen(
-            [str(home / "bin" / "spark-class"), *args],
+            command,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sink,
@@ -219,9 +236,12 @@ WORKER_REGISTERED = "Registering worker"
 
 
 @contextlib.contextmanager
-def standalone_cluster(directory: Path, workers: int = WORKERS) -> Iterator[StandaloneCluster]:
+def standalone_cluster(
+    directory: Path, workers: int = WORKERS, hidden: Path | None = None
+) -> Iterator[StandaloneCluster]:
     """A master and ``workers`` workers of one core and :data:`WORKER_MEMORY` each, up and
-    registered; every process is ended on the way out, whatever happened."""
+    registered; every process is ended on the way out, whatever happened. ``hidden``: a folder
+    the workers and their executors see empty (needs root, for a mount namespace)."""
     home = spark_home()
     directory.mkdir(parents=True, exist_ok=True)
     env = daemon_env(directory)
@@ -260,6 +280,7 @@ def standalone_cluster(directory: Path, workers: int = WORKERS) -> Iterator[Stan
                      "--host", "127.0.0.1", "--webui-port", str(free_port())],
                     env,
                     directory / f"worker-{n}.log",
+                    hidden,
                 )
             )  # fmt: skip
         _wait_for(

@@ -72,6 +72,9 @@ class ApplyResult:
     in_commit_order: list[str] = field(default_factory=list)
     """Tables whose net rows a unique key of the target refused, applied change by change in
     the source's order instead (see :func:`apply_range`)."""
+    warnings: list[str] = field(default_factory=list)
+    """Lines to show the user about how the range was applied (a range Spark's executors
+    could not read, staged on the driver instead)."""
     held_back: list[str] = field(default_factory=list)
     """Tables being added whose changes in the range were held back for their add
     (:func:`apply_added_changes`)."""

@@ -91,7 +91,7 @@ from ..errors import ApplyError
 from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
-from ..spark.executors import spark_app
+from ..spark.executors import StoreUnreadableError, spark_app
 from ..store.output_store import OutputStore, StoredRange
 from .ddl import (
     ResyncNeeded,
@@ -137,8 +137,14 @@ def apply_range(
     conn: psycopg.Connection[Any] | None = None,
     ddl: SourceDdl | None = None,
     partition_changes: int | None = None,
+    spark_staging: str = "auto",
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
+
+    ``spark_staging`` (``PGCDC_SPARK_STAGING``): when Spark's executors cannot read the range's
+    files, ``auto`` stages it on the driver (``staged_by`` says why, and :attr:`ApplyResult.
+    warnings` holds the line to show), ``required`` raises the executors' one line. Either way
+    nothing was written before: the check runs before any staging table exists.
 
     ``store`` is the output store holding the range (default: the one it lies in); it is read
     to tell an applied-up-to-here chain from a gap. ``spark`` runs the compaction on Spark when
@@ -194,18 +200,31 @@ def apply_range(
         # A range with DDL to carry out is compacted whole, here: shared staging tables are
         # typed like the target's columns before the apply's transaction, and the DDL must
         # commit with the rows (see :mod:`.ddl`).
+        driver_because: str | None = None
         if spark is not None and on_spark(stored, spark_min_changes) and not plans:
             spark_started = time.perf_counter()
-            shared = staged_on_workers(
-                conn,
-                spark,
-                target_dsn,
-                origin_name,
-                stored,
-                relations,
-                after_lsn=int(progress),
-                floors=floors,
-            )
+            try:
+                shared = staged_on_workers(
+                    conn,
+                    spark,
+                    target_dsn,
+                    origin_name,
+                    stored,
+                    relations,
+                    after_lsn=int(progress),
+                    floors=floors,
+                )
+            except StoreUnreadableError as unreadable:
+                if spark_staging == "required":
+                    raise
+                said = str(unreadable).removeprefix("Spark's executors cannot read ")
+                driver_because = "executors cannot read the store: " + said.split(": ", 1)[0]
+                result.warnings.append(
+                    f"range {stored.range.partition_key} staged on the driver: {driver_because} "
+                    "(PGCDC_SPARK_STAGING=required stops instead)"
+                )
+        if shared is not None:
+            assert spark is not None
             result.compaction_path = "spark"
             result.staged_by = "spark executors"
             result.spark_app = spark_app(spark)
@@ -220,6 +239,8 @@ def apply_range(
             )
             result.compaction_path = "partitioned"
             result.staged_by = f"driver, {len(routed.files)} partition(s)"
+            if driver_because:
+                result.staged_by += f" ({driver_because})"
             result.compaction_seconds = round(time.perf_counter() - routing_started, 4)
         else:
             compaction = compact_range(
@@ -230,6 +251,8 @@ def apply_range(
                 held_back=[v for rel in held_back.values() for v in rel.versions],
             )
             result.compaction_path = compaction.path
+            if driver_because:
+                result.staged_by = f"driver ({driver_because})"
             result.compaction_seconds = compaction.seconds
             result.changes = sum(t.changes for t in compaction.tables.values())
             result.net_rows = compaction.net_rows

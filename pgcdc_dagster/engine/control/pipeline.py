@@ -316,6 +316,7 @@ def _apply_stored(
             conn=conn,
             ddl=source_ddl(settings),
             partition_changes=settings.partition_changes,
+            spark_staging=settings.spark_staging,
         )
     if applied.renamed_tables:
         store.record_renamed(applied.renamed_tables)

@@ -171,7 +171,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    pass
+    from ..apply.results import ApplyResult
 
 IDLE_WAL_BYTES = 16 * MiB
 """On an idle source, store an empty range (and move the slot) once this much WAL went by."""
@@ -547,6 +547,7 @@ class Follower:
             if step == previous:
                 raise CatchUpStalledError(f"{step.describe()} was applied but made no progress")
             applied = apply_stored_range(self.settings, step.range, self.spark)
+            self._note_applied(applied)
             self._count(step.stored.manifest.result)
             yield Followed(
                 RangeDone(step.stored.manifest.result, applied),
@@ -555,6 +556,16 @@ class Follower:
                 self._sessions,
             )
             previous = step
+
+    def _note_applied(self, applied: ApplyResult) -> None:
+        """Count how a range was staged: by Spark's executors, or on the driver because they
+        could not read it (its warning shown at once, whatever the run records)."""
+        if applied.spark_app is not None:
+            self.summary.note_spark(applied)
+        for warning in applied.warnings:
+            self.summary.driver_staged += 1
+            self.summary.driver_staged_why = warning
+            self._report(None, note=f"warning: {warning}")
 
     def _caught_up(self) -> bool:
         if self.endpos is None:
@@ -829,8 +840,7 @@ class Follower:
                     self.summary.target_reconnects += 1
                     applied = apply_stored_range(self.settings, rng, self.spark, target)
                 self.summary.busy.add(APPLYING, began, time.monotonic())
-                if applied.spark_app is not None:
-                    self.summary.note_spark(applied)
+                self._note_applied(applied)
                 self._count(received, lag)
                 done = RangeDone(received, applied)
                 self._done.put(Followed(done, lag, time.monotonic(), self._sessions))

@@ -72,6 +72,11 @@ class FollowSummary:
     """... in this many tasks, this many changes, and seconds from the check to the counts."""
     spark_app: SparkApp | None = None
     """The Spark application that staged them."""
+    driver_staged: int = 0
+    """Ranges big enough for Spark that were staged on the driver instead (the executors
+    could not read the store, ``PGCDC_SPARK_STAGING=auto``)..."""
+    driver_staged_why: str = ""
+    """... and the last one's warning."""
     receive_cpu_s: float = 0.0
     apply_cpu_s: float = 0.0
     """CPU seconds of the receiving and the applying thread (this process's own work: decode,

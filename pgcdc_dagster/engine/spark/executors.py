@@ -72,6 +72,12 @@ class SparkExecutorError(PgcdcError):
     """Spark's executors cannot run the engine's tasks; one line names what and the fix."""
 
 
+class StoreUnreadableError(SparkExecutorError):
+    """Spark's executors cannot read the output store's files (it is not on storage they
+    mount at the same path): a range's staging can fall back to the driver
+    (``PGCDC_SPARK_STAGING``)."""
+
+
 @dataclass(frozen=True)
 class SparkApp:
     """Where a user finds the Spark application that ran the work."""
@@ -290,7 +296,7 @@ def _verdict(
                     f"cluster's network, firewall and pg_hba.conf); {FIX}"
                 )
         if report["unreadable"]:
-            raise SparkExecutorError(
+            raise StoreUnreadableError(
                 f"Spark's executors cannot read {report['unreadable'][0]} {where}: the output "
                 "store (PGCDC_STORE) must be on storage every executor mounts at the same "
                 f"path (NFS, a cloud file system) for Spark to stage a range; {FIX}"
