@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -135,6 +135,27 @@ def _synced(pair: Pair, slot: str, advance) -> None:
             return
         except TimeoutError:
             assert time.monotonic() < deadline, "the standby's copy of the slot stayed temporary"
+
+
+def _ok(capsys, *args: str) -> str:
+    """``pgcdc args`` in this process, which must exit 0; its standard output."""
+    code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    return out
+
+
+def _promoted_after(pair: Pair, source: str, statement: str, then: Callable[[], None]) -> str:
+    """A fork made for real: the standby stops, ``statement`` commits on the primary and
+    ``then()`` runs (the replication takes it), the primary crashes and the standby, which
+    never received it, is promoted. The new primary's DSN (database ``app``)."""
+    pair.stop_standby()
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute(statement)
+    then()
+    pair.crash_primary()
+    pair.start_standby()
+    pair.promote()
+    return pair.standby.dsn("app")
 
 
 @pytest.fixture
@@ -314,26 +335,16 @@ def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
             assert "synchronized_standby_slots = 'pgcdc_standby'" in check.description, check
             with psycopg.connect(source, autocommit=True) as conn:
                 conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 10")
-            code, _, err = run_cli(capsys, "catchup")
-            assert code == 0, err
-
-            def catch_up() -> None:
-                code, _, err = run_cli(capsys, "catchup")
-                assert code == 0, err
-
-            _synced(pair, slot, catch_up)
-
-            # The fork: the standby stops receiving, the target applies what it never got.
-            pair.stop_standby()
-            with psycopg.connect(source, autocommit=True) as conn:
-                conn.execute("UPDATE accounts SET balance = 2 WHERE id <= 20")
-                conn.execute("INSERT INTO accounts VALUES (5001, 5)")
-            code, _, err = run_cli(capsys, "catchup")
-            assert code == 0, err
-            pair.crash_primary()
-            pair.start_standby()
-            pair.promote()
-            promoted = pair.standby.dsn("app")
+            _ok(capsys, "catchup")
+            _synced(pair, slot, lambda: _ok(capsys, "catchup"))
+            # The fork: the target applies what the standby never got.
+            promoted = _promoted_after(
+                pair,
+                source,
+                "UPDATE accounts SET balance = 2 WHERE id <= 20; "
+                "INSERT INTO accounts VALUES (5001, 5)",
+                lambda: _ok(capsys, "catchup"),
+            )
             with psycopg.connect(promoted, autocommit=True) as conn:
                 conn.execute("UPDATE accounts SET balance = 3 WHERE id BETWEEN 900 AND 910")
 
@@ -367,28 +378,21 @@ def test_a_range_stored_past_the_switch_point_is_dropped_and_never_applied(
         source = _app_database(pair)
         with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
             slot = env["PGCDC_SLOT"]
-            code, _, err = run_cli(capsys, "snapshot")
-            assert code == 0, err
+            _ok(capsys, "snapshot")
+            _synced(pair, slot, lambda: _ok(capsys, "catchup"))
 
-            def catch_up() -> None:
-                code, _, err = run_cli(capsys, "catchup")
-                assert code == 0, err
+            def killed_before_its_apply() -> None:
+                killed = subprocess.run(
+                    [PGCDC, "catchup"],
+                    env={**os.environ, "PGCDC_FAILPOINT": "catchup.before_apply=kill"},
+                    capture_output=True,
+                    text=True,
+                )
+                assert killed.returncode == -signal.SIGKILL, killed.stderr
 
-            _synced(pair, slot, catch_up)
-            pair.stop_standby()
-            with psycopg.connect(source, autocommit=True) as conn:
-                conn.execute("INSERT INTO accounts VALUES (7001, 7)")
-            killed = subprocess.run(
-                [PGCDC, "catchup"],
-                env={**os.environ, "PGCDC_FAILPOINT": "catchup.before_apply=kill"},
-                capture_output=True,
-                text=True,
+            promoted = _promoted_after(
+                pair, source, "INSERT INTO accounts VALUES (7001, 7)", killed_before_its_apply
             )
-            assert killed.returncode == -signal.SIGKILL, killed.stderr
-            pair.crash_primary()
-            pair.start_standby()
-            pair.promote()
-            promoted = pair.standby.dsn("app")
             with psycopg.connect(promoted, autocommit=True) as conn:
                 conn.execute("INSERT INTO accounts VALUES (7002, 8)")
 
