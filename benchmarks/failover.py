@@ -49,7 +49,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -69,7 +68,7 @@ from pgcdc_dagster.demo.local_cluster import (  # noqa: E402
     temporary_cluster,
 )
 from pgcdc_dagster.engine.control.range_lock import lock_holders  # noqa: E402
-from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby  # noqa: E402
+from pgcdc_dagster_tests.support.standby import Pair, RidingWriter, primary_with_standby  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import harness  # noqa: E402
@@ -119,57 +118,16 @@ def target_cluster(name: str, profile: str, extra: dict[str, str]) -> LocalClust
     return temporary_cluster(settings, prefix=f"pgcdc-bench-{name}-", major=MAJOR)
 
 
-class Writer(threading.Thread):
-    """``rate`` single-row updates a second, each its own commit, through the multi-host DSN;
-    a lost connection is retried every 50 ms (for up to 120 s). Records when the connection
-    was lost and when the first commit after it returned."""
+def writer(dsn: str, rows: int, rate: float) -> RidingWriter:
+    """``rate`` single-row updates a second, each its own commit, riding the failover."""
+    pick = random.Random(7)
 
-    def __init__(self, dsn: str, rows: int, rate: float) -> None:
-        super().__init__(daemon=True)
-        self.dsn, self.rows, self.rate = dsn, rows, rate
-        self.stop = threading.Event()
-        self.committed = 0
-        self.started = time.monotonic()
-        self.lost_at: float | None = None
-        self.back_at: float | None = None
-        self.error: BaseException | None = None
+    def update(conn: psycopg.Connection, n: int) -> None:
+        conn.execute(
+            "UPDATE accounts SET balance = balance + 1 WHERE id = %s", (pick.randint(1, rows),)
+        )
 
-    def run(self) -> None:
-        pick = random.Random(7)
-        began = time.monotonic()
-        deadline: float | None = None
-        try:
-            while not self.stop.is_set():
-                try:
-                    with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
-                        deadline = None
-                        while not self.stop.is_set():
-                            conn.execute(
-                                "UPDATE accounts SET balance = balance + 1 WHERE id = %s",
-                                (pick.randint(1, self.rows),),
-                            )
-                            self.committed += 1
-                            if self.lost_at is not None and self.back_at is None:
-                                self.back_at = time.monotonic()
-                            pause = began + self.committed / self.rate - time.monotonic()
-                            if pause > 0:
-                                time.sleep(pause)
-                except psycopg.OperationalError:
-                    if self.lost_at is None:
-                        self.lost_at = time.monotonic()
-                    deadline = deadline or time.monotonic() + 120
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-                    began = time.monotonic() - self.committed / self.rate  # no burst to catch up
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.join(30)
-        if self.error is not None:
-            raise self.error
+    return RidingWriter(dsn, update, rate)
 
 
 def subscribe(target: LocalCluster, name: str, source_dsn: str) -> harness.Subscription:
@@ -268,7 +226,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
     }
     targets: list[LocalCluster] = []
     follow: subprocess.Popen[str] | None = None
-    writer: Writer | None = None
+    writer: RidingWriter | None = None
     with (
         primary_with_standby(major=MAJOR) as pair,
         tempfile.TemporaryDirectory(prefix="pgcdc-bench-failover-") as tmp,
@@ -336,7 +294,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
                 )
             assert all(failover.get(s) for s in slots.values()), failover
 
-            writer = Writer(source, args.rows, args.rate)
+            writer = writer(source, args.rows, args.rate)
             writer.start()
             follow = subprocess.Popen(
                 [harness.PGCDC, "follow", "--json"],

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +32,7 @@ from pgcdc_dagster.engine.control.range_lock import lock_holders
 from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installation
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.conftest import command_environment
-from pgcdc_dagster_tests.support.standby import Pair, primary_with_standby
+from pgcdc_dagster_tests.support.standby import Pair, RidingWriter, primary_with_standby
 from pgcdc_dagster_tests.test_cli import run_cli
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -59,47 +58,18 @@ def _app_database(pair: Pair) -> str:
     return dsn
 
 
-class Writer(threading.Thread):
-    """Commits one insert after another through the multi-host DSN, riding the failover (a
-    commit cut by the crash is retried on the new primary); re-raises its error on join."""
+def Writer(dsn: str) -> RidingWriter:
+    """Inserts one account after another (an upsert: a commit cut by the crash may have landed
+    and be retried), riding the failover."""
 
-    def __init__(self, dsn: str) -> None:
-        super().__init__(daemon=True)
-        self.dsn = dsn
-        self.stop = threading.Event()
-        self.committed = 0
-        self.error: BaseException | None = None
+    def insert(conn: psycopg.Connection, n: int) -> None:
+        conn.execute(
+            "INSERT INTO accounts VALUES (%s, 1) ON CONFLICT (id) "
+            "DO UPDATE SET balance = accounts.balance + 1",
+            (100_000 + n,),
+        )
 
-    def run(self) -> None:
-        next_id = 100_000
-        deadline: float | None = None
-        try:
-            while not self.stop.is_set():
-                try:
-                    with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
-                        deadline = None
-                        while not self.stop.is_set():
-                            conn.execute(
-                                "INSERT INTO accounts VALUES (%s, 1) ON CONFLICT (id) "
-                                "DO UPDATE SET balance = accounts.balance + 1",
-                                (next_id,),
-                            )
-                            self.committed += 1
-                            next_id += 1
-                            time.sleep(0.01)
-                except psycopg.OperationalError:
-                    deadline = deadline or time.monotonic() + 90
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self) -> None:
-        self.stop.set()
-        self.join(30)
-        if self.error is not None:
-            raise self.error
+    return RidingWriter(dsn, insert)
 
 
 def _wait_for(what: str, done, timeout: float = 90.0, every: float = 0.2) -> None:

@@ -27,8 +27,9 @@ import os
 import pwd
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,3 +235,60 @@ def primary_with_standby(
         primary.destroy()
         if standby is not None:
             standby.destroy()
+
+
+class RidingWriter(threading.Thread):
+    """``rate`` commits a second of ``write(conn, n)`` (``n`` counts from 0), each its own
+    transaction, through a multi-host DSN: a lost connection is tried again every 50 ms for up
+    to ``give_up_s``, so the writes ride a failover onto the promoted standby. Records when
+    the connection was lost and when the first commit after it returned; :meth:`finish` stops
+    it and raises what it raised."""
+
+    def __init__(
+        self,
+        dsn: str,
+        write: Callable[[psycopg.Connection[Any], int], None],
+        rate: float = 100.0,
+        give_up_s: float = 120.0,
+    ) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.write, self.rate, self.give_up_s = dsn, write, rate, give_up_s
+        self.stop = threading.Event()
+        self.committed = 0
+        self.started = time.monotonic()
+        self.lost_at: float | None = None
+        self.back_at: float | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        began = time.monotonic()
+        deadline: float | None = None
+        try:
+            while not self.stop.is_set():
+                try:
+                    with psycopg.connect(self.dsn, autocommit=True, connect_timeout=2) as conn:
+                        deadline = None
+                        while not self.stop.is_set():
+                            self.write(conn, self.committed)
+                            self.committed += 1
+                            if self.lost_at is not None and self.back_at is None:
+                                self.back_at = time.monotonic()
+                            pause = began + self.committed / self.rate - time.monotonic()
+                            if pause > 0:
+                                time.sleep(pause)
+                except psycopg.OperationalError:
+                    if self.lost_at is None:
+                        self.lost_at = time.monotonic()
+                    deadline = deadline or time.monotonic() + self.give_up_s
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+                    began = time.monotonic() - self.committed / self.rate  # no burst after
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.join(30)
+        if self.error is not None:
+            raise self.error
