@@ -118,7 +118,7 @@ def target_cluster(name: str, profile: str, extra: dict[str, str]) -> LocalClust
     return temporary_cluster(settings, prefix=f"pgcdc-bench-{name}-", major=MAJOR)
 
 
-def writer(dsn: str, rows: int, rate: float) -> RidingWriter:
+def updating_writer(dsn: str, rows: int, rate: float) -> RidingWriter:
     """``rate`` single-row updates a second, each its own commit, riding the failover."""
     pick = random.Random(7)
 
@@ -294,7 +294,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
                 )
             assert all(failover.get(s) for s in slots.values()), failover
 
-            writer = writer(source, args.rows, args.rate)
+            writer = updating_writer(source, args.rows, args.rate)
             writer.start()
             follow = subprocess.Popen(
                 [harness.PGCDC, "follow", "--json"],
