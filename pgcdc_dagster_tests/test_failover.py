@@ -326,6 +326,14 @@ def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
             assert code == 0, err
             assert "pgcdc recover" in json.loads(out)["next_step"], out
 
+            # Killed once the chain says recovering, before the new timeline is recorded.
+            killed = subprocess.run(
+                [PGCDC, "recover"],
+                env={**os.environ, "PGCDC_FAILPOINT": "recover.after_begin=kill"},
+                capture_output=True,
+                text=True,
+            )
+            assert killed.returncode == -signal.SIGKILL, killed.stderr
             code, _, err = run_cli(capsys, "recover", "--json")
             assert code == 0, err
             assert _content(target_dsn) == _content(promoted)
@@ -365,6 +373,14 @@ def test_a_range_stored_past_the_switch_point_is_dropped_and_never_applied(
             )
             with psycopg.connect(promoted, autocommit=True) as conn:
                 conn.execute("INSERT INTO accounts VALUES (7002, 8)")
+            # Killed between dropping the range and recording the timeline: the next redoes it.
+            killed = subprocess.run(
+                [PGCDC, "catchup"],
+                env={**os.environ, "PGCDC_FAILPOINT": "failover.after_drop=kill"},
+                capture_output=True,
+                text=True,
+            )
+            assert killed.returncode == -signal.SIGKILL, killed.stderr
 
             code, out, err = run_cli(capsys, "catchup")
             assert code == 0, err

@@ -35,6 +35,8 @@ from .errors import PgcdcError
 ENV = "PGCDC_FAILPOINT"
 
 POINTS: dict[str, str] = {
+    "failover.after_drop": "after a failover: the ranges past the switch point dropped, the "
+    "chain's timeline not yet recorded",
     "receive.after_store": "a range is durably stored; the slot is not advanced yet",
     "receive.fetching": "a range's changes are being read from the slot",
     "receive.streamed": "a block of a transaction streamed before its COMMIT is being spooled",

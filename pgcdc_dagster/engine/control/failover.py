@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from ..apply.origin import progress_of
 from ..connect import connect
 from ..errors import PgcdcError
+from ..failpoints import failpoint
 from ..lsn import Lsn, LsnRange
 from ..settings import ReplicationSettings
 from ..source.timeline import SourceSystem, identify, switch_point
@@ -101,6 +102,7 @@ def follow_timeline(
         raise ForkError(_fork_line(settings, switch))
     dropped = store.drop_ranges_after(point if point is not None else chain.consistent_point)
     switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, tuple(dropped))
+    failpoint("failover.after_drop")
     if not recovering:
         store.record_timeline(system.timeline, system.system_id)
     return switch
