@@ -138,3 +138,58 @@ def test_every_engine_module_is_imported_by_a_test_of_its_mirrored_folder():
     assert untested == [], f"no test of its folder imports: {untested}"
     assert listed_but_tested == [], f"exempt, yet a test of its folder imports: {listed_but_tested}"
     assert gone == [], f"exempt, yet no such module: {gone}"
+
+
+MOST_LINES = 750
+"""A module past this many lines holds more than one job, unless :data:`LONG_MODULES` says why
+it is one."""
+
+LONG_MODULES: dict[str, str] = {
+    "pgcdc_dagster/engine/apply/ddl.py": (
+        "planning a change by attnum, carrying it out and recording the new shape are one "
+        "transaction's work and one invariant (its docstring, \"Why one module\")"
+    ),
+    "pgcdc_dagster/engine/follow/follower.py": (
+        "the follow's thread state machine (sessions, outages, the applier, making way for "
+        "add-table): its states share the follower's fields, and a split would pass them around"
+    ),
+    "pgcdc_dagster_tests/test_resume.py": (
+        "the crash tests of the commands end to end, on one site fixture per test: a SIGKILL at "
+        "each durable step of every command, grouped by command"
+    ),
+    "pgcdc_dagster_tests/engine/follow/test_follow.py": (
+        "the follower's behaviours on one pair of shared clusters, one test each"
+    ),
+    "pgcdc_dagster_tests/engine/snapshot/test_snapshot.py": (
+        "the snapshot's behaviours on one pair of shared clusters, one test each"
+    ),
+    "pgcdc_dagster_tests/engine/apply/test_apply.py": (
+        "apply_range's behaviours on one pair of shared clusters, one test each"
+    ),
+    "pgcdc_dagster_tests/engine/snapshot/test_added.py": (
+        "add-table and resync on one pair of shared clusters, their crash tests among them"
+    ),
+    "pgcdc_dagster_tests/test_cli.py": "every command's output and refusals, one test each",
+    "benchmarks/harness.py": (
+        "what every benchmark needs (clusters, the native peer, the CPU meter, the equality "
+        "check, the median, the report) in one place, so no benchmark imports another"
+    ),
+    "benchmarks/spark_paths.py": (
+        "one benchmark comparing every Spark path (local, Connect, standalone cluster) on the "
+        "same data in the same run"
+    ),
+}
+
+
+def test_no_module_is_longer_than_its_job_without_a_reason():
+    """Every Python module of the package, the tests and the benchmarks stays within
+    :data:`MOST_LINES` lines, or is listed in :data:`LONG_MODULES` with the reason."""
+    lengths = {
+        str(path.relative_to(REPO)): len(path.read_text(encoding="utf-8").splitlines())
+        for folder in ("pgcdc_dagster", "pgcdc_dagster_tests", "benchmarks")
+        for path in (REPO / folder).rglob("*.py")
+    }
+    long = sorted(m for m, n in lengths.items() if n > MOST_LINES and m not in LONG_MODULES)
+    listed_short = sorted(m for m in LONG_MODULES if lengths.get(m, 0) <= MOST_LINES)
+    assert long == [], f"over {MOST_LINES} lines with no reason in LONG_MODULES: {long}"
+    assert listed_short == [], f"in LONG_MODULES, yet short or gone: {listed_short}"
