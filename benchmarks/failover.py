@@ -76,8 +76,6 @@ import harness  # noqa: E402
 MAJOR = 18
 POLL_S = 0.01
 PROBE_TIMEOUT_S = 300.0
-DURABILITY = ("fsync", "full_page_writes")
-"""The settings checked on the primary and the standby once the profile's are in force."""
 TABLES = ["public.accounts"]
 SCHEMA = "CREATE TABLE accounts (id int PRIMARY KEY, balance int NOT NULL, pad text)"
 SLOT = "bench_failover"
@@ -91,24 +89,6 @@ def wait_for(what: str, done: Callable[[], bool], timeout: float, every: float =
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
-
-
-def apply_profile(pair: Pair, profile: str) -> None:
-    """Restart both servers with the settings of ``profile`` (``LocalCluster`` writes its
-    settings at every start): the standby stopped first, started last, so it reconnects at
-    once; :data:`DURABILITY` checked on both."""
-    settings = harness.profile_settings(profile)
-    for cluster in (pair.primary, pair.standby):
-        cluster.settings = {**cluster.settings, **settings}  # type: ignore[misc]
-    pair.standby.stop()
-    pair.primary.stop()
-    pair.primary.start()
-    pair.standby.start()
-    for cluster in (pair.primary, pair.standby):
-        with psycopg.connect(cluster.dsn()) as conn:
-            shown = [conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY]  # type: ignore[index]
-        assert shown == [settings[name] for name in DURABILITY], (cluster.directory, shown)
-    pair.wait_replayed(timeout=60)
 
 
 def target_cluster(name: str, profile: str, extra: dict[str, str]) -> LocalCluster:
@@ -233,7 +213,7 @@ def one_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
     ):
         work = Path(tmp)
         try:
-            apply_profile(pair, args.profile)
+            harness.apply_profile(pair, args.profile)
             with psycopg.connect(pair.primary.dsn(), autocommit=True) as conn:
                 conn.execute("CREATE DATABASE app")
             source = pair.multi_host_dsn("app")

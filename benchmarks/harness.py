@@ -1,10 +1,12 @@
 """What every benchmark needs, in one place: the scripts beside it import this module and
 nothing of each other.
 
-* **Clusters** (:func:`bench_clusters`, :func:`demo_clusters`, :func:`new_cluster`): throwaway
-  local PostgreSQL clusters under a named settings profile, ``production`` (the default:
-  crash-safe, as a server a user replicates from runs) or ``throwaway`` (the demo's and the
-  tests' speed over safety, :data:`~pgcdc_dagster.demo.local_cluster.THROWAWAY_SETTINGS`);
+* **Clusters** (:func:`bench_clusters`, :func:`bench_target`, :func:`demo_clusters`,
+  :func:`new_cluster`): throwaway local PostgreSQL clusters under a named settings profile,
+  ``production`` (the default: crash-safe, as a server a user replicates from runs) or
+  ``throwaway`` (the demo's and the tests' speed over safety,
+  :data:`~pgcdc_dagster.demo.local_cluster.THROWAWAY_SETTINGS`); :func:`apply_profile` gives a
+  primary and its standby (the tests' ``primary_with_standby``) a profile's settings;
   :func:`describe_profile` labels a report with the one used, :func:`add_profile_flag` gives a
   script its ``--profile`` (:func:`argument_parser`: with the other flags the scripts share).
   Beside them the databases (:func:`create_database`, :func:`source_database`,
@@ -51,7 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -67,6 +69,9 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster.demo.run import DemoClusters, pgbench
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.lsn import Lsn
+
+if TYPE_CHECKING:
+    from pgcdc_dagster_tests.support.standby import Pair
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -181,6 +186,29 @@ class BenchClusters(NamedTuple):
 
 
 @contextlib.contextmanager
+def bench_target(
+    profile: str = DEFAULT_PROFILE,
+    *,
+    extra: Mapping[str, str] | None = None,
+    logical: bool = False,
+    prefix: str = "pgcdc-bench-",
+) -> Iterator[tuple[Path, LocalCluster]]:
+    """A work folder and a started target of ``profile`` (``extra`` over it; its WAL logical
+    with ``logical``), both removed afterwards: for a script whose source is not a plain
+    cluster (a primary with its standby)."""
+    extra = dict(extra or {})
+    with contextlib.ExitStack() as cleanup:
+        work = Path(tempfile.mkdtemp(prefix=prefix))
+        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+        target_extra = {**LOGICAL_SOURCE_SETTINGS, **extra} if logical else extra
+        target = new_cluster(profile, target_extra, prefix=f"{prefix}tgt-")
+        cleanup.callback(target.destroy)
+        target.start()
+        note_launcher(target.dsn())  # a starting server's launcher makes its first round
+        yield work, target
+
+
+@contextlib.contextmanager
 def bench_clusters(
     profile: str = DEFAULT_PROFILE,
     *,
@@ -193,17 +221,37 @@ def bench_clusters(
     clean-up runs, even if one fails)."""
     extra = dict(extra or {})
     with contextlib.ExitStack() as cleanup:
-        work = Path(tempfile.mkdtemp(prefix=prefix))
-        cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+        work, target = cleanup.enter_context(
+            bench_target(profile, extra=extra, logical=logical_target, prefix=prefix)
+        )
         source = new_cluster(profile, {**LOGICAL_SOURCE_SETTINGS, **extra}, prefix=f"{prefix}src-")
         cleanup.callback(source.destroy)
-        target_extra = {**LOGICAL_SOURCE_SETTINGS, **extra} if logical_target else extra
-        target = new_cluster(profile, target_extra, prefix=f"{prefix}tgt-")
-        cleanup.callback(target.destroy)
         source.start()
-        target.start()
-        note_launcher(target.dsn())  # a starting server's launcher makes its first round
         yield BenchClusters(work, source, target)
+
+
+DURABILITY = ("fsync", "full_page_writes")
+"""The settings :func:`apply_profile` checks on a primary and its standby once the profile's
+are in force."""
+
+
+def apply_profile(pair: Pair, profile: str) -> None:
+    """Restart a primary and its standby (``pgcdc_dagster_tests.support.standby.Pair``) with
+    the settings of ``profile`` (``LocalCluster`` writes its settings at every start): the
+    standby stopped first, started last, so it reconnects at once; :data:`DURABILITY` checked
+    on both, then the standby waited for until it has replayed the primary."""
+    settings = profile_settings(profile)
+    for cluster in (pair.primary, pair.standby):
+        cluster.settings = {**cluster.settings, **settings}  # type: ignore[misc]
+    pair.standby.stop()
+    pair.primary.stop()
+    pair.primary.start()
+    pair.standby.start()
+    for cluster in (pair.primary, pair.standby):
+        with psycopg.connect(cluster.dsn()) as conn:
+            shown = [conn.execute(f"SHOW {name}").fetchone()[0] for name in DURABILITY]  # type: ignore[index]
+        assert shown == [settings[name] for name in DURABILITY], (cluster.directory, shown)
+    pair.wait_replayed(timeout=60)
 
 
 def demo_clusters(base: Path, profile: str = DEFAULT_PROFILE) -> DemoClusters:

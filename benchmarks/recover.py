@@ -1,34 +1,75 @@
-"""``pgcdc recover`` after a lost slot, against a full re-snapshot (``pgcdc snapshot
---resnapshot``), through the commands a user runs, from fresh processes, same clusters.
+"""``pgcdc recover`` after a lost slot, against a full re-snapshot, through the commands.
 
-pgbench at ``--scale``; ``pgcdc snapshot``; then twice: 1% of ``pgbench_accounts`` updated
-while nothing reads the slot, the slot lost for real (``max_slot_wal_keep_size`` 1MB, WAL
-switched, a checkpoint), ``pgcdc recover`` timed:
+Both run as a user runs them, each from a fresh process: ``pgcdc recover --json`` and ``pgcdc
+snapshot --resnapshot``.
+
+``--lost-by wal-limit`` (the default), one pair of clusters: pgbench at ``--scale``; ``pgcdc
+snapshot``; then twice: 1% of ``pgbench_accounts`` updated while nothing reads the slot, the
+slot lost for real (``max_slot_wal_keep_size`` 1MB, WAL switched, a checkpoint), ``pgcdc
+recover`` timed:
 
 * ``clustered``: the 1% is one key range (``aid`` below scale * 1000), the case chunks serve;
 * ``scattered``: every 100th ``aid``, which touches every chunk of 100,000 rows.
 
-Then ``pgcdc snapshot --resnapshot`` timed, and the target checked equal (row counts and a
-hash of each table). CPU seconds of each side from ``harness.Measured``.
+Then the scattered change once more, the slot lost again, and ``pgcdc snapshot --resnapshot``
+timed.
 
-Usage: ``.venv/bin/python benchmarks/recover.py [--scale 100] [--profile production|throwaway]``
+``--lost-by promotion``: the slot lost the way every PostgreSQL 15 or 16 source loses it, with
+no failover slot to carry it over to a standby. Each of ``--runs`` runs (default 3) on fresh
+clusters: a PostgreSQL 16 primary and its physical standby
+(``pgcdc_dagster_tests.support.standby.primary_with_standby``, no slot synchronisation),
+restarted with the settings of ``--profile`` (:func:`harness.apply_profile`), and a target.
+pgbench at ``--scale`` on the primary; ``pgcdc snapshot`` through the multi-host source DSN
+(``host=primary,standby target_session_attrs=read-write``); 1% of ``pgbench_accounts`` updated
+in one key range (``aid <= accounts / 100``) and every teller; the standby caught up, the
+primary crashed (``pg_ctl stop -m immediate``), the standby promoted. Then ``pgcdc recover``
+timed, and ``pgcdc snapshot --resnapshot`` timed on the same data. The report gives each run,
+the medians and the ratio recover / resnapshot (of the medians, and per run).
+
+After each timed command the target is checked equal to the source (the promoted standby with
+``promotion``): row counts and a hash of each table the changes touch. CPU seconds of each
+side from ``harness.Measured``; a ``CHECKPOINT`` on both servers before each timing.
+
+Usage: ``.venv/bin/python benchmarks/recover.py [--lost-by wal-limit|promotion] [--scale 100]
+[--runs 3] [--profile production|throwaway] [--json out.json]``
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import psycopg
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the tests' standby helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+import psycopg  # noqa: E402
+
+from pgcdc_dagster.demo.local_cluster import LocalCluster  # noqa: E402
+from pgcdc_dagster_tests.support.standby import primary_with_standby  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import harness  # noqa: E402
 
 TABLES = harness.PGBENCH_TABLES
 CHECKED = ("public.pgbench_accounts", "public.pgbench_tellers")
 """The tables the changes touch: compared with the source's after each step."""
+SLOT = "bench_recover"
+SOURCE_MAJOR = 16
+"""The promoted source's PostgreSQL: 16 has no failover slots (17 brought them)."""
+RECOVER_FIGURES = ("chunks_compared", "chunks_repaired", "rows_copied")
+"""What ``pgcdc recover --json`` says that a run reports, besides its ``*seconds``."""
+
+
+def clustered_change(scale: int) -> str:
+    """1% of ``pgbench_accounts`` updated, in one key range."""
+    return (
+        f"UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid <= {scale * 100_000 // 100}"
+    )
 
 
 def _lose(source_dsn: str, slot: str) -> None:
@@ -48,21 +89,28 @@ def _lose(source_dsn: str, slot: str) -> None:
 
 
 def _command(
-    env: dict[str, str], work: Path, clusters: harness.BenchClusters, *args: str
+    env: dict[str, str], work: Path, source: LocalCluster, target: LocalCluster, *args: str
 ) -> tuple[float, dict[str, Any], str]:
-    with harness.Measured(clusters.source, clusters.target) as measured:
+    with harness.Measured(source, target) as measured:
         _, done = harness.run_command(env, work, *args)
     return measured.wall, measured.report(), done.stdout
+
+
+def _recover_report(seconds: float, measured: dict[str, Any], out: str) -> dict[str, Any]:
+    """The command's seconds, what ``pgcdc recover --json`` said it did and took, its CPU."""
+    said = json.loads(out)
+    return {
+        "command_seconds": round(seconds, 2),
+        **{k: v for k, v in said.items() if k in RECOVER_FIGURES or k.endswith("seconds")},
+        "cpu_seconds": measured["cpu_seconds"],
+    }
 
 
 def _check(source_dsn: str, target_dsn: str, what: str) -> None:
     harness.require_equal(harness.fingerprints(source_dsn, CHECKED), target_dsn, what)
 
 
-def main() -> None:
-    parser = harness.argument_parser(__doc__)
-    parser.add_argument("--scale", type=int, default=100)
-    args = parser.parse_args()
+def wal_limit(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {
         "scale": args.scale,
         "cluster_profile": harness.describe_profile(args.profile),
@@ -70,49 +118,152 @@ def main() -> None:
     with harness.bench_clusters(args.profile, logical_target=True) as clusters:
         work, source, target = clusters
         harness.fill_pgbench(source, args.scale)
-        slot = "bench_recover"
         env = harness.pgcdc_env(
-            work, source.dsn(), target, slot, tables=TABLES, prepare_storage=False
+            work, source.dsn(), target, SLOT, tables=TABLES, prepare_storage=False
         )
         target_dsn = env["PGCDC_TARGET_DSN"]
-        seconds, _, _ = _command(env, work, clusters, "snapshot")
+        seconds, _, _ = _command(env, work, source, target, "snapshot")
         report["snapshot_seconds"] = round(seconds, 2)
-        accounts = args.scale * 100_000
         changes = {
-            "clustered": f"UPDATE pgbench_accounts SET abalance = abalance + 1 "
-            f"WHERE aid <= {accounts // 100}",
+            "clustered": clustered_change(args.scale),
             "scattered": "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0",
         }
         for name, change in changes.items():
             with psycopg.connect(source.dsn(), autocommit=True) as conn:
                 conn.execute(change)
                 conn.execute("UPDATE pgbench_tellers SET tbalance = tbalance + 1")
-            _lose(source.dsn(), slot)
+            _lose(source.dsn(), SLOT)
             harness.checkpoint(source, target, sync=True)
-            seconds, measured, out = _command(env, work, clusters, "recover", "--json")
+            seconds, measured, out = _command(env, work, source, target, "recover", "--json")
             _check(source.dsn(), target_dsn, name)
-            report[f"recover_{name}"] = {
-                "command_seconds": round(seconds, 2),
-                **{
-                    k: v
-                    for k, v in json.loads(out).items()
-                    if k in ("chunks_compared", "chunks_repaired", "rows_copied")
-                    or k.endswith("seconds")
-                },
-                "cpu_seconds": measured["cpu_seconds"],
-            }
+            report[f"recover_{name}"] = _recover_report(seconds, measured, out)
             print(json.dumps({name: report[f"recover_{name}"]}), flush=True)
         with psycopg.connect(source.dsn(), autocommit=True) as conn:
             conn.execute(changes["scattered"])
-        _lose(source.dsn(), slot)
+        _lose(source.dsn(), SLOT)
         harness.checkpoint(source, target, sync=True)
-        seconds, measured, _ = _command(env, work, clusters, "snapshot", "--resnapshot")
+        seconds, measured, _ = _command(env, work, source, target, "snapshot", "--resnapshot")
         _check(source.dsn(), target_dsn, "resnapshot")
         report["resnapshot"] = {
             "command_seconds": round(seconds, 2),
             "cpu_seconds": measured["cpu_seconds"],
         }
-    harness.emit_report(report)
+    harness.emit_report(report, args.json)
+
+
+def promoted_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of ``--lost-by promotion`` on fresh clusters (see the module docstring)."""
+    report: dict[str, Any] = {"run": number, "started": datetime.now(UTC).strftime("%H:%M:%S")}
+    with (
+        primary_with_standby(major=SOURCE_MAJOR, sync_slots=False, synchronized=False) as pair,
+        harness.bench_target(args.profile, logical=True, prefix="pgcdc-bench-recover-") as bench,
+    ):
+        work, target = bench
+        harness.apply_profile(pair, args.profile)
+        harness.fill_pgbench(pair.primary, args.scale)
+        source_dsn = pair.multi_host_dsn("postgres")
+        env = harness.pgcdc_env(
+            work, source_dsn, target, SLOT, tables=TABLES, prepare_storage=False
+        )
+        target_dsn = env["PGCDC_TARGET_DSN"]
+        seconds, _, _ = _command(env, work, pair.primary, target, "snapshot")
+        report["snapshot_seconds"] = round(seconds, 2)
+        harness.execute(
+            source_dsn,
+            clustered_change(args.scale),
+            "UPDATE pgbench_tellers SET tbalance = tbalance + 1",
+        )
+        pair.wait_replayed(timeout=600)
+        crashed = time.monotonic()
+        pair.crash_primary()
+        pair.promote()
+        report["crash_to_promoted_s"] = round(time.monotonic() - crashed, 3)
+        promoted = pair.standby
+
+        harness.checkpoint(promoted, target, sync=True)
+        seconds, measured, out = _command(env, work, promoted, target, "recover", "--json")
+        _check(promoted.dsn(), target_dsn, f"run {number}: recover after the promotion")
+        report["recover"] = _recover_report(seconds, measured, out)
+
+        harness.checkpoint(promoted, target, sync=True)
+        seconds, measured, _ = _command(env, work, promoted, target, "snapshot", "--resnapshot")
+        _check(promoted.dsn(), target_dsn, f"run {number}: resnapshot after the recover")
+        report["resnapshot"] = {
+            "command_seconds": round(seconds, 2),
+            "cpu_seconds": measured["cpu_seconds"],
+        }
+    recover_s = report["recover"]["command_seconds"]
+    resnapshot_s = report["resnapshot"]["command_seconds"]
+    report["recover_over_resnapshot"] = round(recover_s / resnapshot_s, 3)
+    report["equal"] = True
+    return report
+
+
+def promotion_table(runs: list[dict[str, Any]], ratio: float | None) -> str:
+    head = ["run", "`pgcdc recover` s", "compare s", "chunks replaced / compared",
+            "rows copied", "`pgcdc snapshot --resnapshot` s", "recover / resnapshot"]  # fmt: skip
+    rows: list[list[Any]] = []
+    for r in runs:
+        recover = r["recover"]
+        chunks = f"{recover.get('chunks_repaired')} / {recover.get('chunks_compared')}"
+        rows.append([r["run"], recover["command_seconds"], recover.get("compare_seconds"),
+                     chunks, recover.get("rows_copied"), r["resnapshot"]["command_seconds"],
+                     r["recover_over_resnapshot"]])  # fmt: skip
+    rows.append(["median", harness.median_at(runs, "recover", "command_seconds"),
+                 harness.median_at(runs, "recover", "compare_seconds"), "", "",
+                 harness.median_at(runs, "resnapshot", "command_seconds"), ratio])  # fmt: skip
+    return harness.markdown_table(head, rows)
+
+
+def promotion(args: argparse.Namespace) -> None:
+    def run(index: int) -> dict[str, Any]:
+        report = promoted_run(index + 1, args)
+        print(json.dumps(report), flush=True)
+        return report
+
+    runs = harness.run_repeats(run, args.runs)
+    recover_s = harness.median_at(runs, "recover", "command_seconds")
+    resnapshot_s = harness.median_at(runs, "resnapshot", "command_seconds")
+    ratio = round(recover_s / resnapshot_s, 3) if recover_s and resnapshot_s else None
+    report = {
+        "lost_by": "promotion",
+        "scale": args.scale,
+        "source_major": SOURCE_MAJOR,
+        "cluster_profile": harness.describe_profile(args.profile),
+        "recover_seconds": recover_s,
+        "resnapshot_seconds": resnapshot_s,
+        "recover_over_resnapshot": ratio,
+        "medians": harness.medians(
+            [{"recover": r["recover"], "resnapshot": r["resnapshot"]} for r in runs]
+        ),
+        "runs": runs,
+    }
+    harness.emit_report(report, args.json)
+    print()
+    print(promotion_table(runs, ratio))
+
+
+def main() -> None:
+    parser = harness.argument_parser(__doc__, json=True)
+    parser.add_argument("--scale", type=int, default=100)
+    parser.add_argument(
+        "--lost-by",
+        choices=("wal-limit", "promotion"),
+        default="wal-limit",
+        help="how the slot is lost: max_slot_wal_keep_size on one source (default), or a "
+        f"PostgreSQL {SOURCE_MAJOR} primary crashed and its standby promoted (no failover slot)",
+    )
+    parser.add_argument(
+        "--runs", type=int, help="runs on fresh clusters, with --lost-by promotion (default 3)"
+    )
+    args = parser.parse_args()
+    if args.lost_by == "wal-limit":
+        if args.runs is not None:
+            parser.error("--runs goes with --lost-by promotion; run wal-limit once per run")
+        wal_limit(args)
+    else:
+        args.runs = 3 if args.runs is None else args.runs
+        promotion(args)
 
 
 if __name__ == "__main__":
