@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Two workers by default, in a random order (docs/contributing.md); TEST_WORKERS=1 runs the suite
+# Three workers by default, in a random order (docs/contributing.md); TEST_WORKERS=1 runs the suite
 # in this process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 TEST_ARGS = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 test: $(STAMP)
