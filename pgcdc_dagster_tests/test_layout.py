@@ -147,7 +147,7 @@ it is one."""
 LONG_MODULES: dict[str, str] = {
     "pgcdc_dagster/engine/apply/ddl.py": (
         "planning a change by attnum, carrying it out and recording the new shape are one "
-        "transaction's work and one invariant (its docstring, \"Why one module\")"
+        'transaction\'s work and one invariant (its docstring, "Why one module")'
     ),
     "pgcdc_dagster/engine/follow/follower.py": (
         "the follow's thread state machine (sessions, outages, the applier, making way for "
