@@ -7,6 +7,7 @@ Most run on a fresh database of the shared logical source cluster; the server-se
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -277,6 +278,11 @@ def test_exhausted_slots_and_wal_senders_are_refused_naming_the_slots_in_use():
             conn.execute("SELECT pg_create_logical_replication_slot('taken', 'pgoutput')")
             with connect(cluster.dsn(), replication=True):  # occupies the only wal sender
                 problems = problems_of(conn, None)
+            # The wal sender's backend ends a moment after its client closed the connection.
+            deadline = time.monotonic() + 30
+            while conn.execute("SELECT count(*) FROM pg_stat_get_wal_senders()").fetchone() != (0,):
+                assert time.monotonic() < deadline, "the wal sender outlived its connection"
+                time.sleep(0.05)
             assert check_source(conn, None, free_slots_needed=0) == []
     finally:
         cluster.destroy()
