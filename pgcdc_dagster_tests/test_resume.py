@@ -57,6 +57,7 @@ from pgcdc_dagster.engine.store.output_store import OutputStore
 from pgcdc_dagster_tests.support.locks import holder_session, take_lock
 from pgcdc_dagster_tests.support.procs import descendants, gone
 from pgcdc_dagster_tests.support.stores import assert_chain_records, on_disk
+from pgcdc_dagster_tests.support.waits import wait_for as _wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -1108,19 +1109,6 @@ def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_con
         keys = instance.get_dynamic_partitions(LSN_RANGES)
     # The partitions are a view of the store's chain again: the orphan was replaced.
     assert all(store.get(LsnRange.from_partition_key(key)) is not None for key in keys)
-
-
-def _wait_for(
-    condition, what: str, timeout: float = 90.0, alive: subprocess.Popen[str] | None = None
-) -> None:
-    """Wait for ``condition``; fail at once if the process ``alive`` ended meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if alive is not None and alive.poll() is not None:
-            raise AssertionError(f"{what}: the process ended first (exit {alive.returncode})")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def _session_waiting(dsn: str, state: str, query_like: str = "%") -> bool:

@@ -7,7 +7,6 @@ Most run on a fresh database of the shared logical source cluster; the server-se
 from __future__ import annotations
 
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from pgcdc_dagster.demo.local_cluster import temporary_cluster
 from pgcdc_dagster.engine.connect import connect
 from pgcdc_dagster.engine.identifiers import TableName
 from pgcdc_dagster.engine.source.preflight import PreflightError, check_source, user_tables
+from pgcdc_dagster_tests.support.waits import wait_for
 
 ORDERS = TableName("public", "orders")
 EVENTS = TableName("public", "events")
@@ -279,10 +279,14 @@ def test_exhausted_slots_and_wal_senders_are_refused_naming_the_slots_in_use():
             with connect(cluster.dsn(), replication=True):  # occupies the only wal sender
                 problems = problems_of(conn, None)
             # The wal sender's backend ends a moment after its client closed the connection.
-            deadline = time.monotonic() + 30
-            while conn.execute("SELECT count(*) FROM pg_stat_get_wal_senders()").fetchone() != (0,):
-                assert time.monotonic() < deadline, "the wal sender outlived its connection"
-                time.sleep(0.05)
+            wait_for(
+                lambda: (
+                    conn.execute("SELECT count(*) FROM pg_stat_get_wal_senders()").fetchone()
+                    == (0,)
+                ),
+                "the wal sender to end with its connection",
+                timeout=30,
+            )
             assert check_source(conn, None, free_slots_needed=0) == []
     finally:
         cluster.destroy()
