@@ -138,6 +138,8 @@ class Timeline:
         self.started = time.perf_counter()
         self.stored: list[tuple[float, Lsn]] = []
         self.applied: list[tuple[float, Lsn]] = []
+        self.target_wal: list[tuple[float, int, int]] = []
+        """(seconds, full-page images, WAL bytes) of the target cluster, each poll."""
         self._stop = threading.Event()
 
     def __enter__(self) -> Timeline:
@@ -166,6 +168,7 @@ class Timeline:
                     (f"pgcdc_{settings.slot}",),
                 ).fetchone()  # type: ignore[misc]
                 now = time.perf_counter() - self.started
+                self.target_wal.append((round(now, 3), *target_wal(tgt)))
                 for points, text in ((self.stored, confirmed), (self.applied, applied)):
                     if text is None:
                         continue
@@ -188,7 +191,37 @@ class Timeline:
             "all_stored_s": self.when(self.stored, end),
             "all_applied_s": self.applied[-1][0] if len(self.applied) > 1 else None,
             "exit_s": round(seconds, 3),
+            "by_5s": self.by_period(5.0),
         }
+
+    def by_period(self, period_s: float) -> list[dict[str, Any]]:
+        """Per ``period_s`` of the run: the source WAL the target applied (MB, by the origin's
+        moves), the WAL the target wrote meanwhile (MB) and its full-page images (the first
+        change of each page after a checkpoint writes the whole page): where a slow start goes."""
+        out: list[dict[str, Any]] = []
+        if not self.target_wal:
+            return out
+        start_fpi, start_bytes = self.target_wal[0][1:]
+        begin = self.setup.start
+        t = period_s
+        while t <= self.target_wal[-1][0] + period_s:
+            applied = [lsn for at, lsn in self.applied if at <= t]
+            wal = [w for w in self.target_wal if w[0] <= t][-1]
+            reached = applied[-1] if applied else begin
+            out.append({
+                "until_s": t,
+                "applied_mb": round(max(0, int(reached) - int(begin)) / 1e6, 1),
+                "target_wal_mb": round((wal[2] - start_bytes) / 1e6, 1),
+                "target_fpi": wal[1] - start_fpi,
+            })  # fmt: skip
+            t += period_s
+        return out
+
+
+def target_wal(conn: Any) -> tuple[int, int]:
+    """The target cluster's full-page images and WAL bytes written so far (``pg_stat_wal``)."""
+    row = conn.execute("SELECT wal_fpi, wal_bytes FROM pg_stat_wal").fetchone()
+    return int(row[0]), int(row[1])
 
 
 def _wal_bytes(key: str) -> int:
@@ -245,8 +278,13 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
 
         def native() -> dict[str, Any]:
             before = os.getloadavg()[0]
-            result = harness.native_catch_up(setup, source, target, meter, args.native_timeout)
+            with psycopg.connect(target.dsn(), autocommit=True) as tgt:
+                wal_before = target_wal(tgt)
+                result = harness.native_catch_up(setup, source, target, meter, args.native_timeout)
+                wal_after = target_wal(tgt)
             result["load_1m"] = [before, os.getloadavg()[0]]
+            result["target_fpi"] = wal_after[0] - wal_before[0]
+            result["target_wal_mb"] = round((wal_after[1] - wal_before[1]) / 1e6, 1)
             return result
 
         if index < 0:  # the profiled run: ours alone
@@ -278,6 +316,10 @@ def one_run(args: argparse.Namespace, spark: Any, index: int) -> dict[str, Any]:
         "follow": follow,
         "timeline": ours["timeline"],
         "per_range": ours["per_range"],
+        "ours_target_fpi": ours["timeline"]["by_5s"][-1]["target_fpi"],
+        "ours_target_wal_mb": ours["timeline"]["by_5s"][-1]["target_wal_mb"],
+        "native_target_fpi": native_result["target_fpi"],
+        "native_target_wal_mb": native_result["target_wal_mb"],
         "ours_equal": ours["verify"]["equal"],
         "native_equal": native_result["verify"]["equal"],
     }

@@ -4,15 +4,18 @@ Both run as a user runs them, each from a fresh process: ``pgcdc recover --json`
 snapshot --resnapshot``.
 
 ``--lost-by wal-limit`` (the default), one pair of clusters: pgbench at ``--scale``; ``pgcdc
-snapshot``; then twice: 1% of ``pgbench_accounts`` updated while nothing reads the slot, the
-slot lost for real (``max_slot_wal_keep_size`` 1MB, WAL switched, a checkpoint), ``pgcdc
-recover`` timed:
+snapshot``; then ``--runs`` times (default 3): 1% of ``pgbench_accounts`` updated while nothing
+reads the slot, the slot lost for real (``max_slot_wal_keep_size`` 1MB, WAL switched, a
+checkpoint), ``pgcdc recover`` timed, for each of:
 
-* ``clustered``: the 1% is one key range (``aid`` below scale * 1000), the case chunks serve;
+* ``clustered``: the 1% is one key range (``aid`` below scale * 1000);
 * ``scattered``: every 100th ``aid``, which touches every chunk of 100,000 rows.
 
 Then the scattered change once more, the slot lost again, and ``pgcdc snapshot --resnapshot``
-timed.
+timed. The report gives each run, the medians and the ratios recover / resnapshot of the
+medians. ``pgcdc recover`` takes its fast path here (:mod:`pgcdc_dagster.engine.compare.
+changed_since`): every recovery starts from a base (snapshot, recovery or resnapshot) that
+recorded a transaction-id bound.
 
 ``--lost-by promotion``: the slot lost the way every PostgreSQL 15 or 16 source loses it, with
 no failover slot to carry it over to a standby. Each of ``--runs`` runs (default 3) on fresh
@@ -61,7 +64,16 @@ CHECKED = ("public.pgbench_accounts", "public.pgbench_tellers")
 SLOT = "bench_recover"
 SOURCE_MAJOR = 16
 """The promoted source's PostgreSQL: 16 has no failover slots (17 brought them)."""
-RECOVER_FIGURES = ("chunks_compared", "chunks_repaired", "rows_copied")
+RECOVER_FIGURES = (
+    "chunks_compared",
+    "chunks_repaired",
+    "rows_copied",
+    "rows_changed",
+    "keys_deleted",
+    "mb_copied",
+    "tables_by_fallback",
+    "bound",
+)
 """What ``pgcdc recover --json`` says that a run reports, besides its ``*seconds``."""
 
 
@@ -111,10 +123,19 @@ def _check(source_dsn: str, target_dsn: str, what: str) -> None:
 
 
 def wal_limit(args: argparse.Namespace) -> None:
+    """One pair of clusters; ``--runs`` times: the clustered change, lost, recovered; the
+    scattered change, lost, recovered; the scattered change, lost, re-snapshotted. Medians of
+    each, and the ratios recover / resnapshot of the medians."""
     report: dict[str, Any] = {
+        "lost_by": "wal-limit",
         "scale": args.scale,
         "cluster_profile": harness.describe_profile(args.profile),
     }
+    changes = {
+        "clustered": clustered_change(args.scale),
+        "scattered": "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0",
+    }
+    runs: list[dict[str, Any]] = []
     with harness.bench_clusters(args.profile, logical_target=True) as clusters:
         work, source, target = clusters
         harness.fill_pgbench(source, args.scale)
@@ -124,31 +145,58 @@ def wal_limit(args: argparse.Namespace) -> None:
         target_dsn = env["PGCDC_TARGET_DSN"]
         seconds, _, _ = _command(env, work, source, target, "snapshot")
         report["snapshot_seconds"] = round(seconds, 2)
-        changes = {
-            "clustered": clustered_change(args.scale),
-            "scattered": "UPDATE pgbench_accounts SET abalance = abalance + 1 WHERE aid % 100 = 0",
-        }
-        for name, change in changes.items():
+        for number in range(1, args.runs + 1):
+            run: dict[str, Any] = {"run": number}
+            for name, change in changes.items():
+                with psycopg.connect(source.dsn(), autocommit=True) as conn:
+                    conn.execute(change)
+                    conn.execute("UPDATE pgbench_tellers SET tbalance = tbalance + 1")
+                _lose(source.dsn(), SLOT)
+                harness.checkpoint(source, target, sync=True)
+                seconds, measured, out = _command(env, work, source, target, "recover", "--json")
+                _check(source.dsn(), target_dsn, f"run {number}: {name}")
+                run[f"recover_{name}"] = _recover_report(seconds, measured, out)
             with psycopg.connect(source.dsn(), autocommit=True) as conn:
-                conn.execute(change)
-                conn.execute("UPDATE pgbench_tellers SET tbalance = tbalance + 1")
+                conn.execute(changes["scattered"])
             _lose(source.dsn(), SLOT)
             harness.checkpoint(source, target, sync=True)
-            seconds, measured, out = _command(env, work, source, target, "recover", "--json")
-            _check(source.dsn(), target_dsn, name)
-            report[f"recover_{name}"] = _recover_report(seconds, measured, out)
-            print(json.dumps({name: report[f"recover_{name}"]}), flush=True)
-        with psycopg.connect(source.dsn(), autocommit=True) as conn:
-            conn.execute(changes["scattered"])
-        _lose(source.dsn(), SLOT)
-        harness.checkpoint(source, target, sync=True)
-        seconds, measured, _ = _command(env, work, source, target, "snapshot", "--resnapshot")
-        _check(source.dsn(), target_dsn, "resnapshot")
-        report["resnapshot"] = {
-            "command_seconds": round(seconds, 2),
-            "cpu_seconds": measured["cpu_seconds"],
-        }
+            seconds, measured, _ = _command(env, work, source, target, "snapshot", "--resnapshot")
+            _check(source.dsn(), target_dsn, f"run {number}: resnapshot")
+            run["resnapshot"] = {
+                "command_seconds": round(seconds, 2),
+                "cpu_seconds": measured["cpu_seconds"],
+            }
+            print(json.dumps(run), flush=True)
+            runs.append(run)
+    resnapshot_s = harness.median_at(runs, "resnapshot", "command_seconds")
+    for name in changes:
+        recover_s = harness.median_at(runs, f"recover_{name}", "command_seconds")
+        report[f"recover_{name}_seconds"] = recover_s
+        report[f"recover_{name}_over_resnapshot"] = (
+            round(recover_s / resnapshot_s, 3) if recover_s and resnapshot_s else None
+        )
+    report["resnapshot_seconds"] = resnapshot_s
+    report["medians"] = harness.medians([{k: v for k, v in r.items() if k != "run"} for r in runs])
+    report["runs"] = runs
     harness.emit_report(report, args.json)
+    print()
+    print(wal_limit_table(runs, report))
+
+
+def wal_limit_table(runs: list[dict[str, Any]], report: dict[str, Any]) -> str:
+    head = ["run", "clustered: recover s", "rows changed", "scattered: recover s",
+            "rows changed", "resnapshot s"]  # fmt: skip
+    rows: list[list[Any]] = [
+        [r["run"], r["recover_clustered"]["command_seconds"],
+         r["recover_clustered"].get("rows_changed"), r["recover_scattered"]["command_seconds"],
+         r["recover_scattered"].get("rows_changed"), r["resnapshot"]["command_seconds"]]
+        for r in runs
+    ]  # fmt: skip
+    medians = [report[f"recover_{n}_seconds"] for n in ("clustered", "scattered")]
+    rows.append(["median", medians[0], "", medians[1], "", report["resnapshot_seconds"]])
+    rows.append(["/ resnapshot", report["recover_clustered_over_resnapshot"], "",
+                 report["recover_scattered_over_resnapshot"], "", 1.0])  # fmt: skip
+    return harness.markdown_table(head, rows)
 
 
 def promoted_run(number: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -254,15 +302,16 @@ def main() -> None:
         f"PostgreSQL {SOURCE_MAJOR} primary crashed and its standby promoted (no failover slot)",
     )
     parser.add_argument(
-        "--runs", type=int, help="runs on fresh clusters, with --lost-by promotion (default 3)"
+        "--runs",
+        type=int,
+        default=3,
+        help="runs: cycles on one pair of clusters (wal-limit), or fresh clusters each "
+        "(promotion); default 3",
     )
     args = parser.parse_args()
     if args.lost_by == "wal-limit":
-        if args.runs is not None:
-            parser.error("--runs goes with --lost-by promotion; run wal-limit once per run")
         wal_limit(args)
     else:
-        args.runs = 3 if args.runs is None else args.runs
         promotion(args)
 
 

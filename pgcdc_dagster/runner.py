@@ -133,6 +133,24 @@ def _pgcdc_error_names() -> set[str]:
     return names
 
 
+def say_failed(dead: list[Any]) -> None:
+    """One line per dead run marked failed (:func:`~.defs.run_liveness.fail_dead_runs`)."""
+    for verdict in dead:
+        print(
+            f"pgcdc: run {verdict.run.run_id} ({verdict.run.job_name}) was left unfinished: "
+            f"{verdict.reason}; marked it failed",
+            file=sys.stderr,
+        )
+
+
+def fail_dead_lockless_runs(instance: Any, command: str) -> None:
+    """Mark failed the runs that hold no range lock (a prune) whose process is gone, saying
+    so: nothing else ever ends them."""
+    from .defs.run_liveness import fail_dead_runs, lockless_runs_gone
+
+    say_failed(fail_dead_runs(instance, lockless_runs_gone(instance), command))
+
+
 def clear_the_way(
     instance: Any,
     settings: ReplicationSettings,
@@ -161,12 +179,8 @@ def clear_the_way(
     while True:
         holders = lock_holders(settings.target_dsn, settings.slot)
         verdicts = judge(instance, pgcdc_runs_not_finished(instance), holders, grace)
-        for dead in fail_dead_runs(instance, verdicts, command):
-            print(
-                f"pgcdc: run {dead.run.run_id} ({dead.run.job_name}) was left unfinished: "
-                f"{dead.reason}; marked it failed",
-                file=sys.stderr,
-            )
+        say_failed(fail_dead_runs(instance, verdicts, command))
+        fail_dead_lockless_runs(instance, command)
         live = []
         for verdict in verdicts:
             if verdict.state == QUEUED and verdict.run.job_name == "catchup":

@@ -7,7 +7,9 @@ the standby promoted) while the replication runs, through the commands a user ru
   a transaction the standby never received) stops the catch-up naming ``pgcdc recover``, and
   the recovery ends equal;
 - PostgreSQL 16 (no failover slots): after a promotion the slot is gone, the line names
-  ``pgcdc recover``, and the recovery converges.
+  ``pgcdc recover``, and the recovery converges;
+- decoding on a hot standby: the slot and snapshot there, the publication on the primary, and
+  the follow rides that standby's promotion.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pgcdc_dagster.engine.postgres_installs import ToolsError, server_installati
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.conftest import command_environment
 from pgcdc_dagster_tests.support.standby import Pair, RidingWriter, primary_with_standby
+from pgcdc_dagster_tests.support.waits import wait_for
 from pgcdc_dagster_tests.test_cli import run_cli
 
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
@@ -72,13 +75,6 @@ def Writer(dsn: str) -> RidingWriter:
     return RidingWriter(dsn, insert)
 
 
-def _wait_for(what: str, done, timeout: float = 90.0, every: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(every)
-
-
 def _slot_row(dsn: str, slot: str) -> tuple | None:
     with psycopg.connect(dsn) as conn:
         return conn.execute(
@@ -105,6 +101,34 @@ def _synced(pair: Pair, slot: str, advance) -> None:
             return
         except TimeoutError:
             assert time.monotonic() < deadline, "the standby's copy of the slot stayed temporary"
+
+
+def _follow() -> subprocess.Popen:
+    """``pgcdc follow`` in a process group of its own, its progress as lines on stderr."""
+    return subprocess.Popen(
+        [PGCDC, "follow"],
+        env={**os.environ, "PGCDC_PROGRESS": "lines"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _more_writes_then_equal(
+    writer: RidingWriter, follow: subprocess.Popen, target_dsn: str, promoted: str
+) -> None:
+    """A hundred more commits on the promoted standby, the writer stopped, then the target
+    equal to it, the running follow still alive."""
+    committed = writer.committed
+    wait_for(lambda: writer.committed > committed + 100, "more writes")
+    writer.finish()
+    wait_for(
+        lambda: _content(target_dsn) == _content(promoted),
+        "the target to equal the promoted standby",
+        timeout=120,
+    )
+    assert follow.poll() is None, "the follow ended at the failover"
 
 
 def _ok(capsys, *args: str) -> str:
@@ -148,18 +172,11 @@ def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a
 
         writer = Writer(source)
         writer.start()
-        follow = subprocess.Popen(
-            [PGCDC, "follow"],
-            env={**os.environ, "PGCDC_PROGRESS": "lines"},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        follow = _follow()
         try:
-            _wait_for(
-                "the follow to take the range",
-                lambda: (
+            wait_for(
+                what="the follow to take the range",
+                condition=lambda: (
                     follow.poll() is None
                     and any(h.holder.startswith("run ") for h in lock_holders(target_dsn, slot))
                 ),
@@ -169,20 +186,14 @@ def test_a_failover_under_writes_is_followed_from_the_promoted_standby_without_a
             check = slot_survives_failover_result(ReplicationSettings.from_env())
             assert check.passed, check.description
             assert "synced" in check.metadata["standby copies"].value, check.metadata
-            _wait_for("applies", lambda: _content(target_dsn)[0] > 1_050)
+            wait_for(what="applies", condition=lambda: _content(target_dsn)[0] > 1_050)
             pair.crash_primary()
             pair.promote()
             promoted = pair.standby.dsn("app")
-            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_050)
-            committed = writer.committed
-            _wait_for("more writes", lambda: writer.committed > committed + 100)
-            writer.finish()
-            _wait_for(
-                "the target to equal the new primary",
-                lambda: _content(target_dsn) == _content(promoted),
-                timeout=120,
+            wait_for(
+                what="writes on the new primary", condition=lambda: _content(promoted)[0] > 1_050
             )
-            assert follow.poll() is None, "the follow ended during the failover"
+            _more_writes_then_equal(writer, follow, target_dsn, promoted)
         finally:
             writer.stop.set()
             follow.send_signal(signal.SIGTERM)
@@ -219,20 +230,22 @@ def test_the_sensors_follow_run_rides_a_failover_with_no_hands(
         writer = Writer(source)
         writer.start()
         try:
-            _wait_for(
-                "the sensor's follow run to apply",
-                lambda: _content(target_dsn)[0] > 1_050,
+            wait_for(
+                what="the sensor's follow run to apply",
+                condition=lambda: _content(target_dsn)[0] > 1_050,
                 timeout=180,
             )
             _synced(pair, slot, lambda: None)  # the follow run advances the slot
             pair.crash_primary()
             pair.promote()
             promoted = pair.standby.dsn("app")
-            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_100)
+            wait_for(
+                what="writes on the new primary", condition=lambda: _content(promoted)[0] > 1_100
+            )
             writer.finish()
-            _wait_for(
-                "the target to equal the new primary",
-                lambda: _content(target_dsn) == _content(promoted),
+            wait_for(
+                what="the target to equal the new primary",
+                condition=lambda: _content(target_dsn) == _content(promoted),
                 timeout=120,
             )
             runs = dagster_instance().get_runs(RunsFilter(job_name="follow"))
@@ -268,7 +281,7 @@ def test_a_follow_killed_in_the_failover_window_is_finished_by_the_next_catchup(
         )
         try:
             _synced(pair, slot, lambda: None)
-            _wait_for("applies", lambda: _content(target_dsn)[0] > 1_050)
+            wait_for(what="applies", condition=lambda: _content(target_dsn)[0] > 1_050)
             pair.crash_primary()
             time.sleep(1.0)  # the follow has lost its source and is retrying
             assert follow.poll() is None
@@ -276,7 +289,9 @@ def test_a_follow_killed_in_the_failover_window_is_finished_by_the_next_catchup(
             follow.wait(30)
             pair.promote()
             promoted = pair.standby.dsn("app")
-            _wait_for("writes on the new primary", lambda: _content(promoted)[0] > 1_100)
+            wait_for(
+                what="writes on the new primary", condition=lambda: _content(promoted)[0] > 1_100
+            )
             writer.finish()
         finally:
             writer.stop.set()
@@ -334,8 +349,12 @@ def test_a_failover_that_forks_stops_naming_recover_and_the_recovery_ends_equal(
                 text=True,
             )
             assert killed.returncode == -signal.SIGKILL, killed.stderr
-            code, _, err = run_cli(capsys, "recover", "--json")
+            code, out, err = run_cli(capsys, "recover", "--json")
             assert code == 0, err
+            # A fork: the target's position says nothing of what it lacks, so every row is
+            # compared (the killed recovery removed the bounds before it began).
+            recovered = json.loads(out)
+            assert "fork removes them" in recovered["bound"], recovered
             assert _content(target_dsn) == _content(promoted)
             with psycopg.connect(promoted, autocommit=True) as conn:
                 conn.execute("UPDATE accounts SET balance = 4 WHERE id <= 5")
@@ -445,8 +464,81 @@ def test_a_postgres_16_source_that_fails_over_names_recover_and_converges(
             assert code != 0
             assert f"slot {env['PGCDC_SLOT']} does not exist" in err, err
             assert "pgcdc recover" in err and "pgcdc snapshot)" in err, err
-            code, _, err = run_cli(capsys, "recover")
+            code, out, err = run_cli(capsys, "recover", "--json")
             assert code == 0, err
+            # No fork: the bound read on the old timeline serves, and only what changed is
+            # copied (changed_since's docstring gives the argument).
+            recovered = json.loads(out)
+            assert recovered["bound"].startswith("the bound"), recovered
+            assert recovered["tables_by_fallback"] == 0 and recovered["rows_changed"] >= 20
             assert _content(target_dsn) == _content(pair.standby.dsn("app"))
             code, out, err = run_cli(capsys, "verify", "--json")
             assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+def test_a_follow_that_decodes_on_a_hot_standby_rides_that_standbys_promotion(
+    target_dsn, target_cluster, tmp_path, monkeypatch, capsys
+):
+    """``PGCDC_SOURCE_DSN`` names the hot standby: the slot, the snapshot and the stream are
+    there, the publication is made on its primary; the primary crashes, the standby is
+    promoted under writes, and the running follow goes on from its own slot."""
+    with primary_with_standby(major=18, sync_slots=False, synchronized=False) as pair:
+        writes = _app_database(pair)  # the multi-host DSN: whichever accepts writes
+        source = pair.standby.dsn("app")
+        with command_environment(source, target_dsn, target_cluster, tmp_path, monkeypatch) as env:
+            slot = env["PGCDC_SLOT"]
+            monkeypatch.setenv("PGCDC_SLOT_FAILOVER", "on")
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code != 0 and "the source is a hot standby" in err, err
+            with psycopg.connect(writes) as conn:  # refused before anything was written
+                assert conn.execute("SELECT count(*) FROM pg_publication").fetchone() == (0,)
+            monkeypatch.setenv("PGCDC_SLOT_FAILOVER", "auto")
+            with psycopg.connect(writes, autocommit=True) as conn:
+                conn.execute("CREATE ROLE reader LOGIN REPLICATION")
+                conn.execute("GRANT SELECT ON accounts TO reader")
+            pair.wait_replayed()
+            monkeypatch.setenv("PGCDC_SOURCE_DSN", f"{source} user=reader")
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code != 0 and "GRANT pg_read_all_stats to the source role" in err, err
+            monkeypatch.setenv("PGCDC_SOURCE_DSN", source)
+            code, _, err = run_cli(capsys, "snapshot")
+            assert code == 0, err
+            assert "warning" not in err, err  # feedback on, a physical slot: nothing missing
+            assert _slot_row(source, slot) is not None
+            assert _slot_row(pair.primary.dsn("app"), slot) is None
+            status = json.loads(_ok(capsys, "status", "--json"))
+            assert "a hot standby of" in status["failover: decoding on"], status
+            assert status["failover_gaps"] == []
+            with psycopg.connect(source, autocommit=True) as conn:
+                conn.execute("ALTER SYSTEM SET hot_standby_feedback = off")
+                conn.execute("SELECT pg_reload_conf()")
+                show = "SHOW hot_standby_feedback"
+                wait_for(
+                    what="the reload", condition=lambda: conn.execute(show).fetchone()[0] == "off"
+                )
+                status = json.loads(_ok(capsys, "status", "--json"))
+                assert any("hot_standby_feedback" in gap for gap in status["failover_gaps"])
+                conn.execute("ALTER SYSTEM RESET hot_standby_feedback")
+                conn.execute("SELECT pg_reload_conf()")
+
+            writer = Writer(writes)
+            writer.start()
+            follow = _follow()
+            try:
+                wait_for(
+                    what="applies", condition=lambda: _content(target_dsn)[0] > 1_050, timeout=120
+                )
+                pair.crash_primary()
+                pair.promote()
+                wait_for(
+                    what="writes on the new primary", condition=lambda: writer.back_at is not None
+                )
+                _more_writes_then_equal(writer, follow, target_dsn, source)
+            finally:
+                writer.stop.set()
+                follow.send_signal(signal.SIGTERM)
+                _, follow_err = follow.communicate(timeout=60)
+            assert follow.returncode == 0, follow_err
+            code, out, err = run_cli(capsys, "verify", "--json")
+            assert code == 0, err
+            assert json.loads(out)["equal"] is True, out

@@ -52,6 +52,8 @@ COVERED_THROUGH_OTHERS: dict[str, str] = {
     "apply/spark_staging.py": "apply_range on Spark: apply/test_apply.py, test_spark_cluster.py",
     "apply/target_tables.py": "the target's tables as apply_range reads them: apply/test_apply.py",
     "compaction/partitions.py": "routed and compacted from a real range: apply/test_apply.py",
+    "compaction/object_reader.py": "a range on S3 read by a cluster's executors: "
+    "test_spark_cluster.py",
     "compaction/spark.py": "routed by Spark from a real range: apply/test_apply.py",
     "compare/consistent_pair.py": "the pair compare_online takes: compare/test_verify_online.py",
     "compare/recover.py": "`pgcdc recover` end to end: test_recover.py, test_failover.py",
@@ -65,6 +67,7 @@ COVERED_THROUGH_OTHERS: dict[str, str] = {
     "failpoints.py": "armed by the crash tests: test_resume.py, snapshot/test_added.py and others",
     "follow/outage_clock.py": "a follow's outages: follow/test_follow.py, test_resume.py",
     "follow/registry.py": "a follow stopped by SIGTERM: test_cli.py, test_resume.py",
+    "source/standby.py": "decoding on a hot standby, its promotion: test_failover.py",
     "postgres_installs.py": "other majors' tools: test_versions.py, test_failover.py",
     "settings.py": "every end-to-end test's settings; their refusals: test_cli.py, defs/",
     "snapshot/added.py": "tables added, via pipeline.add_tables: snapshot/test_added.py",
@@ -77,9 +80,7 @@ COVERED_THROUGH_OTHERS: dict[str, str] = {
     "spark/java.py": "the JVM of every Spark session: spark/test_spark_connect.py",
     "spark/probe.py": "run by check_executors: spark/test_spark_connect.py, test_spark_cluster.py",
     "store/chain.py": STORE_ROOM,
-    "store/errors.py": STORE_ROOM,
     "store/layout.py": STORE_ROOM,
-    "store/range_format.py": STORE_ROOM,
     "store/range_writer.py": STORE_ROOM,
 }
 

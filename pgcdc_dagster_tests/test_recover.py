@@ -5,6 +5,7 @@ recover converges; then the replication goes on and ends equal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -94,6 +95,7 @@ def _replicated_then_lost(env: dict[str, str], capsys) -> tuple[str, str]:
     assert code == 0, err
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("UPDATE accounts SET balance = 1 WHERE id <= 100")
+        conn.execute("DELETE FROM accounts WHERE id = 4000")
     _lose_the_slot(source_dsn, env["PGCDC_SLOT"])
     return source_dsn, target_dsn
 
@@ -108,6 +110,8 @@ def _content(dsn: str) -> tuple:
 
 
 def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env, capsys):
+    """``--every-row``: every table compared chunk by chunk, as for a target that may have
+    been written to."""
     source_dsn, target_dsn, slot = (
         lost_env["PGCDC_SOURCE_DSN"],
         lost_env["PGCDC_TARGET_DSN"],
@@ -135,7 +139,7 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
 
     # Killed once its first chunk is replaced: the catch-up refuses, naming the fix.
     killed = subprocess.run(
-        [PGCDC, "recover", "--chunk-rows", CHUNK_ROWS],
+        [PGCDC, "recover", "--chunk-rows", CHUNK_ROWS, "--every-row"],
         env={**os.environ, "PGCDC_FAILPOINT": "recover.after_chunk=kill"},
         capture_output=True,
         text=True,
@@ -144,7 +148,7 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
     code, _, err = run_cli(capsys, "catchup")
     assert code != 0 and "did not finish" in err and "pgcdc recover" in err, err
 
-    code, out, err = run_cli(capsys, "recover", "--chunk-rows", CHUNK_ROWS, "--json")
+    code, out, err = run_cli(capsys, "recover", "--chunk-rows", CHUNK_ROWS, "--every-row", "--json")
     assert code == 0, err
     assert "pgcdc: recover compare: compared 100%" in err, err
     assert "pgcdc: recover repair: replaced 0/" in err, err  # the repair's progress
@@ -178,10 +182,10 @@ def test_a_lost_slot_is_recovered_copying_only_the_chunks_that_changed(lost_env,
 def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_references_it(
     lost_env, capsys
 ):
-    """A change in every chunk of two tables while the slot is lost: the one no foreign key
-    references is replaced whole (truncated: a new file), the referenced one chunk by chunk
-    (its file kept); a recovery killed inside a replacement is redone by the next; both tables
-    end equal and the replication goes on."""
+    """``--every-row``. A change in every chunk of two tables while the slot is lost: the one
+    no foreign key references is replaced whole (truncated: a new file), the referenced one
+    chunk by chunk (its file kept); a recovery killed inside a replacement is redone by the
+    next; both tables end equal and the replication goes on."""
     source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
     with psycopg.connect(source_dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE parent (id int PRIMARY KEY, v int)")
@@ -244,7 +248,7 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
     # Killed inside a replacement (the whole table's is in flight with the first chunks), rolled
     # back: the catch-up refuses, the next recover redoes it.
     killed = subprocess.run(
-        [PGCDC, "recover", "--chunk-rows", "1000"],
+        [PGCDC, "recover", "--chunk-rows", "1000", "--every-row"],
         env={**os.environ, "PGCDC_FAILPOINT": "repair.in_transaction=kill"},
         capture_output=True,
         text=True,
@@ -253,7 +257,7 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
     assert "replacing whole: public.child" in killed.stderr, killed.stderr
     code, _, err = run_cli(capsys, "catchup")
     assert code != 0 and "pgcdc recover" in err, err
-    code, out, err = run_cli(capsys, "recover", "--chunk-rows", "1000", "--json")
+    code, out, err = run_cli(capsys, "recover", "--chunk-rows", "1000", "--every-row", "--json")
     assert code == 0, err
     recovered = json.loads(out)
     assert recovered["chunks_repaired"] >= 20, recovered  # every chunk of both tables
@@ -281,11 +285,18 @@ def test_a_table_that_mostly_differs_is_replaced_whole_unless_a_foreign_key_refe
     assert both(target_dsn) == both(source_dsn)
 
 
-@pytest.mark.parametrize("point", ["recover.after_begin", "recover.after_origin"])
-def test_a_recovery_killed_before_or_after_its_origin_is_redone_by_the_next(
-    lost_env, capsys, point
-):
-    """Killed once the chain says recovering (the lost slot not yet dropped), or once the
+@pytest.mark.parametrize(
+    "point",
+    [
+        "recover.after_begin",
+        "recover.after_changed",
+        "recover.deleted_in_transaction",
+        "recover.after_origin",
+    ],
+)
+def test_a_recovery_killed_at_a_durable_step_is_redone_by_the_next(lost_env, capsys, point):
+    """Killed once the chain says recovering (the lost slot not yet dropped), once a part's
+    changed rows are copied, inside the deletes of the keys the source lacks, or once the
     origin is at the new point (the chain not yet complete): the catch-up refuses, naming
     ``pgcdc recover``, and the next recovery ends equal and the replication goes on."""
     source_dsn, target_dsn = _replicated_then_lost(lost_env, capsys)
@@ -381,5 +392,117 @@ def test_a_store_restored_from_an_older_copy_is_named_and_recovered(lost_env, ca
     code, _, err = run_cli(capsys, "recover")
     assert code == 0, err
     assert _content(target_dsn) == _content(source_dsn)
+    code, out, err = run_cli(capsys, "verify", "--json")
+    assert code == 0 and json.loads(out)["equal"] is True, out
+
+
+def _every_table(dsn: str) -> dict[str, list]:
+    """Every row of the tables the fast-path test replicates, in key order."""
+    with psycopg.connect(dsn) as conn:
+        return {
+            table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+            for table in ("accounts", "emptied", "frozen", "measures", "lines")
+        }
+
+
+def test_a_lost_slot_is_recovered_from_the_rows_changed_since_the_target_s_position(
+    lost_env, capsys
+):
+    """The fast path: inserts, updates, deletes, a ``TRUNCATE``, a subtransaction, an ``ON
+    CONFLICT DO UPDATE``, a row moved between partitions, rows frozen by ``VACUUM FREEZE``
+    and a transaction begun before the last applied range but committed after it, all while
+    nothing reads the slot. Only the rows changed since the bound are copied, the deleted keys
+    are removed, the keyless table is compared chunk by chunk (named), and the target ends
+    equal. Killed inside a part's copy and after a table's deletes, the next recover
+    converges; the replication goes on."""
+    source_dsn, target_dsn = lost_env["PGCDC_SOURCE_DSN"], lost_env["PGCDC_TARGET_DSN"]
+    _accounts_and_lines(source_dsn, ROWS, 300)
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE emptied (id int PRIMARY KEY, v int)")
+        conn.execute("INSERT INTO emptied SELECT g, g FROM generate_series(1, 500) g")
+        conn.execute("CREATE TABLE frozen (id int PRIMARY KEY, v int)")
+        conn.execute("INSERT INTO frozen SELECT g, 0 FROM generate_series(1, 2000) g")
+        conn.execute(
+            "CREATE TABLE measures (id int, region int, v int, PRIMARY KEY (id, region)) "
+            "PARTITION BY LIST (region)"
+        )
+        conn.execute("CREATE TABLE measures_1 PARTITION OF measures FOR VALUES IN (1)")
+        conn.execute("CREATE TABLE measures_2 PARTITION OF measures FOR VALUES IN (2)")
+        conn.execute("INSERT INTO measures SELECT g, 1, g FROM generate_series(1, 1000) g")
+        conn.execute("ANALYZE")
+    code, _, err = run_cli(capsys, "snapshot")
+    assert code == 0, err
+
+    # A transaction that begins now and commits after the target's last applied range.
+    straddling = psycopg.connect(source_dsn)
+    straddling.execute("UPDATE accounts SET note = 'straddling' WHERE id = 30000")
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = 7 WHERE id <= 20")
+    # Each catch-up's process records a bound as it applies; the straddler is running.
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET balance = 8 WHERE id BETWEEN 21 AND 40")
+    code, _, err = run_cli(capsys, "catchup")  # the target's position passes that bound
+    assert code == 0, err
+    straddling.commit()
+    straddling.close()
+
+    with psycopg.connect(source_dsn, autocommit=True) as conn:  # nothing reads these
+        conn.execute("UPDATE accounts SET balance = -1 WHERE id BETWEEN 10001 AND 10100")
+        conn.execute("DELETE FROM accounts WHERE id BETWEEN 25001 AND 25010 OR id = 39000")
+        conn.execute("INSERT INTO accounts VALUES (50001, 1, 'new'), (50002, 2, 'new')")
+        conn.execute(
+            "INSERT INTO accounts VALUES (5, 0, 'upserted'), (50003, 3, 'upserted') "
+            "ON CONFLICT (id) DO UPDATE SET note = excluded.note"
+        )
+        with conn.transaction():
+            conn.execute("UPDATE accounts SET note = 'outer' WHERE id = 6")
+            with conn.transaction():  # a subtransaction that commits
+                conn.execute("UPDATE accounts SET note = 'inner' WHERE id = 7")
+            with contextlib.suppress(psycopg.errors.UniqueViolation), conn.transaction():
+                conn.execute("INSERT INTO accounts VALUES (8, 0, 'rolled back')")
+        conn.execute("TRUNCATE emptied")
+        conn.execute("INSERT INTO emptied VALUES (1000, 1)")
+        conn.execute("UPDATE frozen SET v = 1 WHERE id % 100 = 0")
+        conn.execute("VACUUM FREEZE frozen")
+        conn.execute("UPDATE measures SET region = 2 WHERE id <= 5")  # moved between partitions
+        conn.execute("DELETE FROM measures WHERE id = 500")
+        conn.execute("INSERT INTO lines VALUES ('while lost')")
+        conn.execute("DELETE FROM lines WHERE line = 'line 7'")
+    _lose_the_slot(source_dsn, lost_env["PGCDC_SLOT"])
+
+    for point in ("recover.changed_in_transaction", "recover.after_deleted"):
+        killed = subprocess.run(
+            [PGCDC, "recover"],
+            env={**os.environ, "PGCDC_FAILPOINT": f"{point}=kill"},
+            capture_output=True,
+            text=True,
+        )
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        code, _, err = run_cli(capsys, "catchup")
+        assert code != 0 and "did not finish" in err and "pgcdc recover" in err, err
+
+    code, out, err = run_cli(capsys, "recover", "--json")
+    assert code == 0, err
+    recovered = json.loads(out)
+    assert _every_table(target_dsn) == _every_table(source_dsn)
+    # Rows changed since the bound only, never the tables: accounts' changes since the
+    # snapshot or since the first catch-up (its bound), a few rows of the others.
+    assert 100 < recovered["rows_changed"] < 600, recovered
+    # emptied's 500 and measures' 6 (5 moved to another partition: their key changed); the
+    # killed recovery removed accounts' 11 before it was killed.
+    assert recovered["keys_deleted"] == 500 + 6, recovered
+    assert recovered["compared_every_row"] == "public.lines (no primary key)", recovered
+    assert recovered["chunks_repaired"] == 1, recovered  # the keyless table's one chunk
+    with capsys.disabled():
+        print(f"\nrecovered by the rows changed: {recovered}")
+
+    with psycopg.connect(source_dsn, autocommit=True) as conn:
+        conn.execute("UPDATE accounts SET note = 'after' WHERE id % 1000 = 0")
+        conn.execute("UPDATE measures SET v = 0 WHERE id = 1")
+    code, _, err = run_cli(capsys, "catchup")
+    assert code == 0, err
+    assert _every_table(target_dsn) == _every_table(source_dsn)
     code, out, err = run_cli(capsys, "verify", "--json")
     assert code == 0 and json.loads(out)["equal"] is True, out

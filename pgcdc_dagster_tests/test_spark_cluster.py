@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from pgcdc_dagster_tests.support.s3 import S3Server, s3_server
 from pgcdc_dagster_tests.support.spark_cluster import (
     StandaloneCluster,
     bare_python,
@@ -307,7 +308,8 @@ def test_a_store_the_executors_cannot_read_is_staged_on_the_driver_or_refused(
 ):
     """The output store on the driver's disk only: a range big enough for Spark is staged on
     the driver, with one warning line, and the target ends equal; with
-    ``PGCDC_SPARK_STAGING=required`` the catch-up stops in one line, nothing applied."""
+    ``PGCDC_SPARK_STAGING=required`` the catch-up stops in one line, nothing applied. Then a
+    range an add held back is staged on the driver too."""
     if driver_only is None:
         pytest.skip("hiding a folder from the workers needs root (a mount namespace)")
     source, target = cli_env["PGCDC_SOURCE_DSN"], cli_env["PGCDC_TARGET_DSN"]
@@ -333,4 +335,101 @@ def test_a_store_the_executors_cannot_read_is_staged_on_the_driver_or_refused(
     assert totals["staged_on_driver"] == 1, (totals, staged.err[-4000:])
     assert "executors cannot read the store" in totals["staged_on_driver_why"], totals
     assert "pgcdc: warning: 1 range(s) staged on the driver" in staged.err, staged.err
+    assert table_digest(target, "items") == table_digest(source, "items")
+    _a_held_back_range_is_staged_on_the_driver(env, source, target)
+
+
+def _a_held_back_range_is_staged_on_the_driver(
+    env: dict[str, str], source: str, target: str
+) -> None:
+    """``pgcdc add-table`` while a catch-up holds back a range of the added table's changes
+    big enough for Spark, the store on the driver's disk only: the add stages that range on
+    the driver, says so in one line, and the added table ends equal."""
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("CREATE TABLE more (id int PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO more SELECT g, 'first' FROM generate_series(1, 100) g")
+    adding = subprocess.Popen(
+        [PGCDC, "add-table", "public.more"],
+        env={**env, "PGCDC_FAILPOINT": "add.after_copy=sleep(6)"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while table_digest_or_none(target, "more") is None:  # its copy on the target
+            assert adding.poll() is None and time.monotonic() < deadline, adding.stderr
+            time.sleep(0.2)
+        with psycopg.connect(source, autocommit=True) as conn:  # held back for the add
+            conn.execute(
+                "INSERT INTO more SELECT g, 'held' FROM generate_series(101, 1400) g; "
+                "INSERT INTO items VALUES (2001, 'beside')"
+            )
+        caught = pgcdc(env, "catchup", "--endpos", "current")
+        assert caught.code == 0, caught.err[-4000:]
+        out, err = adding.communicate(timeout=240)
+    finally:
+        kill_group(adding)
+    assert adding.returncode == 0, err[-4000:]
+    assert "warning: 1 held-back range(s) staged on the driver: executors cannot read" in out, out
+    assert table_digest(target, "more") == table_digest(source, "more")
+
+
+def table_digest_or_none(dsn: str, table: str) -> tuple[int, str] | None:
+    """:func:`table_digest` once ``table`` exists and holds rows; ``None`` before."""
+    with psycopg.connect(dsn) as conn:
+        there = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
+        if not there or not there[0]:
+            return None
+    digest = table_digest(dsn, table)
+    return digest if digest[0] else None
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with s3_server() as server:
+        yield server
+
+
+def test_a_store_on_s3_is_read_by_the_workers_that_stage_the_range(
+    cluster, executor_pythons, cli_env, s3
+):
+    """The output store on the S3 server, which the workers reach with credentials of their
+    own (``spark.executorEnv``; the driver passes them only the endpoint): the workers stage
+    the range from there, and their logs show the tasks. Without credentials on the workers,
+    ``PGCDC_SPARK_STAGING=required`` stops in one line naming them, nothing applied."""
+    source, target = cli_env["PGCDC_SOURCE_DSN"], cli_env["PGCDC_TARGET_DSN"]
+    bucket = s3.new_bucket()
+    base = {
+        **spark_env(cluster, executor_pythons.deps),
+        **s3.env,
+        "PGCDC_STORE": f"s3://{bucket}/{cli_env['PGCDC_SLOT']}",
+        "PGCDC_SNAPSHOT_DRIVER_ROWS": str(10**9),  # the copy is the driver's: not the point
+    }
+    taken = pgcdc(base, "snapshot")
+    assert taken.code == 0, taken.err[-4000:]
+    with psycopg.connect(source, autocommit=True) as conn:
+        conn.execute("INSERT INTO items SELECT g, 'more' FROM generate_series(101, 1300) g")
+    before = table_digest(target, "items")
+
+    refused = pgcdc({**base, "PGCDC_SPARK_STAGING": "required"}, "catchup", "--endpos", "current")
+    assert refused.code == 1, refused.err[-4000:]
+    assert f"cannot read s3://{bucket}/" in refused.last_line, refused.last_line
+    assert "spark.executorEnv.AWS_ACCESS_KEY_ID" in refused.last_line, refused.last_line
+    assert s3.secret not in refused.err
+    assert table_digest(target, "items") == before  # nothing applied
+
+    credentials = [
+        f"spark.executorEnv.{name}={s3.env[name]}"
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    ]
+    env = {**base, "PGCDC_SPARK_CONF": "; ".join([base["PGCDC_SPARK_CONF"], *credentials])}
+    staged, app = on_the_cluster(cluster, env, "catchup", "--endpos", "current", "--json")
+    assert staged.code == 0, staged.err[-4000:]
+    assert json.loads(staged.out)["follow"]["staged_on_driver"] == 0, staged.out
+    assert s3.secret not in staged.out + staged.err
+    assert per_table(STAGED, cluster.task_lines(app)) == {"public.items": 1_200}, (
+        cluster.logs_tail()
+    )
     assert table_digest(target, "items") == table_digest(source, "items")

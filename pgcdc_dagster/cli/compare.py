@@ -11,6 +11,7 @@ from ..cli_progress import shown
 from ..engine.settings import ReplicationSettings
 from ..runner import failure_text, run_job
 from .output import CliError, metadata_value, print_tables, refuse_differing, repaired_lines
+from .signals import lock_and_start
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -91,16 +92,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_recover(args: argparse.Namespace) -> int:
     """Runs the recover job (:mod:`~pgcdc_dagster.engine.compare.recover`): a lost slot created
-    anew, the target compared with the source at its point, only the differing chunks copied.
-    Then a follow or a catch-up goes on from that point."""
-    from ..defs.jobs import RECOVER_JOB
-    from ..defs.keys import SLOT_KEY
+    anew, the rows changed since the target's position copied and the deleted keys removed
+    (:mod:`~pgcdc_dagster.engine.compare.changed_since`), the tables that path cannot take
+    compared chunk by chunk. Then a follow or a catch-up goes on from that point."""
+    from ..engine.compare.recover import head_start
+    from ..engine.compare.verify import DEFAULT_CHUNK_ROWS
 
     options: dict[str, Any] = {"wait_s": args.wait}
     if args.chunk_rows is not None:
         options["chunk_rows"] = args.chunk_rows
+    if args.every_row:
+        options["every_row"] = True
     config = {"ops": {"recover_slot": {"config": options}}}
-    with shown():
+    settings = ReplicationSettings.from_env()
+
+    def start() -> Any:  # the same options as the run's, before Dagster is imported
+        return head_start(
+            settings,
+            wait_s=args.wait,
+            chunk_rows=args.chunk_rows or DEFAULT_CHUNK_ROWS,
+            every_row=bool(args.every_row),
+        )
+
+    with shown(), lock_and_start(settings, "recover", start):
+        from ..defs.jobs import RECOVER_JOB
+        from ..defs.keys import SLOT_KEY
+
         result = run_job(RECOVER_JOB, run_config=config, allow_failure=True)
     if not result.success:
         raise CliError(f"recover run {result.run_id} failed: {failure_text(result)}")
@@ -114,10 +131,14 @@ def cmd_recover(args: argparse.Namespace) -> int:
         return 0
     print(
         f"recovered at {summary['recovered_at']} (the target had applied "
-        f"{summary['applied_before']}): {summary['chunks_compared']} chunk(s) compared in "
-        f"{summary['compare_seconds']:.1f} s, {summary['chunks_repaired']} replaced, "
-        f"{summary['rows_copied']} row(s) copied; follow or catchup goes on from there"
+        f"{summary['applied_before']}): {summary['rows_changed']} changed row(s) copied and "
+        f"{summary['keys_deleted']} deleted key(s) removed in {summary['changed_seconds']:.1f} s; "
+        f"{summary['chunks_compared']} chunk(s) compared in {summary['compare_seconds']:.1f} s, "
+        f"{summary['chunks_repaired']} replaced; {summary['rows_copied']} row(s) copied in all; "
+        "follow or catchup goes on from there"
     )
+    if summary.get("compared_every_row"):
+        print(f"compared chunk by chunk: {summary['compared_every_row']}")
     for line in repaired_lines(result):
         print(line)
     return 0

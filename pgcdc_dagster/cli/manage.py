@@ -10,7 +10,13 @@ import sys
 from ..cli_progress import shown
 from ..defs.instance import dagster_instance
 from ..engine.settings import ReplicationSettings
-from ..runner import clear_the_way, materialization_metadata, observed_metadata, run_job
+from ..runner import (
+    clear_the_way,
+    fail_dead_lockless_runs,
+    materialization_metadata,
+    observed_metadata,
+    run_job,
+)
 from .output import CliError, print_tables, refuse_differing
 
 
@@ -74,6 +80,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CliError(f"--retention: {exc}") from None
     config = {"retention": args.retention or "", "dry_run": bool(args.dry_run)}
+    fail_dead_lockless_runs(dagster_instance(), "pgcdc prune")  # a killed prune's run
     result = run_job(PRUNE_JOB, run_config={"ops": {"prune_store": {"config": config}}})
     report = observed_metadata(result)
     if args.json:
@@ -122,6 +129,12 @@ def cmd_add_table(args: argparse.Namespace) -> int:
             f"({report['held_back_with_range']} with the range), the rest "
             "applied by the next catchup or follow"
         )
+        if report.get("held_back_staged_on_driver"):
+            print(
+                f"warning: {report['held_back_staged_on_driver']} held-back range(s) staged on "
+                f"the driver: {report['held_back_staged_on_driver_why']} "
+                "(PGCDC_SPARK_STAGING=required stops instead)"
+            )
     return 0
 
 

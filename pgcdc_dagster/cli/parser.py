@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_verify)
     p = sub.add_parser(
         "recover",
-        help="after the slot was lost (invalidated or dropped): create it anew, compare every "
-        "table with the source at its point and copy only the chunks that differ",
+        help="after the slot was lost (invalidated or dropped): create it anew and copy only "
+        "the rows changed since the target's position (or, where that cannot be trusted, the "
+        "chunks that differ)",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the range")
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="about how many rows a compared chunk holds (default 100000); a differing one is "
         "copied whole",
+    )
+    p.add_argument(
+        "--every-row",
+        action="store_true",
+        help="compare every row of every table chunk by chunk, not only the rows changed since "
+        "the target's position (for a target that may have been written to)",
     )
     p.set_defaults(func=cmd_recover)
     p = sub.add_parser(

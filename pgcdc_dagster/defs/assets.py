@@ -161,7 +161,7 @@ def build_assets(
         try:
             result = pipeline.receive_range(settings, rng)
             lag = _lag(settings)
-            uri = pipeline.store_of(settings).range_path(rng).as_uri()
+            uri = pipeline.store_of(settings).range_uri(rng)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         if result.already_stored:

@@ -34,9 +34,10 @@ from dagster import (
 )
 
 from ..engine.compare import verify
-from ..engine.compare.recover import recover
+from ..engine.compare.recover import RecoverHeadStart, recover
 from ..engine.compare.repair import RepairedChunk, repair_chunks, repaired_tables
-from ..engine.control import pipeline
+from ..engine.control import head_start, pipeline
+from ..engine.control.range_lock import take_over
 from ..engine.identifiers import TableName
 from ..engine.settings import parse_duration
 from ..engine.store.retention import prune
@@ -222,6 +223,11 @@ def build_add_tables_job(resync: bool = False) -> JobDefinition:
             description="tables copied again" if resync else "tables added to the replication",
             metadata=added_metadata(result),
         )
+        if result.held_back_on_driver:
+            context.log.warning(
+                f"{result.held_back_on_driver} held-back range(s) staged on the driver: "
+                f"{result.held_back_on_driver_why} (PGCDC_SPARK_STAGING=required stops instead)"
+            )
         context.log.info(
             f"{'resynced' if resync else 'added'} "
             f"{', '.join(str(t.table) for t in result.tables)} ({result.rows} rows) at "
@@ -378,37 +384,64 @@ class RecoverConfig(Config):
     """How long to wait for the range (a follow still holding it makes way)."""
     chunk_rows: int = verify.DEFAULT_CHUNK_ROWS
     """About how many rows a compared chunk holds: a differing chunk is copied whole."""
+    every_row: bool = False
+    """Compare every row of every table chunk by chunk, not only the rows changed since the
+    target's position (for a target that may have been written to)."""
 
 
 def build_recover_job() -> JobDefinition:
     @op(
         name="recover_slot",
         out={},  # it records observations and check evaluations only
-        description="Create a lost slot anew, compare every replicated table with the source "
-        "at its point, replace the chunks that differ, and go on from there.",
+        description="Create a lost slot anew, copy the rows changed since the target's "
+        "position and remove the deleted keys (the tables that cannot: compared chunk by chunk, "
+        "the differing chunks replaced), and go on from there.",
     )
     def recover_op(
         context: OpExecutionContext, config: RecoverConfig, pgcdc: PgcdcResource
     ) -> Iterator[Any]:
         settings = pgcdc.settings()
         holder = lock_holder_name(context.run.run_id)
+        # The command that started this run may have started the recovery already (its head
+        # start, with the same options, under the lock it lends this run).
+        adopted = head_start.adopt("recover", settings.slot)
+        started = adopted if isinstance(adopted, RecoverHeadStart) else None
         try:
-            result = recover(
-                settings,
-                holder,
-                wait_s=config.wait_s,
-                chunk_rows=config.chunk_rows,
-                say=context.log.info,
-            )
+            if started is not None:
+                take_over(settings.target_dsn, settings.slot, holder)
+                try:
+                    result = started.result()
+                finally:
+                    for line in started.said:
+                        context.log.info(line)
+            else:
+                result = recover(
+                    settings,
+                    holder,
+                    wait_s=config.wait_s,
+                    chunk_rows=config.chunk_rows,
+                    every_row=config.every_row,
+                    say=context.log.info,
+                )
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None
         yield AssetObservation(
             SLOT_KEY,
-            description="the lost slot created anew; the target compared with the source at "
-            "its point, and the chunks that differed replaced",
+            description="the lost slot created anew; the rows changed since the target's "
+            "position copied, the deleted keys removed, and the tables that path cannot take "
+            "compared chunk by chunk",
             metadata={
                 "recovered_at": text(result.point),
                 "applied_before": text(result.applied_before or "none"),
+                "bound": text(result.bound or "none"),
+                "rows_changed": number(result.rows_changed),
+                "keys_deleted": number(result.keys_deleted),
+                "mb_copied": MetadataValue.float(result.mb_copied),
+                "changed_seconds": MetadataValue.float(round(result.changed_seconds, 3)),
+                "tables_by_fallback": number(len(result.fallback)),
+                "compared_every_row": text(
+                    "; ".join(f"{table} ({why})" for table, why in result.fallback)
+                ),
                 "chunks_compared": number(result.chunks_compared),
                 "chunks_repaired": number(sum(c.chunks for c in result.repaired)),
                 "rows_copied": number(result.rows_copied),
@@ -418,6 +451,20 @@ def build_recover_job() -> JobDefinition:
             },
         )
         yield from _repaired_events(context, result.point, result.repaired)
+        for changed in result.changed:  # the fast path's tables
+            yield AssetObservation(
+                target_key(changed.table),
+                description="recovered: the rows changed since the target's position copied, "
+                "the deleted keys removed",
+                metadata={
+                    "recovered_at": text(result.point),
+                    "rows_changed": number(changed.rows_copied),
+                    "keys_deleted": number(changed.keys_deleted),
+                    "mb_copied": MetadataValue.float(round(changed.bytes_copied / 1e6, 3)),
+                    "key_buckets": number(changed.buckets),
+                    "differing_buckets": number(changed.differing_buckets),
+                },
+            )
         # The tables found equal at the new point pass; a repaired one is not compared again
         # here (a whole-table compare, as long as the recovery's), pgcdc verify does that.
         for comparison in result.tables:

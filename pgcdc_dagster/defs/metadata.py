@@ -297,6 +297,8 @@ def added_metadata(result: AddedTablesResult) -> dict[str, Any]:
         "held_back_with_range": number(result.held_back_with_range),
         "held_back_passes": number(result.held_back_passes),
         "held_back_ranges_on_spark": number(result.held_back_on_spark),
+        "held_back_staged_on_driver": number(result.held_back_on_driver),
+        "held_back_staged_on_driver_why": text(result.held_back_on_driver_why or "none"),
         "held_back_transactions": number(result.held_back_transactions),
         "held_back_seconds": MetadataValue.float(round(float(result.held_back_seconds), 3)),
         **spark_metadata(result.spark_app),

@@ -201,7 +201,7 @@ def range_events(
     says which, see :class:`~.following.TableEvents`), with the same metadata."""
     received, applied = done.received, done.applied
     rng = LsnRange.from_key(received.range_key)
-    uri = pipeline.store_of(settings).range_path(rng).as_uri()
+    uri = pipeline.store_of(settings).range_uri(rng)
     decoded = receive_metadata(received, lag_bytes, uri)
     if table_events is not None:
         decoded["table_events"] = text(table_events)

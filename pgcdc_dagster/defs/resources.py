@@ -77,7 +77,8 @@ class ReplicationResource(ConfigurableResource):
 
 
 class OutputStoreResource(ConfigurableResource):
-    """Where decoded ranges live (a local path)."""
+    """Where decoded ranges live: a local path, or an object store's URL (``s3://bucket/prefix``,
+    which holds no credential: those come from the ``AWS_*`` chain)."""
 
     path: str
 
@@ -91,8 +92,8 @@ class SparkResource(LazyPySparkResource):
     master: str = ""
     remote: str = ""
     store: str = ""
-    """The output store, where a warm server of ``pgcdc spark start`` is recorded: used when
-    neither ``master`` nor ``remote`` is set."""
+    """The output store's local folder (an object store's work folder), where a warm server of
+    ``pgcdc spark start`` is recorded: used when neither ``master`` nor ``remote`` is set."""
 
     def _init_session(self) -> None:
         if self._spark_session is None:
@@ -242,6 +243,6 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             spark_config=dict(settings.spark_conf),
             master=settings.spark_master or "",
             remote=settings.spark_remote or "",
-            store=settings.store,
+            store=str(settings.store_path),  # an object store's local work folder
         ),
     }

@@ -121,6 +121,21 @@ def _last_sign_of_life(instance: DagsterInstance, run: DagsterRun) -> float:
     return max(stamps, default=time.time())
 
 
+def lockless_runs_gone(instance: DagsterInstance) -> list[RunVerdict]:
+    """The started runs that take no range lock (a prune, a verify...) whose process on this
+    host is gone: dead, since nothing else would ever end them. A run of another host, or
+    without a process tag, is left alone: no lock tells whether it lives."""
+    started = [DagsterRunStatus.STARTING, DagsterRunStatus.STARTED]
+    verdicts = []
+    for run in instance.get_runs(RunsFilter(statuses=started)):
+        identity = run.tags.get(PROCESS_TAG)
+        if RANGE_LOCK_TAG in run.tags or not identity:
+            continue
+        if processes.alive(identity) is False:
+            verdicts.append(RunVerdict(run, DEAD, f"its process ({identity}) is gone"))
+    return verdicts
+
+
 def fail_dead_runs(
     instance: DagsterInstance, verdicts: Sequence[RunVerdict], found_by: str
 ) -> list[RunVerdict]:

@@ -51,15 +51,23 @@ def storage_unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) says Dagster's SQL storage could not be
     reached or dropped the connection: dagster-postgres giving up its own retries, or
     SQLAlchemy's operational and interface errors (a refused, reset or closed connection).
-    Errors of the statements themselves (a missing table, a constraint) are not."""
+    Errors of the statements themselves (a missing table, a constraint) are not. The pool
+    giving up on reconnecting at checkout (a server that drops each new connection while it
+    restarts) says ``This connection is closed`` in an ``InvalidRequestError``: that too."""
     from sqlalchemy import exc as sa
 
     return any(
         type(seen).__name__ == "DagsterPostgresException"
         or isinstance(seen, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError)
         or (isinstance(seen, sa.DBAPIError) and seen.connection_invalidated)
+        or (isinstance(seen, sa.InvalidRequestError) and str(seen) == CHECKOUT_GAVE_UP)
         for seen in _raised_from(exc)
     )
+
+
+CHECKOUT_GAVE_UP = "This connection is closed"
+"""SQLAlchemy's pool, when a checkout found its connections dead twice over
+(``_ConnectionFairy._checkout``: ``Reconnection attempts exhausted on checkout``)."""
 
 
 def _raised_from(exc: BaseException) -> Iterator[BaseException]:
@@ -231,14 +239,49 @@ class QuietRetries(logging.Filter):
         return not str(record.msg).startswith("Retrying failed database connection")
 
 
+class QuietLostResets(logging.Filter):
+    """Drops SQLAlchemy's ``Exception during reset or similar`` (an error with a traceback)
+    when what failed was giving back a connection the storage had already dropped: the
+    outage is said in one line elsewhere, and the traceback would read as a crash. A reset
+    that fails for any other reason still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Exception during reset"):
+            return True
+        failed = record.exc_info[1] if record.exc_info else None
+        return failed is None or not _connection_lost(failed)
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Whether the DB-API error ``exc`` (psycopg2's, not SQLAlchemy's wrapping of it) says the
+    connection is gone: an operational or interface error, or SQLAlchemy's own word for it."""
+    return storage_unreachable(exc) or any(
+        (
+            type(seen).__module__.startswith("psycopg2")
+            and type(seen).__name__ in {"OperationalError", "InterfaceError"}
+        )
+        or isinstance(seen, ConnectionError)
+        for seen in _raised_from(exc)
+    )
+
+
 _QUIET = QuietRetries()
+_QUIET_RESETS = QuietLostResets()
+POOL_LOGGERS = ("sqlalchemy.pool.impl.NullPool", "sqlalchemy.pool.impl.QueuePool")
+"""Where SQLAlchemy's pools of Dagster's storage log (a filter applies at the logger a record
+is made at, not at its parents): dagster-postgres uses ``NullPool``."""
 
 
 def quiet_storage_retries() -> None:
-    """Install :class:`QuietRetries` on this process's root logger (idempotent)."""
+    """Install :class:`QuietRetries` on this process's root logger, and
+    :class:`QuietLostResets` on SQLAlchemy's pool loggers (idempotent)."""
     root = logging.getLogger()
     if _QUIET not in root.filters:
         root.addFilter(_QUIET)
+    for name in POOL_LOGGERS:
+        pool = logging.getLogger(name)
+        if _QUIET_RESETS not in pool.filters:
+            pool.addFilter(_QUIET_RESETS)
 
 
 def _to_stderr(line: str) -> None:

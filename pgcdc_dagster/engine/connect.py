@@ -47,9 +47,28 @@ _LASTING = (
 
 def unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` says a server is away for now (:class:`ServerGoneError` in the middle
-    of a step, :class:`ServerUnavailableError` at a connection): what a long-lived follow
-    rides through by retrying, where every other error ends it."""
-    return isinstance(exc, ServerGoneError | ServerUnavailableError)
+    of a step, :class:`ServerUnavailableError` at a connection, or a connection lost where no
+    step named its server: :func:`connection_lost`): what a long-lived follow rides through by
+    retrying, where every other error ends it."""
+    return isinstance(exc, ServerGoneError | ServerUnavailableError) or connection_lost(exc)
+
+
+_SERVER_AWAY_STATES = ("57P01", "57P02", "57P03")
+"""``admin_shutdown``, ``crash_shutdown``, ``cannot_connect_now``: the server is stopping,
+restarting after a crash, or not yet taking sessions."""
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is psycopg's word that the server went away: the connection broke with no
+    SQLSTATE (libpq's "server closed the connection unexpectedly"), a class 08 connection
+    exception, or the server shutting down or starting up. Why: a query outside any
+    :func:`server_errors` (a check between ranges, the set-up of a new session) meets a server
+    crash as such an error, and a follow must ride it through as it rides the same crash met
+    inside an apply; a timeout, a lock not granted or a statement's own error is not one."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _SERVER_AWAY_STATES
 
 
 def describe_dsn(dsn: str) -> str:
@@ -118,9 +137,16 @@ def connect(
         if conn.info.server_version >= since and name not in given
     ]
     if newer:
-        conn.execute(sql.SQL("; ").join(newer))
-        if not autocommit:
-            conn.commit()  # a session setting made in a transaction lasts only if it commits
+        try:
+            conn.execute(sql.SQL("; ").join(newer))
+            if not autocommit:
+                conn.commit()  # a session setting made in a transaction lasts only if it commits
+        except psycopg.OperationalError as exc:  # the server went away just after it let us in
+            conn.close()
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ServerUnavailableError(
+                f"cannot connect to the {role} PostgreSQL {describe_dsn(dsn)}: {redact(first, dsn)}"
+            ) from None
     return conn
 
 

@@ -65,8 +65,9 @@ POINTS: dict[str, str] = {
     "range; the store not told",
     "finish.after_record": "the store records the replication ended; slot and origin not dropped",
     "sensor.after_register": "the sensor registered a range partition; no run requested",
+    "store.uploaded": "an object store's range: its files uploaded, its manifest not yet put",
     "store.renamed": "a range renamed into its bucket and synced; its writer's emptied scratch "
-    "folder not yet removed, the slot not yet advanced",
+    "folder not yet removed, the slot not yet advanced (an object store's: its manifest put)",
     "prune.recorded": "a prune recorded where the chain now begins; no range removed yet",
     "prune.removing": "a prune took its ranges out of the store (hidden); none deleted yet",
     "partitions.forgetting": "a batch of partitions and their history deleted from Dagster's "
@@ -76,6 +77,12 @@ POINTS: dict[str, str] = {
     "continue.after_delete": "a continued table's changed keys are deleted from its kept ranges; "
     "its other blocks are not copied yet",
     "recover.after_begin": "the chain says recovering; the lost slot is not dropped yet",
+    "recover.changed_in_transaction": "a part's changed rows are written on the target, "
+    "not committed",
+    "recover.after_changed": "a part's changed rows are copied again; other parts are not yet",
+    "recover.deleted_in_transaction": "a table's deleted keys are removed on the target, "
+    "not committed",
+    "recover.after_deleted": "a table's deleted keys are removed; other tables' are not yet",
     "recover.after_chunk": "a differing chunk is replaced on the target; others are not yet",
     "repair.in_transaction": "a chunk's or a whole table's replacement is written on the target "
     "(the table truncated, the source's rows copied in), not committed",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +37,7 @@ from pydantic import (
 
 from .errors import PgcdcError
 from .identifiers import TableName, origin_name
+from .store_location import StoreLocation, parse_location
 
 PREFIX = "PGCDC_"
 SNAPSHOT_RANGE_ROWS = 500_000
@@ -96,10 +96,10 @@ class ReplicationSettings(BaseModel):
     tables: tuple[TableName, ...] | None = None
     """``None``: every user table of the source. From a comma list of ``schema.table``."""
     store: str = ".pgcdc/store"
-    """Where the output store (decoded ranges, the chain record) lives: a local path, or a
-    ``file://`` URL. An object store's URL (``s3://``, ``gs://``, ``abfs://``...) is refused
-    in one line, never taken for a local folder: the store's commit protocol relies on a file
-    system's atomic rename and lock, which object storage does not have."""
+    """Where the output store (decoded ranges, the chain record) lives: a local path, a
+    ``file://`` URL, or ``s3://bucket/prefix`` (:mod:`.store.object_store`; credentials and
+    endpoint from the ``AWS_*`` variables). Another object store's URL (``gs://``,
+    ``abfs://``...) is refused in one line, never taken for a local folder."""
     owners: tuple[str, ...] = ()
     """Who answers for this replication, shown as the owners of every asset in the Dagster UI
     (``PGCDC_OWNERS``: a comma list, each an email address or ``team:name``)."""
@@ -363,8 +363,27 @@ class ReplicationSettings(BaseModel):
         return origin_name(self.slot)
 
     @property
+    def store_location(self) -> StoreLocation:
+        return parse_location(self.store)
+
+    @property
+    def snapshot_export(self) -> Path | None:
+        """Where the snapshot's Parquet goes (``PGCDC_SNAPSHOT_PARQUET``): beside a store on a
+        disk only (:class:`SettingsError` for an object store's); ``None`` when not asked."""
+        if not self.snapshot_parquet:
+            return None
+        if not self.store_location.is_local:
+            raise SettingsError(
+                "PGCDC_SNAPSHOT_PARQUET writes the snapshot's Parquet beside a store on a disk "
+                f"only, and PGCDC_STORE is {self.store_location.url}: unset one of the two"
+            )
+        return self.store_path
+
+    @property
     def store_path(self) -> Path:
-        return Path(self.store).resolve()
+        """The store's local folder: the store itself on a disk, its work folder (scratch,
+        the warm Spark server's record) for an object store."""
+        return self.store_location.work_folder
 
     def require_servers(self) -> ReplicationSettings:
         """These settings, or :class:`SettingsError` when a connection string is missing."""
@@ -481,23 +500,12 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def local_store_path(value: str) -> str:
-    """``PGCDC_STORE`` as a local path: a ``file://`` URL's path, a path as it is; a
-    :class:`ValueError` naming the fix for any other URL (an object store's), which a local
-    path resolution would otherwise turn into a folder ``s3:/bucket`` on this machine."""
-    found = _URL.match(value)
-    if found is None:
-        return value
-    scheme = found.group(1).lower()
-    if scheme == "file":
-        path = urllib.parse.urlparse(value).path
-        if not path:
-            raise ValueError(f"{value} names no path: write file:///absolute/path")
-        return urllib.parse.unquote(path)
-    raise ValueError(
-        f"a {scheme}:// output store is not supported: the store needs a file system with "
-        "atomic rename and locks; give a local path or one every process mounts (NFS, a "
-        "cloud file system), as a path or file:// URL"
-    )
+    """``PGCDC_STORE`` as the setting keeps it: a ``file://`` URL's path, a path as it is, an
+    object store's URL as it is once :func:`~.store.location.parse_location` took it; a
+    :class:`ValueError` naming the fix for any other URL, which a local path resolution would
+    otherwise turn into a folder ``gs:/bucket`` on this machine."""
+    location = parse_location(value)
+    return str(location.path) if location.path is not None and _URL.match(value) else value
 
 
 def _one_line(exc: ValidationError) -> str:
@@ -506,6 +514,13 @@ def _one_line(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "?"
-        shown = "" if field in SECRET_FIELDS else f"={error.get('input')!r}"
-        problems.append(f"{PREFIX}{field.upper()}{shown}: {error['msg'].lower()}")
+        value = error.get("input")
+        secret = field in SECRET_FIELDS or (isinstance(value, str) and "@" in value)
+        shown = "" if secret else f"={value!r}"
+        message = str(error["msg"])
+        if message.startswith("Value error, "):  # our own words, as written
+            message = message.removeprefix("Value error, ")
+        else:
+            message = message.lower()
+        problems.append(f"{PREFIX}{field.upper()}{shown}: {message}")
     return "; ".join(problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import psycopg
@@ -102,3 +103,86 @@ def test_a_storage_a_killed_command_left_half_created_is_completed(
     with psycopg.connect(target_dsn, autocommit=True) as conn:
         tables = {r for (r,) in conn.execute("SELECT tablename FROM pg_tables")}
     assert {"run_tags", "asset_keys", "runs", "event_logs"} <= tables
+
+
+def test_a_connection_the_storage_dropped_is_given_back_without_a_traceback(
+    target_cluster, target_dsn, caplog
+) -> None:
+    """A storage that goes away under a connection in use makes SQLAlchemy's pool fail to
+    reset it when it is given back, and log that with a traceback: in a process of ours the
+    outage is said in one line, so that record is dropped; any other failed reset still
+    shows."""
+    import sqlalchemy
+
+    from pgcdc_dagster.defs.storage_outage import (
+        POOL_LOGGERS,
+        QuietLostResets,
+        quiet_storage_retries,
+    )
+
+    database = psycopg.conninfo.conninfo_to_dict(target_dsn)["dbname"]
+    url = f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{database}"
+    engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.QueuePool)
+
+    def give_back_a_dropped_connection() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="sqlalchemy.pool"):
+            connection = engine.raw_connection()
+            cursor = connection.cursor()
+            cursor.execute("BEGIN; SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+            with psycopg.connect(target_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+            connection.close()  # the pool rolls back: the server is gone
+        return [r.getMessage() for r in caplog.records if r.name in POOL_LOGGERS]
+
+    pool, root = logging.getLogger("sqlalchemy.pool.impl.QueuePool"), logging.getLogger()
+    kept = list(pool.filters), list(root.filters)
+    # Another test of this process may have installed it (any Dagster instance of ours does).
+    pool.filters[:] = [f for f in kept[0] if not isinstance(f, QuietLostResets)]
+    try:
+        assert give_back_a_dropped_connection() == ["Exception during reset or similar"]
+        quiet_storage_retries()
+        assert give_back_a_dropped_connection() == []
+    finally:
+        pool.filters[:], root.filters[:] = kept
+        engine.dispose()
+
+
+def test_the_pool_giving_up_on_a_checkout_is_the_storage_away_and_a_bad_statement_is_not(
+    target_cluster, target_dsn
+) -> None:
+    """What a storage write may raise, read by the follow's ride (which retries an outage and
+    fails the run on anything else): a server gone, the pool's exhausted reconnection at
+    checkout (SQLAlchemy's ``This connection is closed``) are the storage away; a statement's
+    own error, and the same class of error for a program's mistake, are not."""
+    import sqlalchemy
+    from sqlalchemy import exc
+
+    from pgcdc_dagster.defs.storage_outage import storage_unreachable
+
+    database = psycopg.conninfo.conninfo_to_dict(target_dsn)["dbname"]
+    engine = sqlalchemy.create_engine(
+        f"postgresql+psycopg2://postgres@127.0.0.1:{target_cluster.port}/{database}"
+    )
+    gone = sqlalchemy.create_engine("postgresql+psycopg2://postgres@127.0.0.1:1/postgres")
+    try:
+        with engine.connect() as conn:
+            try:
+                conn.exec_driver_sql("SELECT * FROM no_such_table")
+            except exc.ProgrammingError as bad_statement:
+                assert not storage_unreachable(bad_statement)
+            else:
+                raise AssertionError("the statement did not fail")
+        try:
+            gone.connect()
+        except exc.OperationalError as refused:
+            assert storage_unreachable(refused)
+        else:
+            raise AssertionError("a connection to port 1 was accepted")
+    finally:
+        engine.dispose()
+        gone.dispose()
+    assert storage_unreachable(exc.InvalidRequestError("This connection is closed"))
+    assert not storage_unreachable(exc.ResourceClosedError("This result object is closed."))
+    assert not storage_unreachable(exc.InvalidRequestError("A value is required"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import pytest
 
-from pgcdc_dagster.engine.connect import connect
+from pgcdc_dagster.engine.connect import connect, unavailable
 from pgcdc_dagster_tests.support.pg import set_for_database
 
 
@@ -61,3 +62,30 @@ def test_sessions_set_their_timeouts_and_value_formats_over_the_database_s(
     with connect(f"{source_dsn} options='{given}'") as conn:
         row = conn.execute(show).fetchone()
     assert row == ("1234ms", "0", "ISO, MDY", "3", "UTF8", "4321ms")
+
+
+def test_a_session_ended_by_the_server_is_an_outage_and_a_timeout_or_a_bad_query_is_not(
+    source_dsn: str,
+) -> None:
+    """A follow rides through a server that went away wherever the query was (no step named
+    the server); a statement's timeout or its own error still ends it."""
+    seen: list[BaseException] = []
+    with (
+        connect(source_dsn, autocommit=True) as victim,
+        connect(source_dsn, autocommit=True) as admin,
+    ):
+        admin.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+        with pytest.raises(psycopg.OperationalError) as ended:
+            victim.execute("SELECT 1")
+        seen.append(ended.value)
+        with pytest.raises(psycopg.OperationalError) as gone:
+            victim.execute("SELECT 1")  # the broken connection, used again
+        seen.append(gone.value)
+    assert [unavailable(e) for e in seen] == [True, True], [repr(e) for e in seen]
+    with connect(source_dsn, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.QueryCanceled) as timed_out:
+            conn.execute("SET statement_timeout = 50; SELECT pg_sleep(1)")
+        assert not unavailable(timed_out.value)
+        with pytest.raises(psycopg.errors.UndefinedTable) as wrong:
+            conn.execute("SELECT * FROM no_such_table_here")
+        assert not unavailable(wrong.value)

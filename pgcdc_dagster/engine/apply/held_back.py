@@ -15,6 +15,7 @@ import psycopg
 from ..compaction import DEFAULT_SPARK_MIN_CHANGES, HeldBack
 from ..identifiers import TableName
 from ..lsn import Lsn
+from ..spark.executors import StoreUnreadableError
 from ..store.output_store import OutputStore, StoredRange
 from .ddl import SourceDdl
 from .merge import (
@@ -56,6 +57,10 @@ class HeldBackApplied:
     transactions: int = 0
     """Target transactions the changes were applied in (consecutive ranges' share together)."""
     seconds: float = 0.0
+    on_driver: int = 0
+    """Ranges big enough for Spark staged by this process instead: the executors could not
+    read the store (``PGCDC_SPARK_STAGING=auto``)."""
+    on_driver_why: str | None = None
 
     def __add__(self, other: HeldBackApplied) -> HeldBackApplied:
         return HeldBackApplied(
@@ -63,6 +68,8 @@ class HeldBackApplied:
             self.on_spark + other.on_spark,
             self.transactions + other.transactions,
             round(self.seconds + other.seconds, 4),
+            self.on_driver + other.on_driver,
+            other.on_driver_why or self.on_driver_why,
         )
 
 
@@ -80,6 +87,7 @@ def apply_added_changes(
     batch_changes: int | None = None,
     progressed: Callable[[HeldBackApplied, Lsn], None] | None = None,
     ddl: SourceDdl | None = None,
+    spark_staging: str = "auto",
 ) -> HeldBackApplied:
     """Apply the changes of ``tables`` (being added) committed in ``(since, through]`` that
     the applies held back (:func:`apply_range`), in LSN order; say what was applied.
@@ -103,7 +111,9 @@ def apply_added_changes(
     whose transactions all lie at or before ``through`` is compacted and staged by Spark's
     workers, as :func:`apply_range` does such a range (a big transaction on a table while it
     copied is not funnelled through this process), alone, in shared staging tables of
-    ``staging_key``: not the origin's, whose tables an apply running beside makes anew."""
+    ``staging_key``: not the origin's, whose tables an apply running beside makes anew. Where
+    the executors cannot read the store, that range is staged here instead, as an apply's is
+    (``spark_staging``: ``required`` raises instead)."""
     applied = HeldBackApplied()
     if through <= since:
         return applied  # no apply went past the copy: the applies to come take it all
@@ -135,9 +145,17 @@ def apply_added_changes(
                 done(_apply_held_back(conn, batch, unpublished, ddl))
                 batch = gathered()
                 staging = _HeldBackStaging(spark(), target_dsn, staging_key)
-                on_workers = _held_back_on_spark(
-                    conn, stored, wanted, since, unpublished, staging, ddl
-                )
+                try:
+                    on_workers = _held_back_on_spark(
+                        conn, stored, wanted, since, unpublished, staging, ddl
+                    )
+                except StoreUnreadableError as unreadable:
+                    if spark_staging == "required":
+                        raise
+                    said = str(unreadable).removeprefix("Spark's executors cannot read ")
+                    why = "executors cannot read the store: " + said.split(": ", 1)[0]
+                    done(HeldBackApplied(on_driver=1, on_driver_why=why))
+                    on_workers = None  # staged here, with the others
                 reached = min(rng.end, through)
                 if isinstance(on_workers, HeldBackApplied):
                     done(on_workers)
@@ -209,7 +227,9 @@ def _held_back_on_spark(
     """One big range's share of :func:`apply_added_changes` (every transaction of it at or
     before the caller's ``through``), compacted and staged by Spark's workers and merged in
     one transaction; or the table whose net rows a unique key refused (rolled back whole,
-    the staging dropped); or ``None`` when it has DDL to carry out (applied in process)."""
+    the staging dropped); or ``None`` when it has DDL to carry out (applied in process).
+    Raises :class:`~..spark.executors.StoreUnreadableError` before anything is written when
+    the executors cannot read the range."""
     relations = {t: rel for t, rel in written_relations(stored).items() if t in tables}
     if not relations:
         return HeldBackApplied()

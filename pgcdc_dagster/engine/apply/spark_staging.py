@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from ..compaction import TableRelation, compact_table
+from ..compaction.object_reader import probe_paths
 from ..compaction.spark import route_changes, unjoin_toast
 from ..connect import connect
 from ..failpoints import failpoint
@@ -53,7 +54,7 @@ def stage_on_spark(
 
     ``conn`` is the driver's autocommit connection to the target, used for the DDL only.
     """
-    check_executors(spark, {"target": target_dsn}, files[:1])  # before any DDL
+    check_executors(spark, {"target": target_dsn}, probe_paths(files[:1]))  # before any DDL
     tables = list(relations)
     names = create_shared_tables(conn, origin_name, relations)
     routed = route_changes(

@@ -92,6 +92,7 @@ from ..failpoints import failpoint
 from ..identifiers import TableName
 from ..lsn import Lsn
 from ..spark.executors import StoreUnreadableError, spark_app
+from ..store.chain import Chain
 from ..store.output_store import OutputStore, StoredRange
 from .ddl import (
     ResyncNeeded,
@@ -138,6 +139,7 @@ def apply_range(
     ddl: SourceDdl | None = None,
     partition_changes: int | None = None,
     spark_staging: str = "auto",
+    chain: Chain | None = None,
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
 
@@ -157,12 +159,14 @@ def apply_range(
     (:mod:`.ddl`); without it such a range is refused. ``partition_changes``: a range of more
     changes than that (and not on Spark) is compacted and staged in key-hash partitions of
     about that many, one at a time (:mod:`.partitioned_staging`), so its memory stays bounded
-    whatever its size; ``None``: always whole, in memory.
+    whatever its size; ``None``: always whole, in memory. ``chain``: the store's chain record
+    as the caller read it just before (the tables being added, their floors), so that it is
+    not read again (a GET on an object store); by default read here.
     """
     started = time.perf_counter()
     transform = stored.transform_lsn
     result = ApplyResult(stored.range.key, ApplyStatus.APPLIED, None, None)
-    store = store or OutputStore(stored.store_root)
+    store = store or stored.home()
     with target_session(target_dsn, conn) as conn:
         progress = require_progress(conn, origin_name)
         result.previous_lsn = result.replay_lsn = str(progress)
@@ -178,7 +182,7 @@ def apply_range(
             return result
         assert transform is not None
 
-        chain = store.chain()
+        chain = chain if chain is not None else store.chain()
         relations = written_relations(stored)
         # Tables being added (pgcdc add-table): their copy is under way, or a killed add left
         # it partial. Their changes are held back (the add applies them once its copy is
@@ -467,7 +471,7 @@ def staged_on_workers(
         conn,
         target_dsn,
         key,
-        [str(f) for f in stored.files],
+        stored.spark_inputs(),
         relations,
         after_lsn=after_lsn,
         floors=floors,

@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 
 from ..identifiers import TableName
 from .kernel import TableRelation
+from .object_reader import is_object_url, object_frame
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -51,7 +52,12 @@ def route_changes(
     parts = partitions or max(1, int(spark.conf.get("spark.sql.shuffle.partitions") or "4"))
     if isinstance(source, str):
         source = [source]
-    df = source if not isinstance(source, Sequence) else spark.read.parquet(*source)
+    if not isinstance(source, Sequence):
+        df = source
+    elif source and all(is_object_url(path) for path in source):
+        df = object_frame(spark, source)  # an object store's range: read by pyarrow
+    else:
+        df = spark.read.parquet(*source)
     if after_lsn is not None:
         df = df.filter(F.col("commit_end_lsn") > F.lit(int(after_lsn)))
     tables = list(relations)

@@ -95,6 +95,16 @@ ORDER BY k.position
 """
 
 
+INTEGER_TYPES = ("smallint", "integer", "bigint")
+
+
+def primary_key(conn: psycopg.Connection[Any], table: TableName) -> tuple[tuple[str, ...], bool]:
+    """``table``'s primary-key columns in the key's order (empty: it has none), and whether
+    every one of them is an integer."""
+    rows = conn.execute(_KEY, (table.sql.as_string(conn),)).fetchall()
+    return tuple(str(r[0]) for r in rows), bool(rows) and all(r[1] in INTEGER_TYPES for r in rows)
+
+
 _TEXT_HASH_PROBE = (
     "SELECT current_setting('server_encoding'), "
     "hashtextextended('pgcdc: 1 text hash probe', 0), "

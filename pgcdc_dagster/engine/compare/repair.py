@@ -94,6 +94,11 @@ WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped AND a.at
 """
 
 
+def generated_columns(conn: Any, table: TableName) -> set[str]:
+    """``table``'s generated columns on ``conn``'s side: a copy into it must leave them out."""
+    return {str(r[0]) for r in conn.execute(_GENERATED, (table.sql.as_string(conn),))}
+
+
 def repair_chunks(
     settings: ReplicationSettings,
     found: Sequence[TableComparison],
@@ -269,7 +274,7 @@ def _replace_once(
         connect(settings.target_dsn, role="target") as tgt,
     ):
         src.execute(COMPARABLE_SESSION)
-        generated = {str(r[0]) for r in tgt.execute(_GENERATED, (plan.table.sql.as_string(tgt),))}
+        generated = generated_columns(tgt, plan.table)
         tgt.execute(COMPARABLE_SESSION)
         tgt.execute("SET LOCAL session_replication_role = replica")
         columns = sql.SQL(", ").join(sql.Identifier(c) for c in plan.columns if c not in generated)

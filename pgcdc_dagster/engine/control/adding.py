@@ -169,6 +169,7 @@ def add_tables(
                 spark_min_changes=settings.spark_range_changes,
                 progressed=progressed if active() else None,
                 ddl=source_ddl(settings),
+                spark_staging=settings.spark_staging,
             )
             return through, applied
 
@@ -201,6 +202,8 @@ def add_tables(
         held_back_with_range=with_range.changes,
         held_back_passes=passes + 1,
         held_back_on_spark=held_back.on_spark,
+        held_back_on_driver=held_back.on_driver,
+        held_back_on_driver_why=held_back.on_driver_why,
         held_back_transactions=held_back.transactions,
         held_back_seconds=held_back.seconds,
     )

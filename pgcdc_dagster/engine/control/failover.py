@@ -30,6 +30,10 @@ never forgotten.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
 
 from ..apply.origin import progress_of
 from ..connect import connect
@@ -38,7 +42,7 @@ from ..failpoints import failpoint
 from ..lsn import Lsn, LsnRange
 from ..settings import ReplicationSettings
 from ..source.timeline import SourceSystem, identify, switch_point
-from ..store.output_store import OutputStore
+from ..store import open_store
 
 
 class ForkError(PgcdcError):
@@ -57,10 +61,15 @@ class TimelineSwitch:
     """The target's origin when it looked."""
     dropped: tuple[LsnRange, ...]
     """Stored ranges taken out, ending past the switch point."""
+    own_slot: bool = False
+    """The slot is the source server's own, not a synchronised copy (:func:`_own_slot`):
+    everything read from it is in that server's history, so nothing forked."""
 
     @property
     def forked(self) -> bool:
         """Whether the target applied past what the new timeline shares with the old one."""
+        if self.own_slot:
+            return False
         if self.switch_point is None:
             return True
         return self.applied is not None and self.applied > self.switch_point
@@ -82,7 +91,7 @@ def follow_timeline(
     timelines were takes the present one. Raises :class:`ForkError` on a fork unless
     ``recovering`` (a recovery repairs it: the ranges past the switch point are dropped, and
     the caller records the timeline once its chain says ``recovering``)."""
-    store = OutputStore(settings.store_path)
+    store = open_store(settings.store_location)
     chain = store.chain()
     if chain is None or chain.consistent_point is None or chain.finished:
         return None
@@ -96,12 +105,17 @@ def follow_timeline(
         if chain.timeline == system.timeline:
             return None
         point = switch_point(conn, system.timeline, chain.timeline)
+        own = _own_slot(conn, settings.slot)
     applied = progress_of(settings.target_dsn, settings.origin)
-    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, ())
+    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, (), own)
     if switch.forked and not recovering:
         raise ForkError(_fork_line(settings, switch))
-    dropped = store.drop_ranges_after(point if point is not None else chain.consistent_point)
-    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, tuple(dropped))
+    dropped = (
+        []
+        if own
+        else store.drop_ranges_after(point if point is not None else chain.consistent_point)
+    )
+    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, tuple(dropped), own)
     failpoint("failover.after_drop")
     if not recovering:
         store.record_timeline(system.timeline, system.system_id)
@@ -113,14 +127,14 @@ def record_present_timeline(settings: ReplicationSettings) -> SourceSystem:
     ``recovering``); returns what the source said."""
     with connect(settings.source_dsn, role="source", replication=True) as conn:
         system = identify(conn)
-    OutputStore(settings.store_path).record_timeline(system.timeline, system.system_id)
+    open_store(settings.store_location).record_timeline(system.timeline, system.system_id)
     return system
 
 
 def forked(settings: ReplicationSettings) -> str | None:
     """Why the target cannot go on from the source, in a line naming ``pgcdc recover``, when
     a failover left it ahead of the new primary; ``None`` otherwise. Changes nothing."""
-    store = OutputStore(settings.store_path)
+    store = open_store(settings.store_location)
     chain = store.chain()
     if chain is None or chain.timeline is None or chain.consistent_point is None:
         return None
@@ -129,9 +143,25 @@ def forked(settings: ReplicationSettings) -> str | None:
         if system.timeline == chain.timeline:
             return None
         point = switch_point(conn, system.timeline, chain.timeline)
+        own = _own_slot(conn, settings.slot)
     applied = progress_of(settings.target_dsn, settings.origin)
-    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, ())
+    switch = TimelineSwitch(chain.timeline, system.timeline, point, applied, (), own)
     return _fork_line(settings, switch) if switch.forked else None
+
+
+def _own_slot(conn: psycopg.Connection[Any], slot: str) -> bool:
+    """Whether ``slot`` is the source server's own slot: present and not a synchronised copy
+    (``synced``, PostgreSQL 17+, stays true on a promoted standby's copies). Such a slot was
+    made on this server (a slot decoded on a hot standby that was then promoted, see
+    :mod:`..source.standby`), so it only ever decoded this server's WAL, all of it in the
+    present timeline's history: its ranges are kept, and the target cannot be ahead."""
+    row = conn.execute(  # literal: a replication connection takes no parameters
+        sql.SQL(
+            "SELECT coalesce((to_jsonb(s) ->> 'synced')::boolean, false) "
+            "FROM pg_replication_slots s WHERE s.slot_name = {}"
+        ).format(sql.Literal(slot))
+    ).fetchone()
+    return row is not None and not row[0]
 
 
 def _fork_line(settings: ReplicationSettings, switch: TimelineSwitch) -> str:

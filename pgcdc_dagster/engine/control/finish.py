@@ -26,6 +26,7 @@ import psycopg
 
 from ..apply.ddl import drop_records
 from ..apply.origin import drop_origin
+from ..apply.xid_bounds import drop_bounds
 from ..connect import connect, server_errors
 from ..errors import PgcdcError
 from ..failpoints import failpoint
@@ -70,7 +71,7 @@ def finish(
         if chain is None or not chain.complete:
             raise FinishRefusedError(
                 f"there is no replication of slot {settings.slot} to finish in the output store "
-                f"{store.root}: nothing was snapshotted there"
+                f"{store.where}: nothing was snapshotted there"
             )
         applied = origin_progress(settings)
         if chain.finished_at is None:
@@ -95,6 +96,7 @@ def finish(
         ):
             had_origin = applied is not None
             drop_origin(tgt, settings.origin)
+            drop_bounds(tgt, settings.slot)
             drop_records(tgt)
             tgt.commit()
         finished = store.chain()

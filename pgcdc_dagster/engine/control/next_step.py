@@ -119,7 +119,7 @@ def decide(
     for rng in chain:
         if rng.start != chain_end:
             raise CatchUpStateError(
-                f"the output store {store.root} has a hole: its ranges end at {chain_end} and the "
+                f"the output store {store.where} has a hole: its ranges end at {chain_end} and the "
                 f"next one starts at {rng.start}; a range folder was removed by hand. Restore it, "
                 "or re-take the base snapshot (pgcdc snapshot --resnapshot)"
             )
@@ -165,7 +165,7 @@ def _first_unapplied(store: OutputStore, chain: list[LsnRange], origin: Lsn) -> 
         if stored is None:  # removed since the walk: pruned (applied), or a hole
             if store.chain_start() >= rng.end:
                 continue
-            raise CatchUpStateError(f"range {rng.key} vanished from the output store {store.root}")
+            raise CatchUpStateError(f"range {rng.key} vanished from the output store {store.where}")
         transform = stored.transform_lsn
         if transform is not None and transform > origin:
             return stored

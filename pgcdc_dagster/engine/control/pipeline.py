@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from ..apply.ddl import ResyncNeeded
+from ..apply.xid_bounds import record_if_due
 from ..connect import connect, server_errors
 from ..errors import PgcdcError
 from ..failpoints import failpoint
@@ -29,6 +30,7 @@ from ..lsn import Lsn, LsnRange
 from ..settings import ReplicationSettings
 from ..source.peek import receive
 from ..source.slot import advance_slot, keep_failover
+from ..store.chain import Chain
 from ..store.output_store import (
     OutputStore,
     RangeResult,
@@ -128,7 +130,9 @@ class CatchUpStalledError(PgcdcError):
 
 def check_range_order(store: OutputStore, rng: LsnRange) -> None:
     """A range may run only right after the last stored range of the chain (or first)."""
-    consistent_point = store.consistent_point()
+    chain = store.complete_chain()
+    consistent_point = chain.consistent_point
+    assert consistent_point is not None
     if rng.start < consistent_point:
         raise RangeOrderError(
             f"range {rng.key} starts at {rng.start}, before the current base snapshot's "
@@ -137,8 +141,7 @@ def check_range_order(store: OutputStore, rng: LsnRange) -> None:
         )
     if store.get(rng) is not None:
         return  # re-running a stored range: receive and apply are both idempotent
-    chain = store.chain()
-    pruned = None if chain is None else chain.pruned_through
+    pruned = chain.pruned_through
     if pruned is not None and rng.end <= pruned:
         raise RangeOrderError(
             f"range {rng.key} was applied and then removed from the output store by its "
@@ -200,9 +203,10 @@ def apply_stored_range(
     re-copied first (``PGCDC_DDL=auto``: :func:`resync_tables`, under the range the caller
     holds), and the range applied after, the table's changes up to its copy skipped; with
     ``strict``, the apply stops there. Nothing of the range is applied before either."""
-    resumed = _resume_resync(settings, spark) + _reconcile_due(settings, spark)
+    chain = store_of(settings).chain()  # read once for both, unless a resync changes it
+    resumed = _resume_resync(settings, spark, chain) + _reconcile_due(settings, spark)
     try:
-        applied = _apply_stored(settings, rng, spark, conn)
+        applied = _apply_stored(settings, rng, spark, conn, None if resumed else chain)
         applied.schema_changes += resumed
         return applied
     except ResyncNeeded as need:
@@ -274,12 +278,13 @@ def _reconcile_due(settings: ReplicationSettings, spark: SparkProvider) -> list[
     return steps
 
 
-def _resume_resync(settings: ReplicationSettings, spark: SparkProvider) -> list[str]:
-    """Finish a resync that was killed (its tables still in
+def _resume_resync(
+    settings: ReplicationSettings, spark: SparkProvider, chain: Chain | None
+) -> list[str]:
+    """Finish a resync that was killed (its tables still in ``chain``'s
     :attr:`~..store.output_store.Chain.resyncing`, their changes held back), unless one runs now or
     ``PGCDC_DDL=strict``: the next catch-up converges by itself. The caller holds the range. One
     line per table copied."""
-    chain = store_of(settings).chain()
     if settings.ddl != "auto" or chain is None or not chain.resyncing:
         return []
     if tables_changing(settings.target_dsn, settings.slot):
@@ -297,6 +302,7 @@ def _apply_stored(
     rng: LsnRange,
     spark: SparkProvider,
     conn: psycopg.Connection[Any] | None,
+    chain: Chain | None = None,
 ) -> ApplyResult:
     from ..apply.transaction import apply_range, on_spark
 
@@ -317,11 +323,13 @@ def _apply_stored(
             ddl=source_ddl(settings),
             partition_changes=settings.partition_changes,
             spark_staging=settings.spark_staging,
+            chain=chain,
         )
     if applied.renamed_tables:
         store.record_renamed(applied.renamed_tables)
     replay = Lsn.parse(applied.replay_lsn) if applied.replay_lsn else None
     prune_if_due(store, replay, settings.store_retention)
+    record_if_due(settings.source_dsn, settings.target_dsn, settings.slot, replay)
     return applied
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 from ..apply.ddl import SourceDdl
 from ..connect import connect
 from ..settings import ReplicationSettings, work_mem_setting
+from ..store import open_store
 from ..store.output_store import (
     OutputStore,
 )
@@ -31,7 +32,7 @@ SparkProvider: TypeAlias = Union["SparkSession", Callable[[], "SparkSession"], N
 
 
 def store_of(settings: ReplicationSettings) -> OutputStore:
-    return OutputStore(settings.store_path)
+    return open_store(settings.store_location)
 
 
 @contextlib.contextmanager

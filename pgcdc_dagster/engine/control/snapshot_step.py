@@ -92,7 +92,7 @@ def take_snapshot(
                     settings.tables,
                     spark=spark,
                     resnapshot=resnapshot or line is not None,
-                    export_store=settings.store_path if settings.snapshot_parquet else None,
+                    export_store=settings.snapshot_export,
                     begin=lambda: store.begin_snapshot(settings.slot),
                     slot_created=lambda point, name: store.record_copying_at(
                         settings.slot, point, name

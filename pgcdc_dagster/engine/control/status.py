@@ -39,6 +39,8 @@ class ReplicationStatus:
     positions: pipeline.SourcePositions | None = None
     consistent_point: Lsn | None = None
     snapshot_state: str | None = None
+    store: str = ""
+    """The output store's URL (an object store's holds no credential)."""
     ranges_stored: int = 0
     pruned_through: Lsn | None = None
     last_range: str | None = None
@@ -74,6 +76,7 @@ class ReplicationStatus:
             "retained_wal_bytes": slot.retained_wal_bytes if slot else None,
             "consistent_point": _text(self.consistent_point),
             "snapshot_state": self.snapshot_state,
+            "store": self.store,
             "ranges_stored": self.ranges_stored,
             "pruned_through": _text(self.pruned_through),
             "last_range": self.last_range,
@@ -135,6 +138,7 @@ def replication_status(settings: ReplicationSettings) -> ReplicationStatus:
         positions=positions,
         consistent_point=chain.consistent_point if chain else None,
         snapshot_state=chain.state if chain else None,
+        store=store.url,
         ranges_stored=store.chain_count() if complete else 0,
         pruned_through=chain.pruned_through if chain else None,
         last_range=last_range.partition_key if last_range else None,

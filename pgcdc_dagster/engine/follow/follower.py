@@ -403,7 +403,7 @@ class Follower:
             raise type(exc)(
                 f"{exc} (a follow retried for {away:.0f} s: PGCDC_FOLLOW_RETRY)"
             ) from exc
-        what = str(exc).split(": check that", 1)[0]
+        what = (str(exc).split(": check that", 1)[0].strip().splitlines() or ["away"])[0]
         note = f"{what}; trying again in {pause:g} s ({away:.0f} s away)"
         self._report(None, note=note, retrying=True)
         self._reset_stop()

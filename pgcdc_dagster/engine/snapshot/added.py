@@ -77,6 +77,10 @@ class AddedTablesResult:
     """Passes over the held-back changes, the last one with the range."""
     held_back_on_spark: int = 0
     """Ranges whose held-back changes Spark's workers compacted and staged."""
+    held_back_on_driver: int = 0
+    """Ranges big enough for Spark whose held-back changes this process staged instead: the
+    executors could not read the store (``held_back_on_driver_why`` says what they met)."""
+    held_back_on_driver_why: str | None = None
     held_back_transactions: int = 0
     """Target transactions the held-back changes were applied in (consecutive ranges'
     together)."""

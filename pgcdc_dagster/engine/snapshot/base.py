@@ -19,6 +19,7 @@ from psycopg import errors, sql
 from ..apply.ddl import record_copied
 from ..apply.origin import check_origin_rights, check_room_for, drop_origin, set_origin
 from ..apply.sequences import sync_sequences
+from ..apply.xid_bounds import read_bound_of, record_bound_at
 from ..connect import connect
 from ..errors import server_message
 from ..failpoints import armed, failpoint
@@ -336,7 +337,8 @@ def take_base_snapshot(
     """
     from ..source.preflight import check_source
     from ..source.publication import ensure_publication
-    from ..source.slot import create_slot_with_snapshot, drop_slot
+    from ..source.slot import create_slot_with_snapshot, drop_slot, failover_wanted
+    from ..source.standby import in_recovery
 
     started = time.perf_counter()
     origin = origin_name(slot_name)
@@ -349,6 +351,8 @@ def take_base_snapshot(
         )
         resolved = check_source(src, tables, free_slots_needed=0 if slot_exists else 1)
         source_version = release(src.info.server_version)
+        # Refused before anything is written (the publication), not at the slot's creation.
+        failover_wanted(slot_failover, src.info.server_version, standby=in_recovery(src))
     with connect(target_dsn, role="target", autocommit=True) as tgt:
         target_version = release(tgt.info.server_version)
         existing, populated = populated_tables(tgt, resolved)
@@ -385,6 +389,7 @@ def take_base_snapshot(
         copied_ranges.forget(tgt, slot_name)  # an earlier attempt's: this one starts afresh
         copied_ranges.ensure_table(tgt)
         tgt.commit()
+    bound = read_bound_of(source_dsn)  # before the slot: its W is at or before the point
     exported = create_slot_with_snapshot(source_dsn, slot_name, failover=slot_failover)
     slot = exported.slot
     watch_stop = threading.Event()
@@ -427,6 +432,7 @@ def take_base_snapshot(
         with connect(target_dsn, role="target", autocommit=True) as tgt:
             bulk_load = bulk_load_facts(tgt, copies)
         set_origin(target_dsn, origin, slot.consistent_point)
+        record_bound_at(target_dsn, slot_name, bound, slot.consistent_point)
         failpoint("snapshot.after_origin")
         progress.phase("done")
     except BaseException:

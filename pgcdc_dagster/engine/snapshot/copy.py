@@ -8,6 +8,7 @@ import collections
 import math
 import os
 import re
+import select
 import shutil
 import subprocess
 import time
@@ -221,17 +222,20 @@ def stream_copy_out(
     :data:`COPY_BATCH_BYTES`; returns the row count the server reports.
 
     This talks to libpq directly: psycopg's ``Copy`` reads one row message per Python-level
-    call, much slower than ``psql | psql``; with blocking ``PQgetCopyData`` and batched writes
-    it is on par (see ``benchmarks/HISTORY.md``, "The snapshot's copy: its ranges and the path
-    of its rows"). If anything
-    fails mid-stream the connection is closed, since it is stuck in COPY state and holds
-    nothing worth keeping.
+    call, much slower than ``psql | psql``; with ``PQgetCopyData`` on what libpq has buffered
+    and batched writes it is on par (see ``benchmarks/HISTORY.md``, "The snapshot's copy: its
+    ranges and the path of its rows"). It never blocks inside libpq: psycopg's wrappers hold
+    Python's GIL through a call, so a blocking read would stop every other thread of the
+    process for as long as the server takes to send something (a scan that finds few rows:
+    a recovery's parts, a filtered range). It waits on the socket instead, without the GIL.
+    If anything fails mid-stream the connection is closed, since it is stuck in COPY state
+    and holds nothing worth keeping.
     """
     pgconn = conn.pgconn
     pgconn.send_query(statement.as_bytes(conn))
-    first = pgconn.get_result()
+    first = _next_result(pgconn)
     if first is None or first.status != pq.ExecStatus.COPY_OUT:
-        while pgconn.get_result() is not None:
+        while _next_result(pgconn) is not None:
             pass
         if first is not None and first.status == pq.ExecStatus.FATAL_ERROR:
             raise errors.error_from_result(first, encoding=conn.info.encoding)
@@ -239,7 +243,11 @@ def stream_copy_out(
     try:
         batch = bytearray()
         while True:
-            size, data = pgconn.get_copy_data(0)
+            size, data = pgconn.get_copy_data(1)  # what is buffered, never waiting
+            if size == 0:
+                _readable(pgconn)
+                pgconn.consume_input()
+                continue
             if size < 0:
                 break
             batch += data
@@ -252,11 +260,25 @@ def stream_copy_out(
         conn.close()
         raise
     rows = 0
-    while (result := pgconn.get_result()) is not None:
+    while (result := _next_result(pgconn)) is not None:
         if result.status != pq.ExecStatus.COMMAND_OK:
             raise errors.error_from_result(result, encoding=conn.info.encoding)
         rows = int(result.command_tuples or 0)
     return rows
+
+
+def _readable(pgconn: Any) -> None:
+    """Wait until the server has sent something, with the GIL released (``select``)."""
+    select.select([pgconn.socket], [], [])
+
+
+def _next_result(pgconn: Any) -> Any:
+    """``PQgetResult`` once it would not block (see :func:`stream_copy_out`)."""
+    pgconn.consume_input()
+    while pgconn.is_busy():
+        _readable(pgconn)
+        pgconn.consume_input()
+    return pgconn.get_result()
 
 
 def _copy_once(task: CopyTask, copy_format: str) -> tuple[int, int, list[bytearray]]:

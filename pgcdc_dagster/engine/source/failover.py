@@ -28,8 +28,9 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..connect import ConnectError, connect
+from ..connect import ConnectError, connect, describe_dsn
 from .slot import FAILOVER_SINCE
+from .standby import StandbyError, in_recovery, primary_dsn, standby_gaps
 
 __all__ = ["FailoverReadiness", "Standby", "StandbyCopy", "failover_readiness"]
 
@@ -82,6 +83,11 @@ class FailoverReadiness:
     copies: tuple[StandbyCopy, ...]
     unreachable: tuple[str, ...] = ()
     """Other hosts of the DSN that could not be read (``host:port: why``)."""
+    standby_of: str | None = None
+    """When the source is a hot standby that decodes (:mod:`.standby`): its primary
+    (``user@host:port/db``, or why it could not be read); ``None`` on a primary."""
+    standby_gaps: tuple[str, ...] = ()
+    """What that standby lacks for its slot to be kept (:func:`.standby.standby_gaps`)."""
 
     @property
     def has_failover_slots(self) -> bool:
@@ -89,7 +95,10 @@ class FailoverReadiness:
 
     def gaps(self) -> list[str]:
         """Each reason the slot may not survive a failover, or may fork, in a line with its
-        fix; empty when nothing is missing (or there is no standby to fail over to)."""
+        fix; empty when nothing is missing (or there is no standby to fail over to). A slot
+        on a standby survives that standby's promotion: its gaps are the standby's own."""
+        if self.standby_of is not None:
+            return list(self.standby_gaps)
         standbys = self.standbys
         if not standbys and not self.copies:
             return []
@@ -157,6 +166,12 @@ class FailoverReadiness:
 
     def facts(self) -> dict[str, Any]:
         """What was read, for status output and asset-check metadata."""
+        if self.standby_of is not None:
+            return {
+                "decoding on": f"a hot standby of {self.standby_of}: the slot survives this "
+                "standby's promotion, not a failover to another one (then pgcdc recover)",
+                "slot failover": "n/a (a slot on a standby)",
+            }
         return {
             "failover slots": "yes" if self.has_failover_slots else "no (before PostgreSQL 17)",
             "slot failover": "n/a" if self.slot_failover is None else str(self.slot_failover),
@@ -204,6 +219,8 @@ def failover_readiness(dsn: str, slot: str) -> FailoverReadiness:
     have for ``slot`` to survive a failover (module docstring)."""
     with connect(dsn, role="source", autocommit=True) as conn:
         version = conn.info.server_version
+        if in_recovery(conn):
+            return _on_standby(conn, slot)
         here = (conn.info.host, str(conn.info.port))
         standbys = tuple(Standby(*row) for row in conn.execute(_STANDBYS).fetchall())
         synchronized: tuple[str, ...] = ()
@@ -241,6 +258,29 @@ def failover_readiness(dsn: str, slot: str) -> FailoverReadiness:
         synchronized,
         tuple(copies),
         tuple(unreachable),
+    )
+
+
+def _on_standby(conn: psycopg.Connection[Any], slot: str) -> FailoverReadiness:
+    """The readiness of a slot decoded on the hot standby ``conn`` is on."""
+    try:
+        primary = describe_dsn(primary_dsn(conn))
+    except StandbyError:
+        primary = "a primary pg_stat_wal_receiver does not show (no pg_read_all_stats)"
+    exists = (
+        conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", (slot,)).fetchone()
+        is not None
+    )
+    return FailoverReadiness(
+        slot,
+        conn.info.server_version,
+        exists,
+        None,
+        (),
+        (),
+        (),
+        standby_of=primary,
+        standby_gaps=tuple(standby_gaps(conn)),
     )
 
 

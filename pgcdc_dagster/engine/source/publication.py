@@ -18,6 +18,7 @@ from ..errors import server_message
 from ..identifiers import TableName, quote_if_needed
 from .preflight import user_tables
 from .slot import SlotError
+from .standby import writes_on_primary
 
 
 class PublicationError(SlotError):
@@ -127,9 +128,11 @@ def _uncovered(
 
 
 def _run_publication_ddl(conn: psycopg.Connection[Any], name: str, statement: sql.Composed) -> None:
+    """Run ``statement`` where it can run: on the source, or on its primary when the source is
+    a hot standby (which then replays it before this returns, see :mod:`.standby`)."""
     try:
-        with conn.transaction():
-            conn.execute(statement)
+        with writes_on_primary(conn) as writer, writer.transaction():
+            writer.execute(statement)
     except errors.InsufficientPrivilege as exc:
         raise PublicationError(
             f"cannot set up publication {name}: {server_message(exc)}: the source role must own "

@@ -56,6 +56,7 @@ from ..connect import connect
 from ..errors import PgcdcError, server_message
 from ..lsn import Lsn, lsn_or_none
 from .slot_wait import naming_blockers
+from .standby import in_recovery, running_xacts_logged, standby_primary
 
 __all__ = [
     "CreatedSlot",
@@ -184,11 +185,20 @@ def _redo_hint(slot_name: str) -> str:
     )
 
 
-def failover_wanted(setting: str, server_version: int) -> bool:
+def failover_wanted(setting: str, server_version: int, *, standby: bool = False) -> bool:
     """Whether the slot is to be a failover slot under ``PGCDC_SLOT_FAILOVER=setting`` on a
     server of ``server_version``: ``auto`` wherever the server has them, ``on`` always (a
-    :class:`SlotError` naming the fix on an older server), ``off`` never."""
+    :class:`SlotError` naming the fix on an older server), ``off`` never. A slot on a hot
+    standby (``standby``) is never one: PostgreSQL refuses it."""
     if setting == "off":
+        return False
+    if standby:
+        if setting == "on":
+            raise SlotError(
+                "PGCDC_SLOT_FAILOVER=on, but the source is a hot standby, whose slots cannot be "
+                "failover slots: set PGCDC_SLOT_FAILOVER=auto (the slot survives this "
+                "standby's own promotion), or set PGCDC_SOURCE_DSN to the primary"
+            )
         return False
     if server_version >= FAILOVER_SINCE:
         return True
@@ -213,11 +223,12 @@ def create_slot_with_snapshot(
     never a failover slot. ``failover``: ``PGCDC_SLOT_FAILOVER`` (:func:`failover_wanted`).
     """
     _checked_slot_name(slot_name)
+    primary = standby_primary(dsn)  # on a standby, the primary that lets the slot start
     conn = connect(dsn, role="source", replication=True)
     try:
         if temporary:
             syntaxes = _CREATE_TEMPORARY_SLOT_SYNTAXES
-        elif failover_wanted(failover, conn.info.server_version):
+        elif failover_wanted(failover, conn.info.server_version, standby=primary is not None):
             syntaxes = _CREATE_FAILOVER_SLOT_SYNTAXES
         else:
             syntaxes = _CREATE_SLOT_SYNTAXES
@@ -225,7 +236,7 @@ def create_slot_with_snapshot(
         conn.close()
         raise
     try:
-        with naming_blockers(dsn, conn.info.backend_pid):
+        with naming_blockers(dsn, conn.info.backend_pid), running_xacts_logged(primary):
             row = _create_slot(conn, slot_name, syntaxes)
     except BaseException:
         conn.close()
@@ -305,10 +316,17 @@ WHERE s.slot_name = %s
 def current_flush_lsn(conn: psycopg.Connection[Any]) -> Lsn:
     """The source's flushed WAL position: the furthest logical decoding can read, and the
     catch-up target for "now" (``pg_current_wal_lsn()`` can trail it, the insert position
-    can run ahead of it)."""
+    can run ahead of it). On a hot standby, its replay position: decoding there reads no
+    further."""
     with conn.transaction():
-        (flush,) = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()  # type: ignore[misc]
+        (flush,) = conn.execute(_FLUSH_LSN).fetchone()  # type: ignore[misc]
     return Lsn.parse(flush)
+
+
+_FLUSH_LSN = (
+    "SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() "
+    "ELSE pg_current_wal_flush_lsn() END::text"
+)
 
 
 def read_slot(conn: psycopg.Connection[Any], slot_name: str) -> SlotInfo:
@@ -368,8 +386,9 @@ def keep_failover(dsn: str, slot_name: str, setting: str) -> bool | None:
     and a slot still held then is an error naming the consumer, never a wait without end."""
     _checked_slot_name(slot_name)
     with connect(dsn, role="source") as conn:
-        wanted = failover_wanted(setting, conn.info.server_version)
-        if conn.info.server_version < FAILOVER_SINCE:
+        standby = in_recovery(conn)
+        wanted = failover_wanted(setting, conn.info.server_version, standby=standby)
+        if conn.info.server_version < FAILOVER_SINCE or standby:
             return None
         row = conn.execute(
             "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", (slot_name,)
@@ -447,7 +466,8 @@ def advance_slot(
         return current
     with conn.transaction():
         (unflushed,) = conn.execute(  # type: ignore[misc]
-            "SELECT pg_current_wal_insert_lsn() > pg_current_wal_flush_lsn()"
+            "SELECT NOT pg_is_in_recovery() "
+            "AND pg_current_wal_insert_lsn() > pg_current_wal_flush_lsn()"
         ).fetchone()
     try:
         try:

@@ -295,6 +295,13 @@ def _verdict(
                     "the cluster under the address its connection string names (check the "
                     f"cluster's network, firewall and pg_hba.conf); {FIX}"
                 )
+        if report["unreadable"] and str(report["unreadable"][0]).startswith("s3://"):
+            raise StoreUnreadableError(
+                f"Spark's executors cannot read {report['unreadable'][0]} {where}: give them "
+                "credentials for the bucket (spark.executorEnv.AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY through PGCDC_SPARK_CONF, or an instance role) and a "
+                f"route to its endpoint; {FIX}"
+            )
         if report["unreadable"]:
             raise StoreUnreadableError(
                 f"Spark's executors cannot read {report['unreadable'][0]} {where}: the output "

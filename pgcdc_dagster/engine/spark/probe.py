@@ -58,8 +58,29 @@ def probe(modules: list[str], servers: dict[str, str], paths: list[str], index: 
                     f" (after {time.monotonic() - started:.1f} s)"
                 )
     report["connections"] = connections
-    report["unreadable"] = [path for path in paths if not os.access(path, os.R_OK)]
+    report["unreadable"] = [why for why in map(_unreadable, paths) if why is not None]
     return json.dumps(report)
+
+
+def _unreadable(path: str) -> str | None:
+    """Why this executor cannot read ``path`` (``None``: it can): a local file, or an object
+    store's URL with pyarrow's S3 options as its query (the first bytes read with them)."""
+    if not path.startswith("s3://"):
+        return None if os.access(path, os.R_OK) else path
+    from urllib.parse import parse_qsl, urlsplit
+
+    parts = urlsplit(path)
+    url = f"s3://{parts.netloc}{parts.path}"
+    try:
+        from pyarrow import fs
+
+        s3 = fs.S3FileSystem(**dict(parse_qsl(parts.query)))
+        with s3.open_input_file(parts.netloc + parts.path) as opened:
+            opened.read(4)
+    except BaseException as exc:  # every failure is a finding
+        text = str(exc).strip().splitlines()
+        return f"{url} ({text[0] if text else type(exc).__name__})"
+    return None
 
 
 def _missing_name(exc: BaseException, wanted: str) -> str:

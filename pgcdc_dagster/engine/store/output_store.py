@@ -145,7 +145,8 @@ _SEEN: dict[Path, _Seen] = {}
 
 
 class OutputStore:
-    """A local-filesystem output store rooted at ``root``."""
+    """A local-filesystem output store rooted at ``root`` (an object store's is
+    :class:`~.object_store.ObjectOutputStore`; :func:`open_store` opens either)."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -155,6 +156,38 @@ class OutputStore:
         (:mod:`..source.streamed`): scratch of the one receiver, never a range."""
         self._manifests: OrderedDict[LsnRange, StoredRange] = OrderedDict()
         self._seen = _SEEN.setdefault(self.changes_dir.absolute(), _Seen())
+
+    def reopened(self) -> OutputStore:
+        """Another handle on the same store, with caches of its own (a thread's)."""
+        return OutputStore(self.root)
+
+    @property
+    def where(self) -> str:
+        """The store in a message: its folder (an object store's URL)."""
+        return str(self.root)
+
+    @property
+    def url(self) -> str:
+        """Where the store is, for people and the UI: a ``file://`` URL (an object store's
+        is its bucket's, :mod:`.object_store`)."""
+        return self.root.absolute().as_uri()
+
+    def range_uri(self, rng: LsnRange) -> str:
+        """Where ``rng`` is stored, as a URL (the UI's ``dagster/uri``)."""
+        return self.range_path(rng).absolute().as_uri()
+
+    def stored_at(self, rng: LsnRange) -> float:
+        """When ``rng`` was stored (its manifest is written once, just before the rename), in
+        seconds since the epoch; infinity when it is not stored (removed meanwhile). The
+        manifest is not read: one ``stat``."""
+        try:
+            return os.stat(self.range_path(rng) / MANIFEST).st_mtime
+        except FileNotFoundError:
+            return float("inf")
+
+    def remove_hidden(self, hidden: str) -> int:
+        """Delete a range :meth:`hide_range` took out; the Parquet bytes it held."""
+        return remove_folder(hidden)
 
     def bucket_of(self, start: Lsn) -> Path:
         """The folder of the ranges starting in ``start``'s 16 MiB of WAL."""
@@ -194,7 +227,7 @@ class OutputStore:
             manifest = RangeManifest.from_json((path / MANIFEST).read_text())
         except FileNotFoundError:
             return None
-        return self._keep(StoredRange(rng, path, manifest))
+        return self._keep(StoredRange(rng, path, manifest, self))
 
     def holds(self, rng: LsnRange) -> bool:
         """Whether ``rng`` is stored: a ``stat`` or two, whatever the store's size (a folder
@@ -409,7 +442,7 @@ class OutputStore:
         with self.chain_lock() as chain:
             if chain is None:
                 raise StoreError("there is no base snapshot in the store to record a timeline of")
-            record = json.loads((self.root / CHAIN).read_text())
+            record = self._chain_raw() or {}
             record.update(timeline=timeline, system_id=system_id)
             self._write_chain(record)
 
@@ -429,7 +462,7 @@ class OutputStore:
         for rng in dropped:
             hidden = self.hide_range(rng)
             if hidden is not None:
-                remove_folder(hidden)
+                self.remove_hidden(hidden)
         return dropped
 
     @contextlib.contextmanager
@@ -571,6 +604,15 @@ class OutputStore:
             fsync_path(folder.parent)
         return bucket
 
+    def sweep_unpublished(self, before: Lsn) -> int:
+        """Delete the files of ranges starting before ``before`` that have no manifest (their
+        writer was killed before publishing them) and return their bytes. On a disk there are
+        none to find: a writer writes in a scratch folder named for its start, which the next
+        writer of that start (there always is one) sweeps. ``before`` must be the start of a
+        stored range of the chain: no writer writes before it."""
+        del before
+        return 0
+
     def sweep_removed(self) -> None:
         """Delete what a prune killed mid-removal left hidden, and the hidden scratch folders
         directly under ``changes/`` (a writer killed mid-write in the flat layout; a writer
@@ -591,15 +633,26 @@ class OutputStore:
         fsync_path(self.root)
 
     def chain(self) -> Chain | None:
+        raw = self._chain_raw()
+        return None if raw is None else parse_chain(raw)
+
+    def _chain_raw(self) -> dict[str, Any] | None:
         try:
-            raw = json.loads((self.root / CHAIN).read_text())
+            raw: dict[str, Any] = json.loads((self.root / CHAIN).read_text())
         except FileNotFoundError:
             return None
-        return parse_chain(raw)
+        return raw
 
     def consistent_point(self) -> Lsn:
         """The current chain's start; :class:`StoreError` naming the fix when there is no
         complete base snapshot."""
+        point = self.complete_chain().consistent_point
+        assert point is not None
+        return point
+
+    def complete_chain(self) -> Chain:
+        """The chain record, read once (a GET on an object store); :class:`StoreError` naming
+        the fix when there is no complete base snapshot."""
         chain = self.chain()
         if chain is None:
             raise StoreError(
@@ -617,15 +670,14 @@ class OutputStore:
                 "finish (the process was killed or failed): run pgcdc snapshot, which resumes "
                 "it, keeping what it copied, or else takes it again"
             )
-        return chain.consistent_point
+        return chain
 
     def chain_start(self) -> Lsn:
         """Where the current chain's stored ranges begin: the consistent point, or past the
         ranges a prune removed (:attr:`Chain.start`)."""
-        self.consistent_point()  # refuses a missing or unfinished snapshot
-        chain = self.chain()
-        assert chain is not None and chain.start is not None
-        return chain.start
+        start = self.complete_chain().start
+        assert start is not None
+        return start
 
     def chain_end(self) -> Lsn:
         """Where the next range of the current chain starts: the end of its last stored range,

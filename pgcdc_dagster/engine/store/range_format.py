@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..lsn import Lsn, LsnRange
+from .errors import StoreError
 
 MANIFEST = "_RANGE.json"
 
@@ -155,6 +156,8 @@ class StoredRange:
     range: LsnRange
     path: Path
     manifest: RangeManifest
+    store: Any = field(default=None, compare=False, repr=False)
+    """The :class:`~.output_store.OutputStore` that read or wrote it."""
 
     @property
     def store_root(self) -> Path:
@@ -197,6 +200,22 @@ class StoredRange:
     def files(self) -> list[Path]:
         return sorted(self.path.glob("part-*.parquet"))
 
+    def sources(self) -> list[Any]:
+        """The range's Parquet files, as :class:`pyarrow.parquet.ParquetFile` opens them: local
+        paths here, open object-store files for an object store's range."""
+        return list(self.files)
+
+    def spark_inputs(self) -> list[str]:
+        """The range's Parquet files as Spark's executors read them (paths; an object store's
+        range gives URLs, read by :mod:`..compaction.object_reader`)."""
+        return [str(f) for f in self.files]
+
+    def home(self) -> Any:
+        """The store the range lies in (an :class:`~.output_store.OutputStore`)."""
+        if self.store is None:
+            raise StoreError(f"range {self.range.key} was made outside a store")
+        return self.store
+
     def read_table(self, columns: Sequence[str] | None = None) -> pa.Table:
         """The range's changes (only ``columns``, when named), typed as :data:`CHANGE_SCHEMA`.
 
@@ -209,7 +228,7 @@ class StoredRange:
             if columns is None
             else pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
         )
-        files = self.files
+        files = self.sources()
         if not files:
             return schema.empty_table()
         tables = []
@@ -223,7 +242,7 @@ class StoredRange:
         """The range's changes (only ``columns``) in batches of at most ``batch_rows``, file by
         file: a range of any size read in bounded memory (:mod:`..apply.partitioned_staging`)."""
         schema = pa.schema([CHANGE_SCHEMA.field(name) for name in columns])
-        for path in self.files:
+        for path in self.sources():
             with pq.ParquetFile(path) as parquet:
                 for batch in parquet.iter_batches(batch_size=batch_rows, columns=schema.names):
                     table = pa.Table.from_batches([batch])

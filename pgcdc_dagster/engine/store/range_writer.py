@@ -39,6 +39,12 @@ class RangeWriter:
         # cut in several ends where it chose, see receive.receive_in_cuts) is that one folder,
         # swept without listing anything. One receiver at a time holds the range lock.
         self.tmp = Path()
+        self._writer: pq.ParquetWriter | None = None
+        self.rows = 0
+        self._spill_seq = 0
+        self._open_scratch(store, rng)
+
+    def _open_scratch(self, store: OutputStore, rng: LsnRange) -> None:
         for attempt in range(3):
             try:
                 store.make_bucket(rng.start)
@@ -51,9 +57,6 @@ class RangeWriter:
             except FileNotFoundError:  # a prune removed the bucket, empty, meanwhile
                 if attempt == 2:
                     raise
-        self._writer: pq.ParquetWriter | None = None
-        self.rows = 0
-        self._spill_seq = 0
 
     @contextlib.contextmanager
     def space_checked(self) -> Iterator[None]:
@@ -67,7 +70,7 @@ class RangeWriter:
             if exc.errno not in OUT_OF_SPACE and "No space left on device" not in str(exc):
                 raise
             raise StoreFullError(
-                f"the output store at {self.store.root} is out of space storing range "
+                f"the output store at {self.store.where} is out of space storing range "
                 f"{self.range.key} ({os.strerror(exc.errno or errno.ENOSPC)}): free space "
                 "there, or keep applied ranges for less time (pgcdc prune --retention 1d now; "
                 "PGCDC_STORE_RETENTION); nothing of the range was stored, and the next command "
@@ -129,6 +132,11 @@ class RangeWriter:
         manifest = dataclasses.replace(
             manifest, result=result, bytes=parquet_bytes, chain_last_commit=mark
         )
+        return self._publish(manifest)
+
+    def _publish(self, manifest: RangeManifest) -> StoredRange:
+        """Make the written range visible, whole, in one step (here: the folder's rename; on
+        an object store, the manifest's conditional put, :mod:`.object_store`)."""
         (self.tmp / MANIFEST).write_text(manifest.to_json())
         for f in self.tmp.iterdir():
             fsync_path(f)
@@ -141,7 +149,7 @@ class RangeWriter:
         fsync_path(final.parent)
         failpoint("store.renamed")
         self._scratch.rmdir()
-        stored = self.store._keep(StoredRange(self.range, final, manifest))
+        stored = self.store._keep(StoredRange(self.range, final, manifest, self.store))
         self.store._seen.stored(self.range)
         return stored
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from pathlib import Path
 from ..errors import PgcdcError
 from ..failpoints import failpoint
 from ..lsn import Lsn, LsnRange
-from .output_store import MANIFEST, OutputStore, StoredRange, remove_folder
+from .output_store import OutputStore, StoredRange
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +76,8 @@ class PruneResult:
 
 
 def stored_at(store: OutputStore, rng: LsnRange) -> float:
-    """When the range was stored (its manifest is written once, just before the rename); the
-    manifest is not read, so ranges of an earlier chain cost one ``stat`` each."""
-    try:
-        return os.stat(store.range_path(rng) / MANIFEST).st_mtime
-    except FileNotFoundError:
-        return float("inf")  # removed meanwhile: never old enough
+    """When the range was stored (:meth:`OutputStore.stored_at`)."""
+    return store.stored_at(rng)
 
 
 def prune(
@@ -166,13 +161,21 @@ def prune(
     failpoint("prune.removing")
     for folder in hidden:
         if folder is not None:
-            result.bytes += remove_folder(folder)
+            result.bytes += store.remove_hidden(folder)
+    if len(removed) < len(walked):  # a range of the chain's contiguous run: writers are past it
+        result.bytes += store.sweep_unpublished(walked[len(removed)].range.start)
     result.seconds = round(time.perf_counter() - started, 4)
     return result
 
 
 _PRUNING: dict[Path, threading.Thread] = {}
 """Per store, this process's prune thread (one at a time)."""
+
+_LOOKED_AT: dict[Path, float] = {}
+"""Per store, the latest prune this process knows of (its ``pruned_at``, or the start of its
+own): until an interval after it none is due, whatever another process did meanwhile (a
+prune elsewhere only moves it later), so :func:`prune_if_due` reads the chain record once
+an interval, not after every range (a GET per range on an object store)."""
 
 
 def prune_if_due(
@@ -192,21 +195,26 @@ def prune_if_due(
     if retention_s is None:
         return None
     now = time.time() if now is None else now
+    looked = _LOOKED_AT.get(store.root)
+    if looked is not None and 0 <= now - looked < prune_interval(retention_s):
+        return None  # known not due: the chain record is not read for every range
     chain = store.chain()
     if chain is None or not chain.complete:
         return None
     if chain.pruned_at is not None and now - chain.pruned_at < prune_interval(retention_s):
+        _LOOKED_AT[store.root] = chain.pruned_at
         return None
     running = _PRUNING.get(store.root)
     if running is not None and running.is_alive():
         return None
-    own = OutputStore(store.root)  # its manifest cache is this thread's alone
+    _LOOKED_AT[store.root] = now  # what the prune records (a failed one is tried again then)
+    own = store.reopened()  # its manifest cache is this thread's alone
 
     def run() -> None:
         try:
             prune(own, origin, retention_s, now=now)
         except (OSError, PgcdcError) as exc:
-            log.warning("the store's retention could not prune %s: %s", store.root, exc)
+            log.warning("the store's retention could not prune %s: %s", store.where, exc)
 
     thread = threading.Thread(target=run, name="pgcdc-prune")
     _PRUNING[store.root] = thread

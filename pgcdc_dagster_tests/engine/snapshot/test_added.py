@@ -33,6 +33,7 @@ from pgcdc_dagster_tests.support.replication import (
     killed_at,
     settings_for,
 )
+from pgcdc_dagster_tests.support.waits import wait_for
 
 ADDED = TableName("public", "b")
 
@@ -252,7 +253,10 @@ def _wait_for_its_copy(source_dsn: str, settings: ReplicationSettings) -> None:
                 "SELECT count(*) > 0 FROM public.b"
             ).fetchone() == (True,)
 
-        _wait_for(lambda: copied() and src.execute(temporary, pattern).fetchone() == (0,))
+        wait_for(
+            lambda: copied() and src.execute(temporary, pattern).fetchone() == (0,),
+            "the add's copy to end",
+        )
 
 
 @pytest.mark.parametrize("applied_on", ["process", "spark"])
@@ -383,7 +387,7 @@ def test_an_add_killed_while_spark_stages_its_held_back_range_is_redone_once(
             )
 
     try:
-        _wait_for(lambda: staged() > 0, timeout=120)  # a worker's part committed
+        wait_for(lambda: staged() > 0, "a worker's part committed", timeout=120)
     finally:
         os.killpg(child.pid, signal.SIGKILL)
     _, stderr = child.communicate(timeout=60)
@@ -455,7 +459,7 @@ def test_an_apply_in_flight_when_an_add_begins_cannot_write_its_table_beside_the
         "AND state = 'idle in transaction'"
     )
     with psycopg.connect(target_dsn, autocommit=True) as conn:
-        _wait_for(lambda: conn.execute(in_transaction).fetchone() != (0,))
+        wait_for(lambda: conn.execute(in_transaction).fetchone() != (0,), "a transaction open")
     added = pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
     applier.join(timeout=60)
     assert [(t.table, t.rows) for t in added.tables] == [(ADDED, 5)]
@@ -501,13 +505,6 @@ def _following_while_writing(
     catch_up(settings)
 
 
-def _wait_for(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
 def _b_applied(done: list[Followed]) -> int:
     """Changes to ``b`` the follow applied."""
     return sum(c.changes for f in done if (c := f.done.applied.tables.get("public.b")) is not None)
@@ -540,7 +537,7 @@ def test_an_add_while_a_follow_runs_has_it_make_way_and_it_goes_on_with_the_tabl
         during = [f for f in done if f.done.applied.held_back == ["public.b"]]
         assert sum(f.done.applied.tables["public.a"].changes for f in during) > 20
         assert added.held_back > 20
-        _wait_for(lambda: _b_applied(done) > 0)
+        wait_for(lambda: _b_applied(done) > 0, "b's changes applied")
         assert follower.summary.made_way == 1
         chain = OutputStore(settings.store).chain()
         assert chain is not None and chain.adding == () and ADDED in chain.synced_from
@@ -573,14 +570,14 @@ def test_an_add_killed_while_a_follow_runs_leaves_it_applying_until_an_add_again
     ):
         killed_at(point, ADD_IN_CHILD, settings)
         applied = len(done)
-        _wait_for(lambda: len(done) > applied + 3)  # the follow goes on
+        wait_for(lambda: len(done) > applied + 3, "the follow to go on")
         assert done[-1].done.applied.held_back == ["public.b"]
         assert _b_applied(done) == 0
         made_way = 0 if point == "add.after_copy" else 1
         assert follower.summary.made_way == made_way
 
         pipeline.add_tables(settings, [ADDED], spark, wait_s=30)
-        _wait_for(lambda: _b_applied(done) > 0)
+        wait_for(lambda: _b_applied(done) > 0, "b's changes applied")
         assert follower.summary.made_way == made_way + 1
     assert equal_tables(settings) == [("public.a", True), ("public.b", True)]
     with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as dst:
@@ -721,13 +718,15 @@ def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_
         "INSERT INTO b SELECT generate_series(1, 100)",
     )
     follow = subprocess.Popen([sys.executable, "-c", FOLLOW_IN_CHILD, settings.model_dump_json()])
-    _wait_for(lambda: lock_holders(target_dsn, settings.slot) != [])  # the follow runs first
+    wait_for(  # the follow runs first
+        lambda: lock_holders(target_dsn, settings.slot) != [], "the follow to take the range"
+    )
     adder = subprocess.Popen(
         [sys.executable, "-c", ADD_IN_CHILD, settings.model_dump_json()],
         env={**os.environ, "PGCDC_FAILPOINT": "add.after_held_back=sleep(10)@1"},
     )
     try:
-        _wait_for(lambda: _way_made(target_dsn))
+        wait_for(lambda: _way_made(target_dsn), "the follow to make way")
         # The add looks for the way every 0.1 s: killed sooner, the follow would leave the
         # range lock free for the add to take itself (then the next follow waits for it).
         time.sleep(1.0)
@@ -744,11 +743,11 @@ def test_a_follow_killed_while_it_made_way_is_followed_by_one_that_makes_way_at_
         thread = threading.Thread(target=follow_again)
         thread.start()
         try:
-            _wait_for(lambda: _way_made(target_dsn))  # it made way at once
+            wait_for(lambda: _way_made(target_dsn), "the follow to make way at once")
             assert adder.poll() is None and done == []
             assert adder.wait(timeout=120) == 0
             run_sql(source_dsn, "INSERT INTO b VALUES (102)")  # past the copy, surely
-            _wait_for(lambda: _b_applied(done) > 0)
+            wait_for(lambda: _b_applied(done) > 0, "b's changes applied")
             assert follower.summary.made_way == 1
         finally:
             follower.stop("test")
