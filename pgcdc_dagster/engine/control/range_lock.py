@@ -46,7 +46,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,8 +155,15 @@ def range_lock(
 
 @contextmanager
 def _lock_session(target_dsn: str, holder: str) -> Iterator[psycopg.Connection[Any]]:
-    """A target session named for ``holder``, whose locks go with it: closing it releases
-    them (no unlock round trip needed), and so does the server when the holder dies."""
+    """A target session named for ``holder``, whose locks go with it: the server releases
+    them when the session ends, however the holder ends.
+
+    A holder that ends normally releases them itself first (``pg_advisory_unlock_all``):
+    closing a connection only asks the server to end the session, and the locks stay taken
+    until its backend has exited, tens of milliseconds on a loaded machine. Whoever takes the
+    lock next in that moment (the next step of the same process, the sensor's next run) would
+    find it held by a live-looking holder and fail. A holder ending on an error only closes:
+    its server may be the thing that went away, and a round trip to it could hang."""
     conn = connect(
         target_dsn,
         role="target",
@@ -166,8 +173,18 @@ def _lock_session(target_dsn: str, holder: str) -> Iterator[psycopg.Connection[A
     )
     try:
         yield conn
+        _release_all(conn)
     finally:
         conn.close()
+
+
+def _release_all(conn: psycopg.Connection[Any]) -> None:
+    """Release every advisory lock of ``conn``'s session now; a session already gone (its
+    server restarted, or it was terminated) has released them."""
+    if conn.closed:
+        return
+    with suppress(psycopg.Error):
+        conn.execute("SELECT pg_advisory_unlock_all()")
 
 
 @contextmanager
@@ -317,7 +334,11 @@ def range_lock_or_way(
     (:attr:`RangeLock.made_way_by`: the follow, if one made way). ``lend``: to a run this
     process starts, as :func:`range_lock` lends. Raises :class:`RangeBusyError` after
     ``wait_s`` seconds of another such command, or of a holder that does not make way (a
-    snapshot, a per-range run)."""
+    snapshot, a per-range run). While this process lends the lock (a command's head start,
+    :mod:`.head_start`), that lock is the one handed out, as :func:`range_lock` does."""
+    if not lend and (held := lent_lock(target_dsn, slot)) is not None:
+        yield held
+        return
     deadline = time.monotonic() + wait_s
     with _lock_session(target_dsn, holder) as conn:
         asking = lock_key(slot, ASKING)

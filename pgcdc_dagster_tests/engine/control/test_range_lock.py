@@ -90,3 +90,22 @@ def test_a_holder_whose_local_process_is_gone_is_waited_for_and_a_live_one_is_no
         range_lock(target_dsn, "s3", "run next"),
     ):
         pass
+
+
+def test_a_holder_that_ends_normally_leaves_the_lock_free_at_once(target_dsn):
+    """A holder that ends without an error releases the lock before its session closes: the
+    next taker, right after (the next step of the same process, a run the sensor starts next),
+    never finds it held. A close alone leaves it to the server's backend exit, a moment later,
+    and a taker in that moment saw a live holder (``pid`` of this very process) and failed.
+    Here the holder's backend is slow to exit (it drops 300 temporary tables first, as a busy
+    server's can be slow), and the look is from a session opened beforehand."""
+    key = range_lock_module.lock_key("s4")
+    with psycopg.connect(target_dsn, autocommit=True) as looker:
+        with range_lock(target_dsn, "s4", f"pid {os.getpid()}") as lock:
+            lock._conn.execute(
+                "DO $$ BEGIN FOR i IN 1..300 LOOP "
+                "EXECUTE format('CREATE TEMP TABLE slow_exit_%s (a int)', i); END LOOP; END $$"
+            )
+        assert range_lock_module._holders(looker, key) == []
+        with range_lock(target_dsn, "s4", "run next"):
+            pass
