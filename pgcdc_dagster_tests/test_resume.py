@@ -487,23 +487,41 @@ def test_follow_rides_through_a_source_restart_and_a_target_crash_in_one_run(sit
                     lambda before=before: _ranges_stored(site) >= before + 2,
                     "two ranges followed",
                     120,
+                    alive=follow,
                 )
             assert follow.poll() is None
             outage()
             time.sleep(1.5)  # the follow finds it gone and waits
             (clusters.source if seed == 71 else clusters.target).start()
+        # Where the chain ends before the last writes: the follow must store past it (read
+        # after them, the follow may have stored them all already, and an idle source moves
+        # the chain only by an empty range, seconds later).
+        stored = pipeline.store_of(site.settings).chain_end()
         with site.writer(seed=73):
             time.sleep(1.0)
-        stored = pipeline.store_of(site.settings).chain_end()
-        _wait_for(
-            lambda: (
-                (pipeline.origin_progress(site.settings) or 0)
-                >= (pipeline.expected_origin_progress(site.settings) or 0)
-                and pipeline.store_of(site.settings).chain_end() > stored
-            ),
-            "the follow to apply what was written after both outages",
-            120,
-        )
+        try:
+            _wait_for(
+                lambda: (
+                    (pipeline.origin_progress(site.settings) or 0)
+                    >= (pipeline.expected_origin_progress(site.settings) or 0)
+                    and pipeline.store_of(site.settings).chain_end() > stored
+                ),
+                "the follow to apply what was written after both outages",
+                120,
+                alive=follow,
+            )
+        except AssertionError as failed:
+            positions = (
+                f"origin {pipeline.origin_progress(site.settings)}, expected "
+                f"{pipeline.expected_origin_progress(site.settings)}, chain end "
+                f"{pipeline.store_of(site.settings).chain_end()}, before the last writes {stored}"
+            )
+            activity = site.server_activity()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(follow.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"{failed}\n{positions}\n{activity}\n{site.what_ended(follow)}"
+            ) from None
         holders = lock_holders(site.settings.target_dsn, site.settings.slot)
         assert [h.holder for h in holders] == [
             f"follow pid {_follower_pid(follow)} (after an outage)"
