@@ -22,9 +22,6 @@ from pgcdc_dagster_tests.support.s3 import S3Server, s3_server_reached
 from pgcdc_dagster_tests.support.waits import wait_for
 from pgcdc_dagster_tests.test_resume import PGCDC, Clusters, Site, clusters, make_site
 
-# One worker runs the module: its clusters, S3 server and site start once, not once a worker.
-pytestmark = pytest.mark.xdist_group("object_store_cli")
-
 __all__ = ["clusters"]  # the module's own clusters (a fixture of test_resume's making)
 
 

@@ -26,9 +26,6 @@ from pgcdc_dagster.demo.local_cluster import (
 from pgcdc_dagster_tests.conftest import databases_environment
 from pgcdc_dagster_tests.test_cli import run_cli
 
-# One worker runs the module: its cluster that loses slots starts once, not once a worker.
-pytestmark = pytest.mark.xdist_group("recover")
-
 PGCDC = str(Path(sys.executable).parent / "pgcdc")
 ROWS = 40_000
 CHUNK_ROWS = "2000"

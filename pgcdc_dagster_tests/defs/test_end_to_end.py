@@ -47,9 +47,6 @@ from pgcdc_dagster.engine.processes import identity as process_identity
 from pgcdc_dagster.engine.settings import ReplicationSettings
 from pgcdc_dagster_tests.support.pg import flush_lsn, run_sql
 
-# One worker runs the module: its cluster with passwords starts once, not once a worker.
-pytestmark = pytest.mark.xdist_group("end_to_end")
-
 PASSWORD = "pw-" + secrets.token_hex(8)
 
 SOURCE_SCHEMA = """

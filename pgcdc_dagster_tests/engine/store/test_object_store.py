@@ -24,9 +24,6 @@ from pgcdc_dagster.engine.store_location import parse_location
 from pgcdc_dagster_tests.support.s3 import S3Server, s3_server_reached
 from pgcdc_dagster_tests.support.stores import range_manifest, store_ranges
 
-# One worker runs the module: its S3 server starts once, not once a worker.
-pytestmark = pytest.mark.xdist_group("object_store_engine")
-
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
