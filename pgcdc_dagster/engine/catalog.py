@@ -16,6 +16,31 @@ from psycopg import errors, sql
 
 from .identifiers import TableName
 
+RECORDS_SCHEMA = "pgcdc_ddl"
+"""The target's schema of pgcdc's own records: the source's columns (:mod:`.apply.ddl`), the
+base snapshot's copied ranges (:mod:`.snapshot.copied_ranges`), the transaction-id bounds
+(:mod:`.apply.xid_bounds`). Each table is made by the first write that needs it."""
+
+
+def records_table(name: str) -> sql.Identifier:
+    """The record table ``name`` in :data:`RECORDS_SCHEMA`."""
+    return sql.Identifier(RECORDS_SCHEMA, name)
+
+
+def ensure_records_schema(conn: psycopg.Connection[Any]) -> None:
+    """Create :data:`RECORDS_SCHEMA` if it is not there (in the caller's transaction)."""
+    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(RECORDS_SCHEMA)))
+
+
+def records_table_exists(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Whether the record table ``name`` exists yet in ``conn``'s database (a reader finds
+    none before the first write that needs it)."""
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", (f"{RECORDS_SCHEMA}.{name}",)
+    ).fetchone()
+    return bool(row and row[0])
+
+
 ASSUMED_VARLENA_WIDTH = 32
 """Bytes assumed for a variable-width value where no statistics say better."""
 TUPLE_OVERHEAD = 24 + 4  # heap tuple header + line pointer

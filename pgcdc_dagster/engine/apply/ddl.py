@@ -61,13 +61,18 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..catalog import (
+    RECORDS_SCHEMA,
+    ensure_records_schema,
+    records_table,
+    records_table_exists,
+)
 from ..compaction import TableRelation
 from ..errors import ApplyError
 from ..identifiers import TableName
 
-RECORD_SCHEMA = "pgcdc_ddl"
 RECORD_TABLE = "source_columns"
-RECORD = sql.Identifier(RECORD_SCHEMA, RECORD_TABLE)
+RECORD = records_table(RECORD_TABLE)
 
 
 class SchemaDriftError(ApplyError):
@@ -198,10 +203,9 @@ class Record:
 
 def ensure_record_table(conn: psycopg.Connection[Any]) -> None:
     """Create ``pgcdc_ddl.source_columns`` if it is not there (in the caller's transaction)."""
-    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
-    if exists and exists[0]:
+    if records_table_exists(conn, RECORD_TABLE):
         return
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(RECORD_SCHEMA)))
+    ensure_records_schema(conn)
     conn.execute(
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (schema_name text NOT NULL, table_name text NOT NULL, "
@@ -231,8 +235,7 @@ def _records(
     conn: psycopg.Connection[Any], where: sql.Composable, params: tuple[Any, ...]
 ) -> list[Record]:
     """The records ``where`` selects (none before the first copy made the table)."""
-    exists = conn.execute("SELECT to_regclass('pgcdc_ddl.source_columns') IS NOT NULL").fetchone()
-    if not (exists and exists[0]):
+    if not records_table_exists(conn, RECORD_TABLE):
         return []
     rows = conn.execute(
         sql.SQL(
@@ -252,7 +255,7 @@ def drop_records(conn: psycopg.Connection[Any]) -> None:
     source's DDL any more), and their schema if nothing else is in it."""
     conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(RECORD))
     with contextlib.suppress(psycopg.errors.DependentObjectsStillExist), conn.transaction():
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {}").format(sql.Identifier(RECORD_SCHEMA)))
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {}").format(sql.Identifier(RECORDS_SCHEMA)))
 
 
 def write_record(

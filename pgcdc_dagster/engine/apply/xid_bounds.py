@@ -32,11 +32,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..catalog import ensure_records_schema, records_table, records_table_exists
 from ..connect import ConnectError, connect
 from ..lsn import Lsn
 
-SCHEMA = "pgcdc_ddl"
-TABLE = sql.Identifier(SCHEMA, "xid_bounds")
+NAME = "xid_bounds"
+TABLE = records_table(NAME)
 
 EVERY_S = 30.0
 """How often an applying process records a bound. A recovery copies again the rows changed
@@ -89,7 +90,7 @@ def read_bound_of(source_dsn: str) -> XidBound | None:
 
 
 def _ensure_table(tgt: psycopg.Connection[Any]) -> None:
-    tgt.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+    ensure_records_schema(tgt)
     tgt.execute(
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (slot text NOT NULL, wal_position pg_lsn NOT NULL, "
@@ -149,14 +150,14 @@ def forget_bounds(target_dsn: str, slot: str) -> None:
     none serves. Durable before the recovery starts, so a recovery killed after it finds
     none either."""
     with connect(target_dsn, role="target", autocommit=True) as tgt:
-        if _exists(tgt):
+        if records_table_exists(tgt, NAME):
             tgt.execute(sql.SQL("DELETE FROM {} WHERE slot = %s").format(TABLE), (slot,))
 
 
 def drop_bounds(tgt: psycopg.Connection[Any], slot: str) -> None:
     """Remove ``slot``'s bounds, in ``tgt``'s transaction (the replication is finished), and
     the table once no other slot has any."""
-    if not _exists(tgt):
+    if not records_table_exists(tgt, NAME):
         return
     tgt.execute(sql.SQL("DELETE FROM {} WHERE slot = %s").format(TABLE), (slot,))
     left = tgt.execute(sql.SQL("SELECT EXISTS (SELECT FROM {})").format(TABLE)).fetchone()
@@ -164,14 +165,9 @@ def drop_bounds(tgt: psycopg.Connection[Any], slot: str) -> None:
         tgt.execute(sql.SQL("DROP TABLE {}").format(TABLE))
 
 
-def _exists(tgt: psycopg.Connection[Any]) -> bool:
-    row = tgt.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{SCHEMA}.xid_bounds",)).fetchone()
-    return bool(row and row[0])
-
-
 def bound_for(tgt: psycopg.Connection[Any], slot: str, applied: Lsn) -> XidBound | None:
     """The latest bound of ``slot`` with ``W`` at or before ``applied``; ``None``: none."""
-    if not _exists(tgt):
+    if not records_table_exists(tgt, NAME):
         return None
     row = tgt.execute(
         sql.SQL(

@@ -25,20 +25,21 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..catalog import ensure_records_schema, records_table, records_table_exists
 from ..connect import connect
 from ..identifiers import TableName
 from ..lsn import Lsn
 from .common import CopyRecord, TableRange
 
-SCHEMA = "pgcdc_ddl"
-TABLE = sql.Identifier(SCHEMA, "copied_ranges")
+NAME = "copied_ranges"
+TABLE = records_table(NAME)
 
 
 def ensure_table(conn: psycopg.Connection[Any]) -> None:
     """Create ``pgcdc_ddl.copied_ranges`` if it is not there (in the caller's transaction), with
     the ``filenode`` column a table an earlier release created lacks (its records then keep no
     partly copied table: :func:`copied`)."""
-    conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(SCHEMA)))
+    ensure_records_schema(conn)
     conn.execute(
         sql.SQL(
             "CREATE TABLE IF NOT EXISTS {} (slot text NOT NULL, consistent_point pg_lsn NOT NULL, "
@@ -50,11 +51,6 @@ def ensure_table(conn: psycopg.Connection[Any]) -> None:
         ).format(TABLE)
     )
     conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS filenode bigint").format(TABLE))
-
-
-def _exists(conn: psycopg.Connection[Any]) -> bool:
-    row = conn.execute("SELECT to_regclass('pgcdc_ddl.copied_ranges') IS NOT NULL").fetchone()
-    return bool(row and row[0])
 
 
 _ROWS_INSERTED = """
@@ -142,7 +138,7 @@ def copied(
     or each leaf of a partitioned table), those copied whole at ``consistent_point`` by the
     snapshot of ``slot``, and those copied in part from themselves alone (a partitioned table,
     or one whose ranges' file is not recorded, is not one)."""
-    if not _exists(conn):
+    if not records_table_exists(conn, NAME):
         return Copied({}, {})
     ensure_table(conn)  # a table an earlier release created gains its filenode column
     records = conn.execute(
@@ -182,7 +178,7 @@ def copied(
 def recorded(conn: psycopg.Connection[Any], slot: str, consistent_point: Lsn) -> bool:
     """Whether any range is recorded copied by the snapshot of ``slot`` at
     ``consistent_point``."""
-    if not _exists(conn):
+    if not records_table_exists(conn, NAME):
         return False
     row = conn.execute(
         sql.SQL("SELECT FROM {} WHERE slot = %s AND consistent_point = %s::pg_lsn LIMIT 1").format(
@@ -197,7 +193,7 @@ def forget(conn: psycopg.Connection[Any], slot: str) -> None:
     """Drop the records of ``slot``'s snapshots (in the caller's transaction), and the table
     once it holds none: a snapshot taken from scratch keeps nothing of an earlier one's, and a
     finished one needs them no more."""
-    if _exists(conn):
+    if records_table_exists(conn, NAME):
         conn.execute(sql.SQL("DELETE FROM {} WHERE slot = %s").format(TABLE), (slot,))
         if conn.execute(sql.SQL("SELECT FROM {} LIMIT 1").format(TABLE)).fetchone() is None:
             conn.execute(sql.SQL("DROP TABLE {}").format(TABLE))
