@@ -182,8 +182,11 @@ class RangeLockResource(ConfigurableResource):
         holder = lock_holder_name(run.run_id if run is not None else "unknown")
         # A lock the command that started this run lends it is renamed for the run, and
         # range_lock hands that one out instead of taking its own.
-        lent = take_over(settings.target_dsn, settings.slot, holder)
-        if lent is None and run is not None and run.tags.get(RANGE_LOCK_TAG) == "cutover":
+        # A follow run adopts its command's follower, which rides a target that went away
+        # since (taking the lock again itself), so that run goes on under the gone lock.
+        kind = run.tags.get(RANGE_LOCK_TAG) if run is not None else None
+        lent = take_over(settings.target_dsn, settings.slot, holder, gone_ok=kind == "follow")
+        if lent is None and kind == "cutover":
             # Launched from the UI: a running follow makes way for it, as for pgcdc cutover.
             taking = range_lock_or_way(settings.target_dsn, settings.slot, holder, CUTOVER_WAIT_S)
         else:

@@ -53,7 +53,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..connect import connect, server_errors
+from ..connect import ServerGoneError, connect, server_errors
 from ..errors import PgcdcError
 from ..processes import pid_running
 
@@ -263,12 +263,25 @@ def lent_lock(target_dsn: str, slot: str) -> RangeLock | None:
         return _lent.get((target_dsn, slot))
 
 
-def take_over(target_dsn: str, slot: str, holder: str) -> RangeLock | None:
+def take_over(
+    target_dsn: str, slot: str, holder: str, *, gone_ok: bool = False
+) -> RangeLock | None:
     """The lock this process lends for ``slot``, now held under ``holder`` (a run taking over
-    what its command started); ``None`` when nothing is lent."""
+    what its command started); ``None`` when nothing is lent.
+
+    A lent lock whose session went with a target that went away raises
+    :class:`~..connect.ServerGoneError`, unless ``gone_ok``: for a run adopting a head-started
+    follower, which rides the outage and takes the lock again itself once the target is back
+    (:meth:`~..follow.follower.Follower._hold_lock_again` checks the lock's session); the run
+    must not fail for it, since Dagster may start it seconds after the follow began. The lock
+    is then handed out under its old name."""
     lent = lent_lock(target_dsn, slot)
     if lent is not None:
-        lent.rename(holder)
+        try:
+            lent.rename(holder)
+        except ServerGoneError:
+            if not gone_ok:
+                raise
     return lent
 
 

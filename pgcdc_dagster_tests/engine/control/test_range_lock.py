@@ -11,12 +11,14 @@ import time
 import psycopg
 import pytest
 
+from pgcdc_dagster.engine.connect import ServerGoneError
 from pgcdc_dagster.engine.control import range_lock as range_lock_module
 from pgcdc_dagster.engine.control.range_lock import (
     LockHolder,
     RangeBusyError,
     lock_holders,
     range_lock,
+    take_over,
 )
 from pgcdc_dagster_tests.support.locks import holder_session, take_lock
 
@@ -109,3 +111,18 @@ def test_a_holder_that_ends_normally_leaves_the_lock_free_at_once(target_dsn):
         assert range_lock_module._holders(looker, key) == []
         with range_lock(target_dsn, "s4", "run next"):
             pass
+
+
+def test_a_lent_lock_gone_with_its_session_is_handed_over_only_to_a_run_that_rides_it(target_dsn):
+    """A command lends its lock to the run it starts; Dagster may start that run seconds later,
+    after the target went away and took the lock's session with it. A follow run (its command's
+    follower takes the lock again itself) gets the lock as lent; any other run fails, naming the
+    target, rather than work under a lock nobody holds."""
+    with range_lock(target_dsn, "s5", f"pid {os.getpid()}", lend=True) as lent:
+        with psycopg.connect(target_dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (lent.session_pid,))
+        with pytest.raises(ServerGoneError, match="target PostgreSQL"):
+            take_over(target_dsn, "s5", "run other")
+        assert take_over(target_dsn, "s5", "run follow", gone_ok=True) is lent
+        assert lock_holders(target_dsn, "s5") == []
+    assert take_over(target_dsn, "s5", "run later") is None
