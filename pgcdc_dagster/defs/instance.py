@@ -95,12 +95,12 @@ def keep_storage_connections(instance: Any) -> None:
     does (``DagsterInstance.optimize_for_webserver``), instead of Dagster's default of a new
     connection for every read and write.
 
-    Why: a ``follow`` run writes the events of every range it materialises, a range every
-    ``PGCDC_FOLLOW_CUT_MS`` while changes flow, and a new connection for each write starts and
-    ends a server backend every time, where kept connections are a few for the whole run; the
-    machine is noticeably less busy with them (see ``benchmarks/HISTORY.md``, "Dagster's
-    storage: kept connections and asynchronous commits"). Their commits do not wait for the disk
-    (:func:`_commit_asynchronously`).
+    Why: a ``follow`` run writes the events of every range it materialises, a range every few
+    milliseconds to ``PGCDC_FOLLOW_CUT_MS`` while changes flow, and a new connection for each
+    write starts and ends a server backend every time, where kept connections are a few for
+    the whole run; the machine is noticeably less busy with them (see
+    ``benchmarks/HISTORY.md``, "Dagster's storage: kept connections and asynchronous
+    commits"). Their commits do not wait for the disk (:func:`_commit_asynchronously`).
 
     What must hold: a kept connection the server dropped while it sat in the pool (a restart,
     an idle timeout) is not handed to Dagster: each checkout pings first and a dead connection

@@ -211,7 +211,9 @@ class ReplicationSettings(BaseModel):
     mode: Literal["follow", "range"] = "range"
     """What the slot sensor keeps going: one long-lived ``follow`` run, or one run per range."""
     follow_cut_ms: PositiveInt = 200
-    """``follow`` cuts a range at most this often while changes flow (milliseconds)."""
+    """Reading by stream, ``follow`` cuts a range as soon as its applier is free, and at the
+    latest this long after the last cut while the applier is busy (the range then waits in the
+    queue); reading by peeks, it cuts one this often while changes flow (milliseconds)."""
     follow_read: Literal["stream", "peek"] = "stream"
     """How ``follow`` reads the slot once it keeps up (no endpos, less than
     :data:`~.follow.follower.STREAM_WITHIN_BYTES` behind): a ``START_REPLICATION`` stream

@@ -8,15 +8,17 @@ Data flow::
                                                                    caller: yields each range
 
 Ranges are cut at commit boundaries by construction (a range holds the transactions whose
-COMMIT ends in it, see :mod:`..source.peek`): while changes flow, the receiver cuts one at most
-every ``follow_cut_ms`` and caps each at ``follow_range_bytes`` of WAL, so on a backlog the applier
-works on range N while the receiver reads range N+1. A backlog of one to two ranges is shaped
-by :func:`backlog_range_bytes`: small first (the applier starts after a fraction of a second,
-not after a whole capped range), doubling, and halving towards the end of the backlog (the last
-range's apply overlaps nothing). Its first two ranges are a peek each; the rest is one more,
-cut into ranges at COMMITs as its rows stream (:func:`~..source.peek.receive_in_cuts`), since every
-peek decodes the WAL again from the slot's restart point; that peek's first range does not
-grow (the applier waits for it while the source decodes the whole peek).
+COMMIT ends in it, see :mod:`..source.peek`): while changes flow, the receiver cuts one when the
+applier is ready for it (reading by stream; at the latest every ``follow_cut_ms``, and every
+``follow_cut_ms`` reading by peeks) and caps each at ``follow_range_bytes`` of WAL, so on a
+backlog the applier works on range N while the receiver reads range N+1. A backlog of one to
+two ranges is shaped by :func:`backlog_range_bytes`: small first (the applier starts after a
+fraction of a second, not after a whole capped range), doubling, and halving towards the end
+of the backlog (the last range's apply overlaps nothing). Its first two ranges are a peek
+each; the rest is one more, cut into ranges at COMMITs as its rows stream
+(:func:`~..source.peek.receive_in_cuts`), since every peek decodes the WAL again from the
+slot's restart point; that peek's first range does not grow (the applier waits for it while
+the source decodes the whole peek).
 
 Every range goes through the same store, the same slot advance (only once it is durable) and
 the same apply (one target transaction that also moves the replication origin) as a range run
@@ -233,6 +235,8 @@ class Follower:
         self._stop_reason = ""
         self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
         self._done = Backlog()
+        self._applier_waits = threading.Event()
+        """Set while the applier waits for a range (see :meth:`_applier_ready`)."""
         self._errors: list[BaseException] = []
         self._session_errors: list[BaseException] = []
         self._reached_servers = False
@@ -708,6 +712,7 @@ class Follower:
                 on_stored=stored,
                 stop=self._stop,
                 on_busy=lambda began, ended: self.summary.busy.add(RECEIVING, began, ended),
+                ready=self._applier_ready,
                 work_mem=settings.decoding_work_mem,
             )
         finally:
@@ -797,6 +802,12 @@ class Follower:
         self._peek_ranges = 1 if held else min(PEEK_MAX_RANGES, 2 * span)
         return end, sized
 
+    def _applier_ready(self) -> bool:
+        """Whether the applier would start on a range at once: it waits, nothing queued. The
+        stream cuts its range then (see :mod:`..source.stream`): a COMMIT at hand waits for the
+        applier, never for a clock."""
+        return self._applier_waits.is_set() and self._to_apply.empty()
+
     def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:
         """Blocks while the applier is ``QUEUE_RANGES`` behind (the bound on how far receive
         runs ahead), unless the applier has failed."""
@@ -815,7 +826,12 @@ class Follower:
         cpu = time.thread_time()
         target: psycopg.Connection[Any] | None = None
         try:
-            while (item := self._to_apply.get()) is not None:
+            while True:
+                self._applier_waits.set()
+                item = self._to_apply.get()
+                self._applier_waits.clear()
+                if item is None:
+                    break
                 received, lag = item
                 failpoint("catchup.before_apply")
                 began = time.monotonic()

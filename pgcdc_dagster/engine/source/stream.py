@@ -13,10 +13,15 @@ update, only once the range is stored: a process killed anywhere leaves the slot
 the store's last range, the state every reader finishes first (``pipeline.confirm_stored``).
 
 When a range is cut
-    at the first point outside a transaction once ``cut_s`` went by since the last cut (so at
-    a low rate a COMMIT is stored as soon as it arrives), or once the range received ``cap``
-    bytes of messages; an empty range every ``idle_s``, or once ``idle_bytes`` of WAL went by,
-    so the slot keeps moving while the published tables are idle.
+    at the first point outside a transaction once the taker is ``ready`` for it (the
+    follower's applier idle, nothing queued: the COMMIT at hand waits for nothing), or once
+    ``cut_s`` went by since the last cut, or once the range received ``cap`` bytes of
+    messages; an empty range every ``idle_s``, or once ``idle_bytes`` of WAL went by, so the
+    slot keeps moving while the published tables are idle. Cut when the applier is ready, a
+    range holds what came in while the one before was stored and applied: at a low rate a
+    COMMIT is stored as it arrives, under load ranges grow with the applier's time, and a
+    COMMIT never waits for a clock (see ``benchmarks/HISTORY.md``, "The cut when the applier
+    is ready").
 A big transaction
     (on PostgreSQL 14 and later) comes in blocks while it is written, each spooled to disk
     (:mod:`.streamed`), and enters the range of its Stream Commit, whole, in commit order. The
@@ -58,6 +63,9 @@ from .walsender import Keepalive, Message, SlotStream
 
 POLL_S = 0.1
 """The longest the stream waits for a message before it looks at the clock and the stop."""
+READY_POLL_S = 0.002
+"""With transactions at hand, how often the stream looks whether the taker became ready (a
+look is a function call: at 500 a second, about a millisecond of CPU)."""
 FEED_ROWS = 20_000
 """Messages decoded at a time (as a peek's fetch)."""
 OPEN_END = Lsn(_MAX)
@@ -78,6 +86,7 @@ def receive_streaming(
     on_stored: Callable[[RangeResult, bool], bool | None],
     stop: threading.Event,
     on_busy: Callable[[float, float], None] = lambda began, ended: None,
+    ready: Callable[[], bool] = lambda: False,
     spill_rows: int = 100_000,
     work_mem: int = 0,
 ) -> Lsn:
@@ -89,7 +98,8 @@ def receive_streaming(
     ``None``, no room yet: it is called again (the stream meanwhile tells the walsender it is
     alive, so a slow taker does not get the session cut off by ``wal_sender_timeout``).
     ``on_busy(began, ended)`` gets each interval of work (decoding, storing; not the waits for
-    messages), in order. ``work_mem``: the walsender's ``logical_decoding_work_mem`` (see
+    messages), in order. ``ready()``: whether the taker would start on a range at once (cut
+    then, not at ``cut_s``). ``work_mem``: the walsender's ``logical_decoding_work_mem`` (see
     :class:`~.walsender.SlotStream`). Returns where the last stored range ends; the stream is
     closed."""
     writer = store.writer(LsnRange(start, OPEN_END))
@@ -111,8 +121,15 @@ def receive_streaming(
         ):
             while True:
                 deadline = began + cut_s
-                # Transactions at hand wait for the cut no longer than its deadline.
-                wait = POLL_S if inside or not commits else deadline - time.monotonic()
+                if commits and not inside and ready():
+                    deadline = began  # the taker waits: cut now
+                # Transactions at hand wait for the cut no longer than its deadline, and look
+                # again at the taker every READY_POLL_S.
+                wait = (
+                    POLL_S
+                    if inside or not commits
+                    else min(READY_POLL_S, deadline - time.monotonic())
+                )
                 for item in stream.messages(min(POLL_S, max(0.0, wait))):
                     if isinstance(item, Keepalive):
                         if not inside:
@@ -155,7 +172,7 @@ def receive_streaming(
                             on_busy(fed, time.monotonic())
                             commits += 1
                             boundary = max(boundary, control.end_lsn)
-                            if time.monotonic() >= deadline or received >= cap:
+                            if time.monotonic() >= deadline or received >= cap or ready():
                                 break
                         continue
                     rows.append(item)
@@ -166,7 +183,7 @@ def receive_streaming(
                         inside = False
                         commits += 1
                         boundary = max(boundary, item[0])
-                        if time.monotonic() >= deadline or received >= cap:
+                        if time.monotonic() >= deadline or received >= cap or ready():
                             break
                     if len(rows) >= FEED_ROWS:
                         fed = time.monotonic()
@@ -176,7 +193,7 @@ def receive_streaming(
                 if stop.is_set() and (inside or not commits):
                     return start
                 now = time.monotonic()
-                due = commits and (now >= deadline or received >= cap or stop.is_set())
+                due = commits and (now >= deadline or received >= cap or stop.is_set() or ready())
                 idle = (
                     not commits
                     and boundary > start

@@ -1077,3 +1077,34 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
     assert not list(store.streaming_dir.glob("*"))
     assert not [n for n in on_disk(store) if n.startswith(".tmp-")]
     assert_chain_records(store, pipeline.origin_progress(settings))
+
+
+def test_a_stream_cuts_when_the_applier_is_ready_not_when_the_cut_interval_ends(
+    settings, monkeypatch
+):
+    """With a cut interval of a minute, each COMMIT still reaches the target as soon as the
+    applier is free: the stream cuts its range then. While the applier is busy (here 3 s on
+    one range) the commits meanwhile wait for it in the stream, and go into one range."""
+    settings = settings.model_copy(update={"follow_cut_ms": 60_000})
+    monkeypatch.setenv(failpoints.ENV, "catchup.before_apply=sleep(3)@2")
+    monkeypatch.setattr(failpoints, "_armed", None)
+    monkeypatch.setattr(failpoints, "_hits", {})
+
+    def arrived(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while count(settings.target_dsn, "log") < n:
+            assert time.monotonic() < deadline, f"row {n} not applied in 20 s"
+            time.sleep(0.05)
+
+    with following(settings):
+        run_sql(settings.source_dsn, "INSERT INTO log VALUES (1, 'first')")
+        arrived(1)
+        run_sql(settings.source_dsn, "INSERT INTO log VALUES (2, 'the applier sleeps')")
+        time.sleep(0.5)  # its range is being applied, slowly
+        for n in range(3, 13):
+            run_sql(settings.source_dsn, f"INSERT INTO log VALUES ({n}, 'meanwhile')")
+        arrived(12)
+    store = pipeline.store_of(settings)
+    results = [store.get(r).manifest.result for r in store.chain_ranges()]
+    assert [r.transactions for r in results if r.transactions][-3:] == [1, 1, 10]
+    assert equal(settings)
