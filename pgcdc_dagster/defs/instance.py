@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,8 @@ def _listen_for_checkouts() -> None:
 
     if not event.contains(Pool, "checkout", _ping_on_checkout):
         event.listen(Pool, "checkout", _ping_on_checkout)
+    if not event.contains(Pool, "checkin", _note_checkin):
+        event.listen(Pool, "checkin", _note_checkin)
     if not event.contains(Pool, "connect", _commit_asynchronously):
         event.listen(Pool, "connect", _commit_asynchronously)
 
@@ -150,12 +153,33 @@ def _commit_asynchronously(dbapi_connection: Any, record: Any) -> None:
     dbapi_connection.commit()
 
 
+PING_IDLE_S = 1.0
+"""A kept connection given back less than this long ago is handed out without a ping."""
+
+
+def _note_checkin(dbapi_connection: Any, record: Any) -> None:
+    del dbapi_connection
+    if record is not None:
+        record.info["pgcdc_checked_in"] = time.monotonic()
+
+
 def _ping_on_checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     """SQLAlchemy's pessimistic disconnect handling: raising ``DisconnectionError`` here
-    makes the pool drop this connection and check out a fresh one."""
+    makes the pool drop this connection and check out a fresh one.
+
+    Only a connection that sat in the pool for :data:`PING_IDLE_S` or more is pinged: a follow
+    writes about ten events a range, several ranges a second, and a ping before each doubled
+    its round trips to the storage (a sixth of the recording's time, ``benchmarks/HISTORY.md``,
+    "The cut when the applier is ready"). A server that went away within that second fails
+    the next write instead, as one going away during a write does: the follow's writes ride
+    it (:mod:`.storage_outage`), and any other run fails and the next one takes over (the
+    records are a view; progress lives in the slot, the store and the origin)."""
     from sqlalchemy.exc import DisconnectionError
 
-    del record, proxy
+    del proxy
+    checked_in = record.info.get("pgcdc_checked_in") if record is not None else None
+    if checked_in is not None and time.monotonic() - checked_in < PING_IDLE_S:
+        return
     try:
         cursor = dbapi_connection.cursor()
         try:

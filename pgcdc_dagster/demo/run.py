@@ -249,6 +249,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
 
     base = (Path.cwd() / ".pgcdc").resolve()
     started = time.monotonic()
+    spark_warming = warm_spark()
     print(f"starting source, target and Dagster-storage clusters under {base} ...")
     clusters = start_clusters(base)
     env = demo_environment(base, clusters)
@@ -256,6 +257,7 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
     daemon: subprocess.Popen[bytes] | None = None
     try:
         load_sample_data(clusters.source)
+        spark_warming.join()  # the snapshot's run finds the session started
         settings = ReplicationSettings.from_env()
         print(
             "taking the base snapshot (Dagster run of job 'snapshot'; tables past "
@@ -335,6 +337,28 @@ def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
         clusters.stop()
 
 
+def warm_spark() -> threading.Thread:
+    """Start this process's Spark (the demo's ``local[2]``, with ``PGCDC_SPARK_CONF``) on a
+    thread now, while the clusters start and the sample data loads: its JVM takes seconds to
+    start, which the snapshot's run would otherwise wait for. The runs then find the session
+    running (one process, one session: :func:`~pgcdc_dagster.engine.spark.session.get_spark`).
+    A failure here is left to the snapshot's run, which starts Spark again and says why."""
+    from ..engine.settings import parse_spark_conf
+    from ..engine.spark.session import get_spark
+
+    def start() -> None:
+        with contextlib.suppress(Exception):
+            get_spark(
+                master=SPARK_DEMO_ENV["PGCDC_SPARK_MASTER"],
+                conf=parse_spark_conf(os.environ.get("PGCDC_SPARK_CONF", "")),
+            )
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    thread = threading.Thread(target=start, name="pgcdc-demo-spark", daemon=True)
+    thread.start()
+    return thread
+
+
 def catch_up_backfill(source: LocalCluster, settings: Any, spark: SparkWork) -> None:
     """Commit the backfill, then catch up to it in this process (whose Spark the snapshot
     started): the range holds more than ``PGCDC_SPARK_MIN_CHANGES`` changes."""
@@ -383,7 +407,7 @@ def wait_caught_up(settings: object, endpos: Lsn, timeout_s: float) -> None:
         with contextlib.suppress(Exception):  # a busy server: ask again
             if isinstance(pipeline.next_step(settings, endpos), CaughtUp):  # type: ignore[arg-type]
                 return
-        time.sleep(1)
+        time.sleep(0.2)
 
 
 def start_dagster_process(base: Path, tool: str, args: list[str]) -> subprocess.Popen[bytes]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import psycopg
 from dagster import AssetKey, AssetMaterialization, DagsterInstance
 from dagster._core.instance.ref import InstanceRef
 
-from pgcdc_dagster.defs.instance import keep_storage_connections
+from pgcdc_dagster.defs.instance import PING_IDLE_S, keep_storage_connections
 
 WRITES = 30
 
@@ -57,9 +58,11 @@ def test_storage_connections_are_kept_and_a_dropped_one_is_replaced(
         # Their commits do not wait for the disk (the events are a view, not progress).
         assert _synchronous_commit(instance) == "off"
 
-        # The server drops them (a restart, an idle timeout): the next use reconnects.
+        # The server drops them (a restart, an idle timeout) while they sit in the pool: the
+        # next use reconnects.
         for pid in kept:
             admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        time.sleep(PING_IDLE_S)
         instance.report_runless_asset_event(AssetMaterialization("after_drop"))
         assert instance.get_latest_materialization_event(AssetKey("after_drop")) is not None
         assert not set(_backends(admin, str(database))) & set(kept)
