@@ -104,11 +104,13 @@ def keep_storage_connections(instance: Any) -> None:
     commits"). Their commits do not wait for the disk (:func:`_commit_asynchronously`).
 
     What must hold: a kept connection the server dropped while it sat in the pool (a restart,
-    an idle timeout) is not handed to Dagster: each checkout pings first and a dead connection
-    is replaced (:func:`_ping_on_checkout`). One dropped while a write is under way fails that
-    write, as it did unpooled. ``optimize_for_webserver`` sets ``statement_timeout`` on each
-    connection; 0 (none) is Dagster's own default, but it overrides a timeout set on the
-    storage database or role. Idempotent; storages that are not SQL (none here) ignore it."""
+    an idle timeout) is not handed to Dagster: a checkout of one idle for
+    :data:`PING_IDLE_S` or more pings first and a dead connection is replaced
+    (:func:`_ping_on_checkout`). One dropped while a write is under way, or in the second after
+    it, fails the next write, as it did unpooled. ``optimize_for_webserver`` sets
+    ``statement_timeout`` on each connection; 0 (none) is Dagster's own default, but it
+    overrides a timeout set on the storage database or role. Idempotent; storages that are
+    not SQL (none here) ignore it."""
     if instance in _kept:
         return
     _listen_for_checkouts()
