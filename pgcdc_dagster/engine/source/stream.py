@@ -112,6 +112,11 @@ def receive_streaming(
     boundary = int(start)  # the furthest point outside a transaction the stream vouched for
     commits = received = 0
     began = time.monotonic()
+
+    def cut_due() -> bool:
+        """Whether the range is to be cut at the COMMIT at hand (see the module docstring)."""
+        return time.monotonic() - began >= cut_s or received >= cap or ready()
+
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as receive's peek: many short-lived objects, no cycles
     try:
@@ -120,15 +125,14 @@ def receive_streaming(
             SlotStream(dsn, slot, publication, start, work_mem) as stream,
         ):
             while True:
-                deadline = began + cut_s
-                if commits and not inside and ready():
-                    deadline = began  # the taker waits: cut now
                 # Transactions at hand wait for the cut no longer than its deadline, and look
-                # again at the taker every READY_POLL_S.
+                # again at the taker every READY_POLL_S (not at all once it is ready).
                 wait = (
                     POLL_S
                     if inside or not commits
-                    else min(READY_POLL_S, deadline - time.monotonic())
+                    else 0.0
+                    if ready()
+                    else min(READY_POLL_S, began + cut_s - time.monotonic())
                 )
                 for item in stream.messages(min(POLL_S, max(0.0, wait))):
                     if isinstance(item, Keepalive):
@@ -172,7 +176,7 @@ def receive_streaming(
                             on_busy(fed, time.monotonic())
                             commits += 1
                             boundary = max(boundary, control.end_lsn)
-                            if time.monotonic() >= deadline or received >= cap or ready():
+                            if cut_due():
                                 break
                         continue
                     rows.append(item)
@@ -183,7 +187,7 @@ def receive_streaming(
                         inside = False
                         commits += 1
                         boundary = max(boundary, item[0])
-                        if time.monotonic() >= deadline or received >= cap or ready():
+                        if cut_due():
                             break
                     if len(rows) >= FEED_ROWS:
                         fed = time.monotonic()
@@ -193,7 +197,7 @@ def receive_streaming(
                 if stop.is_set() and (inside or not commits):
                     return start
                 now = time.monotonic()
-                due = commits and (now >= deadline or received >= cap or stop.is_set() or ready())
+                due = commits and (cut_due() or stop.is_set())
                 idle = (
                     not commits
                     and boundary > start
