@@ -40,7 +40,7 @@ the CPU seconds of the source cluster, the target cluster, this process's tree (
 Spark JVM and its Python workers) and everything else on the machine (``others``: work of
 other sessions, kernel threads), from ``/proc`` (``harness.CpuMeter``). The clusters, the
 backlog and the native side are ``benchmarks/harness.py``'s (``prepare``, ``native_catch_up``);
-``--profile`` picks the clusters' settings (throwaway by default, as the recorded figures).
+``--profile`` picks the clusters' settings (production by default).
 
 Ratio: ours throughput / native throughput, > 1 means we are faster. ``--repeat`` runs the
 whole thing on fresh clusters and data and reports medians (and every run).

@@ -1,8 +1,8 @@
 """One big transaction while ``pgcdc follow`` runs, beside a native subscription.
 
 Set-up, on fresh clusters for every run (the demo's: a source with logical WAL, a target, and
-a third cluster for Dagster's storage, with the demo's environment; ``--profile``, throwaway
-by default as the recorded figures): the source
+a third cluster for Dagster's storage, with the demo's environment; ``--profile``,
+production by default): the source
 holds two tables only, so the publication (``PGCDC_TABLES`` unset: every user table) carries
 exactly them, and the product's defaults (the demo's Spark thresholds, scaled to its small
 data, are left out): ``big (id bigint PRIMARY KEY, v int, pad text)`` of 200,000 rows and

@@ -2,7 +2,7 @@
 
 Set-up, on fresh clusters (the demo's: a source with logical WAL, a target, and a third
 cluster for Dagster's PostgreSQL storage, with the shipped ``dagster.yaml``; ``--profile``,
-throwaway by default as the recorded figures): the demo's
+production by default): the demo's
 sample data (pgbench scale 1 and the extra tables), ``pgcdc snapshot``, then ``pgcdc follow``
 started as a fresh process: one Dagster run that receives and applies continuously.
 

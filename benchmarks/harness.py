@@ -102,10 +102,8 @@ replicates between run; autovacuum off, so that a vacuum one side's writes set o
 in the other side's timing. ``throwaway``: the demo's and the tests' (``fsync`` and full page
 writes off), what most figures in ``HISTORY.md`` were taken with."""
 DEFAULT_PROFILE = PRODUCTION
-RECORDED_PROFILE = THROWAWAY
-"""The ``--profile`` default of the scripts whose figures in ``HISTORY.md`` were all taken on
-throwaway clusters: the profile of those figures, kept so that a run compares with them. Set it to
-:data:`PRODUCTION` to move them all to the production profile."""
+"""Every script's ``--profile`` default: a figure is taken on servers configured as a user's are
+(``HISTORY.md`` says which earlier figures were taken on throwaway clusters)."""
 
 
 def profile_settings(profile: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -142,7 +140,7 @@ SERVER_HELP = (
 def argument_parser(
     doc: str | None,
     *,
-    profile: str | None = RECORDED_PROFILE,
+    profile: str | None = DEFAULT_PROFILE,
     repeat: int | None = None,
     json: bool = False,
     server: str | None = None,

@@ -7,7 +7,7 @@ partitions or fewer per asset ("assets with partition counts exceeding this limi
 have slower load times in the UI"). ``PGCDC_PARTITIONS_KEPT`` (default 50,000) bounds them.
 
 Set-up: a PostgreSQL cluster for Dagster's storage (``--profile``: ``benchmarks/harness.py``'s
-settings, throwaway by default as the recorded figures; the shipped ``dagster.yaml``),
+settings, production by default; the shipped ``dagster.yaml``),
 partitions registered as a follow registers them, each with a ``decoded_changes``
 materialisation (written in batches through Dagster's event storage, as runless events:
 the UI reads them the same way), then ``dagster-webserver`` on the project's workspace.

@@ -1,7 +1,7 @@
 """Base snapshot throughput against PostgreSQL's own initial sync and a plain COPY pipe.
 
-Starts two clusters with the same settings (a source and a target; ``--profile``, throwaway by
-default as the recorded figures: ``benchmarks/harness.py``'s profiles), fills the source
+Starts two clusters with the same settings (a source and a target; ``--profile``, production by
+default: ``benchmarks/harness.py``'s profiles), fills the source
 with ``pgbench -i`` (scale 50 by default: 5M ``pgbench_accounts`` rows, so that fixed start-up
 costs do not dominate), starts the SparkSession (timed apart, as fixed cost), then measures on
 that same data, median of ``--repeat`` runs, each run into a fresh target database:

@@ -82,7 +82,7 @@ Usage::
 A smoke run: ``--scales 1 --changes 100000 --small-changes 20000 --rounds 1 --range-rounds 1
 --range-scale 1``. Raw results go to ``--json`` (and stdout's last block); Markdown tables are
 printed to stderr at the end. ``--profile production|throwaway``: the clusters' settings
-(``benchmarks/harness.py``'s profiles; throwaway by default, as the recorded figures).
+(``benchmarks/harness.py``'s profiles; production by default).
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_server)
     p = sub.add_parser("demo", help="the embedded default: local clusters, workload, cutover")
     p.add_argument("--ui", action="store_true", help="leave the webserver running afterwards")
-    p.add_argument("--seconds", type=float, default=30.0, help="workload duration")
+    p.add_argument("--seconds", type=float, default=20.0, help="workload duration")
     p.add_argument("--tps", type=int, default=300, help="workload transactions per second")
     p.set_defaults(func=cmd_demo)
     return parser

@@ -289,6 +289,9 @@ def _cutover(tables: Sequence[TableName]) -> Any:
             target_lsn = follower.endpos
             for event in follow_events(context, settings, tables, follower):
                 context.log_event(event)
+            # The applies' commits on disk (they do not wait for it, PGCDC_APPLY_SYNCHRONOUS_
+            # COMMIT): the target takes the writes next.
+            pipeline.origin_progress(settings, durable=True)
             sequences = sync_sequences(settings.source_dsn, settings.target_dsn)
             comparisons = verify.compare_tables(settings, tables)
             pipeline.refuse_while_adding(settings)  # an add begun meanwhile: held back too

@@ -144,7 +144,7 @@ def build_prune_job() -> JobDefinition:
                 "is pruned; give one (pgcdc prune --retention 7d)"
             )
         try:
-            origin = pipeline.origin_progress(settings)
+            origin = pipeline.origin_progress(settings, durable=True)
             result = prune(pipeline.store_of(settings), origin, retention_s, dry_run=config.dry_run)
         except ENGINE_ERRORS as exc:
             raise as_failure(exc) from None

@@ -40,6 +40,8 @@ class ReplicationResource(ConfigurableResource):
     snapshot_driver_rows: int | None = None
     snapshot_jobs: int | None = None
     snapshot_range_rows: int | None = None
+    apply_synchronous_commit: str = "off"
+    """The apply transactions' ``synchronous_commit`` on the target (``off``: a subscription's)."""
     follow_cut_ms: int = 200
     follow_range_bytes: int = 32 * 1024 * 1024
     follow_read: str = "stream"
@@ -129,6 +131,7 @@ class PgcdcResource(ConfigurableResource):
             snapshot_driver_rows=self.replication.snapshot_driver_rows,
             snapshot_jobs=self.replication.snapshot_jobs,
             snapshot_range_rows=self.replication.snapshot_range_rows,
+            apply_synchronous_commit=self.replication.apply_synchronous_commit,  # type: ignore[arg-type]
             follow_cut_ms=self.replication.follow_cut_ms,
             follow_range_bytes=self.replication.follow_range_bytes,
             follow_read=self.replication.follow_read,  # type: ignore[arg-type]
@@ -218,6 +221,7 @@ def default_resources(settings: ReplicationSettings) -> dict[str, Any]:
             snapshot_driver_rows=settings.snapshot_driver_rows,
             snapshot_jobs=settings.snapshot_jobs,
             snapshot_range_rows=settings.snapshot_range_rows,
+            apply_synchronous_commit=settings.apply_synchronous_commit,
             follow_cut_ms=settings.follow_cut_ms,
             follow_range_bytes=settings.follow_range_bytes,
             follow_read=settings.follow_read,

@@ -50,10 +50,13 @@ class StorageUnavailableError(PgcdcError):
 def storage_unreachable(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) says Dagster's SQL storage could not be
     reached or dropped the connection: dagster-postgres giving up its own retries, or
-    SQLAlchemy's operational and interface errors (a refused, reset or closed connection).
-    Errors of the statements themselves (a missing table, a constraint) are not. The pool
-    giving up on reconnecting at checkout (a server that drops each new connection while it
-    restarts) says ``This connection is closed`` in an ``InvalidRequestError``: that too."""
+    SQLAlchemy's operational and interface errors (a refused, reset or closed connection), or
+    the driver's own, unwrapped (Dagster writes some events on the DB-API connection itself: a
+    kept connection the server dropped fails there with psycopg2's ``server closed the
+    connection unexpectedly``). Errors of the statements themselves (a missing table, a
+    constraint) are not. The pool giving up on reconnecting at checkout (a server that drops
+    each new connection while it restarts) says ``This connection is closed`` in an
+    ``InvalidRequestError``: that too."""
     from sqlalchemy import exc as sa
 
     return any(
@@ -61,6 +64,10 @@ def storage_unreachable(exc: BaseException) -> bool:
         or isinstance(seen, sa.OperationalError | sa.InterfaceError | sa.DisconnectionError)
         or (isinstance(seen, sa.DBAPIError) and seen.connection_invalidated)
         or (isinstance(seen, sa.InvalidRequestError) and str(seen) == CHECKOUT_GAVE_UP)
+        or (
+            type(seen).__module__.startswith("psycopg2")
+            and type(seen).__name__ in {"OperationalError", "InterfaceError"}
+        )
         for seen in _raised_from(exc)
     )
 
@@ -253,15 +260,10 @@ class QuietLostResets(logging.Filter):
 
 
 def _connection_lost(exc: BaseException) -> bool:
-    """Whether the DB-API error ``exc`` (psycopg2's, not SQLAlchemy's wrapping of it) says the
-    connection is gone: an operational or interface error, or SQLAlchemy's own word for it."""
+    """Whether the DB-API error ``exc`` says the connection is gone: what
+    :func:`storage_unreachable` says, or the socket's own error."""
     return storage_unreachable(exc) or any(
-        (
-            type(seen).__module__.startswith("psycopg2")
-            and type(seen).__name__ in {"OperationalError", "InterfaceError"}
-        )
-        or isinstance(seen, ConnectionError)
-        for seen in _raised_from(exc)
+        isinstance(seen, ConnectionError) for seen in _raised_from(exc)
     )
 
 

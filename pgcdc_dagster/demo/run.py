@@ -241,7 +241,7 @@ def sample_lag(settings_env: dict[str, str], stop: threading.Event, out: Measure
         time.sleep(1)
 
 
-def run_demo(*, ui: bool = False, seconds: float = 30.0, tps: int = 300) -> int:
+def run_demo(*, ui: bool = False, seconds: float = 20.0, tps: int = 300) -> int:
     from ..defs.instance import dagster_instance
     from ..engine.control import pipeline
     from ..engine.settings import ReplicationSettings

@@ -210,6 +210,12 @@ class ReplicationSettings(BaseModel):
     ``keep`` leaves it on the target, NULL in rows inserted after (an audit copy's history)."""
     mode: Literal["follow", "range"] = "range"
     """What the slot sensor keeps going: one long-lived ``follow`` run, or one run per range."""
+    apply_synchronous_commit: Literal["off", "local", "remote_write", "remote_apply", "on"] = "off"
+    """The apply transactions' ``synchronous_commit`` on the target (as a subscription's option
+    of the same name, and its default): ``off``, a COMMIT returns before its WAL is on disk, and
+    a crash of the target loses its last fraction of a second of applied ranges, rows and origin
+    together, applied again from the store (:func:`~.apply.origin.read_progress`); ``on`` and
+    the rest wait for the disk, or the target's standbys, at every range."""
     follow_cut_ms: PositiveInt = 200
     """Reading by stream, ``follow`` cuts a range as soon as its applier is free, and at the
     latest this long after the last cut while the applier is busy (the range then waits in the

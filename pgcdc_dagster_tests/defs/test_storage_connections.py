@@ -7,6 +7,9 @@ import time
 from typing import Any
 
 import psycopg
+import psycopg2
+import psycopg2.errors
+import pytest
 from dagster import AssetKey, AssetMaterialization, DagsterInstance
 from dagster._core.instance.ref import InstanceRef
 
@@ -157,8 +160,10 @@ def test_the_pool_giving_up_on_a_checkout_is_the_storage_away_and_a_bad_statemen
 ) -> None:
     """What a storage write may raise, read by the follow's ride (which retries an outage and
     fails the run on anything else): a server gone, the pool's exhausted reconnection at
-    checkout (SQLAlchemy's ``This connection is closed``) are the storage away; a statement's
-    own error, and the same class of error for a program's mistake, are not."""
+    checkout (SQLAlchemy's ``This connection is closed``), the driver's own error on a kept
+    connection the server dropped (unwrapped: Dagster writes some events on the DB-API
+    connection) are the storage away; a statement's own error, and the same class of error for
+    a program's mistake, are not."""
     import sqlalchemy
     from sqlalchemy import exc
 
@@ -177,6 +182,21 @@ def test_the_pool_giving_up_on_a_checkout_is_the_storage_away_and_a_bad_statemen
                 assert not storage_unreachable(bad_statement)
             else:
                 raise AssertionError("the statement did not fail")
+        dropped = engine.raw_connection()
+        try:
+            cursor = dropped.cursor()
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+            with psycopg.connect(target_dsn, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+            with pytest.raises(psycopg2.OperationalError) as raw:
+                cursor.execute("SELECT 1")
+            assert storage_unreachable(raw.value)
+            with pytest.raises(psycopg2.errors.UndefinedTable) as raw_bad:
+                engine.raw_connection().cursor().execute("SELECT * FROM no_such_table")
+            assert not storage_unreachable(raw_bad.value)
+        finally:
+            dropped.invalidate()
         try:
             gone.connect()
         except exc.OperationalError as refused:

@@ -173,20 +173,33 @@ class ApplyTransaction:
 
 
 @contextlib.contextmanager
-def apply_transaction(conn: psycopg.Connection[Any]) -> Iterator[ApplyTransaction]:
+def apply_transaction(
+    conn: psycopg.Connection[Any], synchronous_commit: str | None = None
+) -> Iterator[ApplyTransaction]:
     """The one transaction every apply runs its writes in: a range's, an add's batch of held
     back changes, the merge of what Spark's workers staged. The target's triggers and foreign
     keys stay quiet as for PostgreSQL's own apply (``session_replication_role = replica``,
     for this transaction only); the caller writes the rows and the DDL inside it, and marks
     the origin's progress (:meth:`ApplyTransaction.mark`), so a crash leaves all of them or
     none. ``conn`` is in autocommit: the transaction's BEGIN and COMMIT are ours, since the
-    COMMIT of a marked transaction goes with the mark (:func:`~.origin.marked_commit`)."""
+    COMMIT of a marked transaction goes with the mark (:func:`~.origin.marked_commit`).
+
+    ``synchronous_commit`` (``PGCDC_APPLY_SYNCHRONOUS_COMMIT``; ``None``: the server's): with
+    ``off``, as PostgreSQL's own apply by default, the COMMIT returns before its WAL is on disk,
+    so the rows are visible a disk flush sooner. A crash of the target loses the ranges applied
+    in its last fraction of a second, rows and origin together (never one without the other),
+    and they are applied again from the store: :func:`~.origin.read_progress` says what must
+    hold of whoever reads the origin. Sent with the BEGIN, in one round trip."""
     if not conn.autocommit:
         raise ApplyError("the apply's target connection must be in autocommit mode")
     tx = ApplyTransaction()
-    conn.execute("BEGIN")
+    begin = sql.SQL("BEGIN; SET LOCAL session_replication_role = replica{}").format(
+        sql.SQL("")
+        if synchronous_commit is None
+        else sql.SQL("; SET LOCAL synchronous_commit = {}").format(sql.Literal(synchronous_commit))
+    )
     try:
-        conn.execute("SET LOCAL session_replication_role = replica")
+        conn.execute(begin)
         yield tx
     except BaseException:
         if not (conn.closed or conn.broken):

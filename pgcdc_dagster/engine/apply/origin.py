@@ -10,7 +10,10 @@ asks this one where the target stands.
 Invariants kept here:
 
 - progress moves backwards only through :func:`set_origin`, which only the base snapshot calls
-  (a re-snapshot restarts the chain at a new consistent point);
+  (a re-snapshot restarts the chain at a new consistent point), or by a crash of the target,
+  to its durable progress and with the rows of the ranges it loses (an apply's COMMIT does not
+  wait for the disk, see :func:`read_progress`): those are applied again from the store, whose
+  retention only removes ranges behind the durable progress;
 - a session that holds the origin excludes every other session from advancing it: two applies
   of the same origin can never interleave, whatever the orchestration believes.
 """
@@ -30,16 +33,24 @@ from ..errors import OriginError, server_message
 from ..lsn import Lsn
 
 
-def read_progress(conn: psycopg.Connection[Any], name: str) -> Lsn | None:
-    """The origin's durable progress; ``None`` when the origin does not exist.
+def read_progress(conn: psycopg.Connection[Any], name: str, *, durable: bool = False) -> Lsn | None:
+    """The origin's progress: what the target's tables hold, as every reader of them sees it;
+    ``None`` when the origin does not exist.
+
+    An apply commits without waiting for its WAL to reach the disk (``synchronous_commit``,
+    :func:`~.merge.apply_transaction`), as PostgreSQL's own apply does: a crash of the target
+    loses its last fraction of a second of applied ranges, the origin's progress with their
+    rows, and they are applied again from the store. ``durable``: the progress that survives
+    such a crash (the server flushes its WAL up to the origin's last commit first). A caller
+    that discards what the target would then need again (the store's retention) reads that.
 
     :class:`OriginError` when it exists without progress: it was created but never set to the
     consistent point, so the base snapshot that created it did not finish.
     """
     row = conn.execute(
-        "SELECT pg_replication_origin_progress(roname, true)::text "
+        "SELECT pg_replication_origin_progress(roname, %s)::text "
         "FROM pg_replication_origin WHERE roname = %s",
-        (name,),
+        (durable, name),
     ).fetchone()
     if row is None:
         return None
@@ -64,10 +75,10 @@ def require_progress(conn: psycopg.Connection[Any], name: str) -> Lsn:
     return progress
 
 
-def progress_of(target_dsn: str, name: str) -> Lsn | None:
+def progress_of(target_dsn: str, name: str, *, durable: bool = False) -> Lsn | None:
     """:func:`read_progress` on a connection of its own."""
     with connect(target_dsn, role="target", autocommit=True) as conn:
-        return read_progress(conn, name)
+        return read_progress(conn, name, durable=durable)
 
 
 ORIGIN_FUNCTIONS = (

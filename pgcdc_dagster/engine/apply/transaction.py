@@ -140,6 +140,7 @@ def apply_range(
     partition_changes: int | None = None,
     spark_staging: str = "auto",
     chain: Chain | None = None,
+    synchronous_commit: str | None = None,
 ) -> ApplyResult:
     """Apply ``stored`` to the target and advance ``origin_name`` to its last commit, atomically.
 
@@ -161,7 +162,8 @@ def apply_range(
     about that many, one at a time (:mod:`.partitioned_staging`), so its memory stays bounded
     whatever its size; ``None``: always whole, in memory. ``chain``: the store's chain record
     as the caller read it just before (the tables being added, their floors), so that it is
-    not read again (a GET on an object store); by default read here.
+    not read again (a GET on an object store); by default read here. ``synchronous_commit``:
+    the apply transaction's (:func:`~.merge.apply_transaction`); ``None``: the server's.
     """
     started = time.perf_counter()
     transform = stored.transform_lsn
@@ -267,7 +269,7 @@ def apply_range(
             nonlocal targets, shared
             setup_session(conn, origin_name, origin_wait_seconds)
             try:
-                with apply_transaction(conn) as transaction:
+                with apply_transaction(conn, synchronous_commit) as transaction:
                     again = require_progress(conn, origin_name)
                     if again != progress:
                         raise ApplyError(
@@ -328,7 +330,7 @@ def apply_range(
         if routed is not None:
             routed.remove()
         failpoint("apply.after_commit")
-        result.replay_lsn = str(require_progress(conn, origin_name))
+        result.replay_lsn = str(transform)  # what the COMMIT marked: the origin is there now
     result.seconds = round(time.perf_counter() - started, 4)
     return result
 

@@ -324,11 +324,17 @@ def _apply_stored(
             partition_changes=settings.partition_changes,
             spark_staging=settings.spark_staging,
             chain=chain,
+            synchronous_commit=settings.apply_synchronous_commit,
         )
     if applied.renamed_tables:
         store.record_renamed(applied.renamed_tables)
     replay = Lsn.parse(applied.replay_lsn) if applied.replay_lsn else None
-    prune_if_due(store, replay, settings.store_retention)
+
+    def durable() -> Lsn | None:
+        with server_errors("target", settings.target_dsn):
+            return origin_progress(settings, durable=True)
+
+    prune_if_due(store, durable, settings.store_retention)
     record_if_due(settings.source_dsn, settings.target_dsn, settings.slot, replay)
     return applied
 

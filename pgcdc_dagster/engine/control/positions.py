@@ -63,9 +63,10 @@ def server_versions(settings: ReplicationSettings) -> dict[str, str]:
     return versions
 
 
-def origin_progress(settings: ReplicationSettings) -> Lsn | None:
-    """What the target has applied: the replication origin's durable progress."""
-    return progress_of(settings.target_dsn, settings.origin)
+def origin_progress(settings: ReplicationSettings, *, durable: bool = False) -> Lsn | None:
+    """What the target has applied: the replication origin's progress (``durable``: what a
+    crash of the target keeps of it, see :func:`~..apply.origin.read_progress`)."""
+    return progress_of(settings.target_dsn, settings.origin, durable=durable)
 
 
 def replicated_tables(

@@ -118,6 +118,10 @@ class RangeManifest:
     range is stored, from its own last COMMIT or else from the range before it, so walking
     back over empty ranges (an idle source stores one every ``follow_idle_s``) takes one step.
     ``None`` when unknown: a range before it stored without it, or not in the current chain."""
+    used_relations: list[int] | None = None
+    """The relation versions the range's rows use (see :meth:`StoredRange.relation_versions`),
+    recorded by its writer, so that an apply knows them without reading the rows; ``None`` in a
+    range stored without it (read from its rows then)."""
 
     def to_json(self) -> str:
         result = {k: v for k, v in dataclasses.asdict(self.result).items() if k != "already_stored"}
@@ -129,6 +133,7 @@ class RangeManifest:
                 "bytes": self.bytes,
                 "format_version": self.format_version,
                 "chain_last_commit": self.chain_last_commit,
+                "used_relations": self.used_relations,
             },
             indent=1,
             sort_keys=True,
@@ -148,6 +153,7 @@ class RangeManifest:
             bytes=int(raw.get("bytes", 0)),
             format_version=int(raw.get("format_version", FORMAT_VERSION)),
             chain_last_commit=raw.get("chain_last_commit"),
+            used_relations=raw.get("used_relations"),
         )
 
 
@@ -253,7 +259,9 @@ class StoredRange:
         use. The manifest may list more: a range cut from a peek starts with every relation
         the peek had seen, and pgoutput sends a partition's own Relation message beside its
         root's when it publishes through the root (under a column list, narrowed like the
-        root's), though every change names the root."""
+        root's), though every change names the root. Its manifest's record when it has one."""
+        if self.manifest.used_relations is not None:
+            return set(self.manifest.used_relations)
         used: set[int] = set()
         for batch in self.iter_batches(["relation_version"], batch_rows=1_048_576):
             used.update(pc.unique(batch.column("relation_version")).to_pylist())

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ..failpoints import failpoint
@@ -40,6 +41,7 @@ class RangeWriter:
         # swept without listing anything. One receiver at a time holds the range lock.
         self.tmp = Path()
         self._writer: pq.ParquetWriter | None = None
+        self._used: set[int] = set()  # the relation versions of the rows written
         self.rows = 0
         self._spill_seq = 0
         self._open_scratch(store, rng)
@@ -95,6 +97,7 @@ class RangeWriter:
             )
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
         self._writer.write_table(table, row_group_size=self.row_group_rows)
+        self._used.update(pc.unique(table.column("relation_version")).to_pylist())
         self.rows += batch.num_rows
 
     def spill_path(self) -> Path:
@@ -130,7 +133,11 @@ class RangeWriter:
             before = self.store.last_commit_before(self.range.start)
             mark = None if before is None else str(before)
         manifest = dataclasses.replace(
-            manifest, result=result, bytes=parquet_bytes, chain_last_commit=mark
+            manifest,
+            result=result,
+            bytes=parquet_bytes,
+            chain_last_commit=mark,
+            used_relations=sorted(self._used),
         )
         return self._publish(manifest)
 

@@ -35,6 +35,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,15 +180,20 @@ an interval, not after every range (a GET per range on an object store)."""
 
 
 def prune_if_due(
-    store: OutputStore, origin: Lsn | None, retention_s: float | None, *, now: float | None = None
+    store: OutputStore,
+    origin: Callable[[], Lsn | None],
+    retention_s: float | None,
+    *,
+    now: float | None = None,
 ) -> threading.Thread | None:
     """Start :func:`prune` in a thread of its own when ``retention_s`` is set, the last prune
     is :func:`prune_interval` old and none runs in this process; returns that thread.
 
     Called after every apply: the apply's thread goes on at once. A prune walks, renames and
     deletes per range (a follow storing 5 ranges a second has 3,000 for each 10-minute prune;
-    the cost per range: ``benchmarks/retention.py`` in ``benchmarks/HISTORY.md``). The origin it is
-    given only grows, so one read before the prune is conservative. The thread is not a
+    the cost per range: ``benchmarks/retention.py`` in ``benchmarks/HISTORY.md``). ``origin()``
+    reads the origin's durable progress, in the prune's thread (a round trip the apply does not
+    wait for); it only grows, so one read before the prune is conservative. The thread is not a
     daemon: a process ending normally finishes the prune first (a per-range run would
     otherwise never finish a long one); a process killed leaves what the module docstring
     says. A prune that fails is logged, not raised: the range is applied and the retention is
@@ -212,7 +218,7 @@ def prune_if_due(
 
     def run() -> None:
         try:
-            prune(own, origin, retention_s, now=now)
+            prune(own, origin(), retention_s, now=now)
         except (OSError, PgcdcError) as exc:
             log.warning("the store's retention could not prune %s: %s", store.where, exc)
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import psycopg
@@ -19,9 +20,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from pgcdc_dagster.demo.local_cluster import LocalCluster, temporary_cluster
 from pgcdc_dagster.engine.apply import merge as merge_module
 from pgcdc_dagster.engine.apply import shared_staging, staging
 from pgcdc_dagster.engine.apply.ddl import SourceDdl, record_copied
+from pgcdc_dagster.engine.apply.origin import read_progress
 from pgcdc_dagster.engine.apply.partitioned_staging import SCRATCH
 from pgcdc_dagster.engine.apply.results import ApplyGapError, ApplyResult, ApplyStatus
 from pgcdc_dagster.engine.apply.transaction import ApplyError, apply_range
@@ -108,8 +111,10 @@ def make_replica(source_dsn, target_dsn, tmp_path):
     """Same DDL on both sides, a publication of ``tables``, a slot, and the target's origin at
     the slot's consistent point (what the base snapshot leaves behind)."""
 
-    def make(ddl: str, tables: list[str]) -> Replica:
-        for dsn in (source_dsn, target_dsn):
+    def make(ddl: str, tables: list[str], target: str | None = None) -> Replica:
+        """``target``: another target's DSN than the shared cluster's (its origin is left)."""
+        target_dsn_ = target or target_dsn
+        for dsn in (source_dsn, target_dsn_):
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute(ddl)
                 conn.execute("CREATE TABLE unpublished (id serial PRIMARY KEY, note text)")
@@ -118,12 +123,13 @@ def make_replica(source_dsn, target_dsn, tmp_path):
             (start,) = conn.execute(
                 "SELECT lsn::text FROM pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,)
             ).fetchone()
-        with psycopg.connect(target_dsn, autocommit=True) as conn:
+        with psycopg.connect(target_dsn_, autocommit=True) as conn:
             conn.execute("SELECT pg_replication_origin_create(%s)", (ORIGIN,))
             conn.execute("SELECT pg_replication_origin_advance(%s, %s::pg_lsn)", (ORIGIN, start))
-        with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn) as tgt:
+        with psycopg.connect(source_dsn) as src, psycopg.connect(target_dsn_) as tgt:
             record_copied(src, tgt, [TableName.parse(t) for t in tables])  # as a snapshot does
-        return Replica(source_dsn, target_dsn, OutputStore(tmp_path / "store"), tables, Lsn(start))
+        store = OutputStore(tmp_path / "store")
+        return Replica(source_dsn, target_dsn_, store, tables, Lsn(start))
 
     yield make
     with psycopg.connect(target_dsn, autocommit=True) as conn:
@@ -184,6 +190,73 @@ def test_a_range_that_nets_to_nothing_on_the_target_still_moves_the_origin(make_
     assert str(replica.progress()) == stored.manifest.result.transform_lsn == result.replay_lsn
     replica.source("UPDATE items SET name = 'after' WHERE id = 1")
     assert replica.sync().status == ApplyStatus.APPLIED  # no gap behind it
+    replica.assert_in_sync()
+
+
+@pytest.fixture
+def crashable_target() -> Iterator[LocalCluster]:
+    """A target of its own, to crash: its WAL writer writes an asynchronous commit's WAL only
+    every 10 s (``wal_writer_delay``), so a crash soon after one loses it."""
+    cluster = temporary_cluster({"wal_writer_delay": "10s"}, prefix="pgcdc-test-crash-")
+    try:
+        yield cluster.start()
+    finally:
+        cluster.destroy()
+
+
+def _unwritten(dsn: str) -> bool:
+    """Whether the origin's last commit is past what the target wrote of its WAL (lost by a
+    crash now)."""
+    with psycopg.connect(dsn) as conn:
+        (unwritten,) = conn.execute(
+            "SELECT local_lsn > pg_current_wal_lsn() FROM pg_replication_origin_status "
+            "WHERE external_id = %s",
+            (ORIGIN,),
+        ).fetchone()
+    return unwritten
+
+
+def test_an_apply_not_waiting_for_the_disk_is_lost_whole_by_a_target_crash_and_applied_again(
+    make_replica, crashable_target
+):
+    """``synchronous_commit = off`` (the default, PGCDC_APPLY_SYNCHRONOUS_COMMIT): a target
+    crash before the WAL writer wrote the apply's commit loses its rows and the origin's
+    progress together, so the same stored range is applied again; once the origin's durable
+    progress is read (what the store's retention reads) the apply survives a crash."""
+    replica = make_replica(ITEMS, ["items"], target=crashable_target.dsn())
+    replica.source("INSERT INTO items (id, name, n) VALUES (1, 'a', 1), (2, 'b', 2)")
+    replica.sync()  # the server's synchronous commit: on disk
+    durable = replica.progress()
+    before = replica.target_rows("items")
+    # The WAL writer may write a commit early if its 10-s timer fires just then: look again.
+    for attempt in range(3):
+        replica.source(f"UPDATE items SET n = n + 1 WHERE id = 1 -- {attempt}")
+        stored = replica.receive()
+        assert replica.apply(stored, synchronous_commit="off").status == ApplyStatus.APPLIED
+        if _unwritten(replica.target_dsn):
+            break
+        durable, before = replica.progress(), replica.target_rows("items")
+    else:
+        pytest.fail("the WAL writer wrote every asynchronous apply's commit at once")
+    with psycopg.connect(replica.target_dsn) as conn:
+        assert read_progress(conn, ORIGIN) == Lsn.parse(stored.manifest.result.transform_lsn)
+
+    crashable_target.crash()
+    crashable_target.start()
+    with psycopg.connect(replica.target_dsn) as conn:
+        assert read_progress(conn, ORIGIN) == durable  # the origin lost the range...
+    assert replica.target_rows("items") == before  # ...with its rows, never one without the other
+    assert replica.apply(stored, synchronous_commit="off").status == ApplyStatus.APPLIED
+    replica.assert_in_sync()
+
+    assert _unwritten(replica.target_dsn)
+    with psycopg.connect(replica.target_dsn) as conn:
+        assert read_progress(conn, ORIGIN, durable=True) == Lsn.parse(
+            stored.manifest.result.transform_lsn
+        )
+    assert not _unwritten(replica.target_dsn)
+    crashable_target.crash()
+    crashable_target.start()
     replica.assert_in_sync()
 
 

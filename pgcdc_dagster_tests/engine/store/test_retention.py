@@ -135,14 +135,15 @@ def test_ranges_of_an_earlier_snapshot_go_by_age_alone(tmp_path):
 
 def test_prunes_are_spaced_across_processes_and_never_without_a_retention(tmp_path):
     store = store_with(tmp_path, RANGES, age_s=OLD)
-    assert prune_if_due(store, ORIGIN, None) is None
-    first = prune_if_due(store, ORIGIN, HOUR)  # in a thread of its own
+    assert prune_if_due(store, lambda: ORIGIN, None) is None
+    first = prune_if_due(store, lambda: ORIGIN, HOUR)  # in a thread of its own
     assert first is not None
     first.join()
     assert on_disk(store) == keys(RANGES[3:])
-    assert prune_if_due(OutputStore(store.root), ORIGIN, HOUR) is None  # within the interval
+    within = prune_if_due(OutputStore(store.root), lambda: ORIGIN, HOUR)
+    assert within is None  # within the interval
     later = time.time() + prune_interval(HOUR)
-    again = prune_if_due(OutputStore(store.root), ORIGIN, HOUR, now=later)
+    again = prune_if_due(OutputStore(store.root), lambda: ORIGIN, HOUR, now=later)
     assert again is not None
     again.join()
 
