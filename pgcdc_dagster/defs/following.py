@@ -16,6 +16,9 @@ the first grows the run's memory with every range, without bound (see
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,7 +39,7 @@ from ..engine.control.range_lock import RangeLock
 from ..engine.errors import PgcdcError
 from ..engine.failpoints import failpoint
 from ..engine.follow.follower import Followed, Follower, Following, FollowSummary, Idle
-from ..engine.follow.process import adopt
+from ..engine.follow.process import ProcessFollower, adopt
 from ..engine.identifiers import TableName
 from ..engine.lsn import Lsn, LsnRange
 from .failures import ENGINE_ERRORS
@@ -49,6 +52,25 @@ from .storage_outage import StorageRide, StorageUnavailableError, give_up
 
 INTERRUPTS = (KeyboardInterrupt, DagsterExecutionInterruptedError)
 """What a stop of the run looks like inside it: SIGINT, or Dagster's termination."""
+
+
+RECORDING_NICENESS = 10
+"""How much lower the recording thread's CPU priority is than the follower's, when the follower
+runs in a process of its own (``pgcdc follow``, ``pgcdc catchup``)."""
+
+
+def yield_to_the_follower() -> None:
+    """Lower this thread's CPU priority (Linux: a thread's own nice value) by
+    :data:`RECORDING_NICENESS`. On a machine whose cores are busy, the follower's receive and
+    apply, and the servers, then come before the run's events: a change does not wait for
+    Dagster's bookkeeping, whose records trail the applies instead (never lost: the ranges wait
+    in the follower's backlog). Only for a follower in a process of its own: on threads it
+    shares the interpreter lock with this thread, which would then hold it while it waits for
+    a core. Where the platform refuses, nothing changes."""
+    with contextlib.suppress(OSError, AttributeError):
+        thread = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, now + RECORDING_NICENESS))
 
 
 def follow_events(
@@ -67,6 +89,8 @@ def follow_events(
     # source and target (dagster-postgres' own retries still cover a blip of a few seconds).
     budget = settings.follow_retry if follower.endpos is None else 0
     storage = StorageRide(budget, stopping=lambda: follower.stopping)
+    if isinstance(follower, ProcessFollower):
+        yield_to_the_follower()
     recorded = list(tables)  # grows with tables added while the run follows (_record_ranges)
     row_counts = TargetRowCounts(context.instance, settings, recorded)
     gone: StorageUnavailableError | None = None
@@ -193,6 +217,7 @@ def _record_ranges(
         storage.write(lambda: context.log.info(line))
 
     table_events = TableEvents(log, settings, tables)
+    pace = RecordPace(follower, min(PACED_CUT_S, settings.follow_cut_ms / 1000))
     session = 0
     said_at = time.monotonic()  # when the run last recorded a range or a heartbeat
 
@@ -209,6 +234,7 @@ def _record_ranges(
             said_at = beat()
             continue
         failpoint("follow.recording")
+        pace.note(followed)
         if followed.session != session:
             try:
                 added = pipeline.added_beyond(settings, tables)
@@ -307,6 +333,50 @@ CAUGHT_UP_S = 0.5
 
 TRAIL_LOG_S = 60.0
 """At most one log line this often about ranges recorded with only the tables they changed."""
+
+
+PACED_CUT_S = 0.05
+"""While a run's records trail, the shortest time between two of its follower's cuts
+(:class:`RecordPace`): at most 20 ranges a second."""
+
+PACE_AFTER_S = 10.0
+"""How far a run's records may trail the applies before its follower is paced
+(:class:`RecordPace`)..."""
+
+PACE_UNTIL_S = 1.0
+"""...and how close they must come again before it is let go."""
+
+
+class RecordPace:
+    """Keeps the run's records within seconds of the applies: once they trail by more than
+    :data:`PACE_AFTER_S` (the recording short of CPU: each range is a few of its events), the
+    follower cuts its ranges at most every ``cut_s`` (:data:`PACED_CUT_S`) instead of whenever
+    its applier is free (:meth:`~.follower.Follower.pace`), until they trail by less than
+    :data:`PACE_UNTIL_S`. Fewer, bigger ranges then cost the run fewer
+    events, and the follower's apply less time, so the trail does not grow however long the
+    follow runs (see ``benchmarks/HISTORY.md``, "Freshness: the recording at a lower
+    priority")."""
+
+    def __init__(self, follower: Following, cut_s: float) -> None:
+        self.follower = follower
+        self.cut_s = cut_s
+        self.paced = False
+        self.times = 0
+        """How often the follower was paced."""
+
+    def note(self, followed: Followed) -> None:
+        """``followed`` is being recorded now: pace the follower, or let it go, by how far the
+        records trail its apply."""
+        if not followed.applied_at:
+            return
+        behind = time.monotonic() - followed.applied_at
+        if not self.paced and behind > PACE_AFTER_S:
+            self.paced = True
+            self.times += 1
+            self.follower.pace(self.cut_s)
+        elif self.paced and behind < PACE_UNTIL_S:
+            self.paced = False
+            self.follower.pace(0.0)
 
 
 class TableEvents:

@@ -220,30 +220,41 @@ def read_records(
 ) -> dict[TableName, Record]:
     """The recorded tables among ``tables`` (a table copied before records were kept is
     absent)."""
+    if not tables:
+        return {}
     where = sql.SQL("(schema_name, table_name) IN (SELECT * FROM unnest(%s::text[], %s::text[]))")
     found = _records(conn, where, ([t.schema for t in tables], [t.name for t in tables]))
-    return {r.table: r for r in found} if tables else {}
+    return {r.table: r for r in found}
 
 
 def records_by_relid(conn: psycopg.Connection[Any], relids: Sequence[int]) -> dict[int, Record]:
     """The records of the source tables ``relids``, whatever the target's tables are named."""
+    if not relids:
+        return {}  # the apply's usual case: every table of the range is recorded
     found = _records(conn, sql.SQL("relid = ANY(%s::oid[])"), (list(relids),))
-    return {r.relid: r for r in found} if relids else {}
+    return {r.relid: r for r in found}
 
 
 def _records(
     conn: psycopg.Connection[Any], where: sql.Composable, params: tuple[Any, ...]
 ) -> list[Record]:
-    """The records ``where`` selects (none before the first copy made the table)."""
-    if not records_table_exists(conn, RECORD_TABLE):
+    """The records ``where`` selects (none before the first copy made the table). Outside a
+    transaction (autocommit) the table is read at once, its absence told by the error (one
+    round trip per range applied, not two); inside one, where an error would abort it, looked
+    for first."""
+    query = sql.SQL(
+        "SELECT schema_name, table_name, relid::int8, relfilenode::int8, attnums, kept "
+        "FROM {} WHERE {}"
+    ).format(RECORD, where)
+    if conn.autocommit and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        try:
+            rows = conn.execute(query, params).fetchall()
+        except psycopg.errors.UndefinedTable:
+            return []
+    elif not records_table_exists(conn, RECORD_TABLE):
         return []
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT schema_name, table_name, relid::int8, relfilenode::int8, attnums, kept "
-            "FROM {} WHERE {}"
-        ).format(RECORD, where),
-        params,
-    ).fetchall()
+    else:
+        rows = conn.execute(query, params).fetchall()
     return [
         Record(TableName(schema, name), int(relid), int(node), dict(a), dict(k))
         for schema, name, relid, node, a, k in rows

@@ -76,7 +76,8 @@ JOIN pg_index i ON i.indrelid = c.oid AND i.indisunique AND i.indpred IS NULL
 def read_target_tables(
     conn: psycopg.Connection[Any], tables: Sequence[TableName], *, auto_add: bool = False
 ) -> dict[TableName, TargetTable]:
-    """The target's columns, primary key and plain unique keys of ``tables`` (one query each).
+    """The target's columns, primary key and plain unique keys of ``tables`` (two queries,
+    sent together: one round trip for every range applied).
 
     A table missing on the target is an error: creating tables is the base snapshot's job, or
     an add's (``auto_add``: :class:`~.ddl.ResyncNeeded`, whose copy adds it).
@@ -86,7 +87,10 @@ def read_target_tables(
     found: set[TableName] = set()
     pk: dict[TableName, list[tuple[int, str]]] = {t: [] for t in tables}
     partitioned: set[TableName] = set()
-    for row in conn.execute(_TARGET_COLUMNS, params).fetchall():
+    with conn.pipeline():
+        described = conn.execute(_TARGET_COLUMNS, params)
+        keyed = conn.execute(_TARGET_UNIQUE_KEYS, params)
+    for row in described.fetchall():
         schema, rel, name, oid, typmod, type_sql, type_name_sql, generated, eq, always = row[:10]
         pk_pos, is_partitioned = row[10:]
         table = TableName(schema, rel)
@@ -117,7 +121,7 @@ def read_target_tables(
             "source: rename them on the target too"
         )
     unique: dict[TableName, list[frozenset[str]]] = {t: [] for t in tables}
-    for schema, rel, names in conn.execute(_TARGET_UNIQUE_KEYS, params).fetchall():
+    for schema, rel, names in keyed.fetchall():
         unique[TableName(schema, rel)].append(frozenset(names))
     return {
         t: TargetTable(

@@ -236,6 +236,8 @@ class Follower:
         self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
         self._done = Backlog()
         self._applier_waits = threading.Event()
+        self._min_cut_s = 0.0  # see pace()
+        self._cut_at = 0.0  # when the stream last stored a range (time.monotonic())
         """Set while the applier waits for a range (see :meth:`_applier_ready`)."""
         self._errors: list[BaseException] = []
         self._session_errors: list[BaseException] = []
@@ -686,6 +688,7 @@ class Follower:
             return None
 
         def stored(result: RangeResult, holding: bool) -> bool | None:
+            self._cut_at = time.monotonic()
             lag = max(0, int(current_flush_lsn(conn) - Lsn(result.endpos)))
             conn.commit()
             try:
@@ -805,8 +808,20 @@ class Follower:
     def _applier_ready(self) -> bool:
         """Whether the applier would start on a range at once: it waits, nothing queued. The
         stream cuts its range then (see :mod:`..source.stream`): a COMMIT at hand waits for the
-        applier, never for a clock."""
-        return self._applier_waits.is_set() and self._to_apply.empty()
+        applier, never for a clock. Paced (:meth:`pace`), not before ``min_cut_s`` went by
+        since the last cut."""
+        return (
+            self._applier_waits.is_set()
+            and self._to_apply.empty()
+            and time.monotonic() - self._cut_at >= self._min_cut_s
+        )
+
+    def pace(self, min_cut_s: float) -> None:
+        """Cut a range when the applier is ready only once ``min_cut_s`` went by since the
+        last cut (0: at once; never later than ``follow_cut_ms`` still). Why: each range costs
+        its run some events; a run whose records trail the applies (its process short of CPU)
+        asks for fewer, bigger ranges until they catch up, so the trail stays bounded."""
+        self._min_cut_s = max(0.0, min_cut_s)
 
     def _put_to_apply(self, item: tuple[RangeResult, int] | None) -> None:
         """Blocks while the applier is ``QUEUE_RANGES`` behind (the bound on how far receive

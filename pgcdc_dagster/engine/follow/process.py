@@ -57,6 +57,9 @@ from .backlog import Backlog
 from .follower import END, Follower, Following, FollowSummary, done_ranges, track, untrack
 
 _PR_SET_PDEATHSIG = 1
+PACE = "\x00pace "
+"""How a line down the stop pipe asks for a pace (:meth:`ProcessFollower.pace`) instead of a
+stop (a stop's reason is text, never starting with NUL)."""
 _HEADER = struct.Struct("!I")
 
 
@@ -114,6 +117,12 @@ class ProcessFollower:
         if self._stop_fd >= 0:
             with contextlib.suppress(OSError):  # the child has ended already
                 os.write(self._stop_fd, reason.replace("\n", " ").encode()[:200] + b"\n")
+
+    def pace(self, min_cut_s: float) -> None:
+        """As :meth:`.follower.Follower.pace`, in the child (a line down the stop pipe)."""
+        if self._stop_fd >= 0:
+            with contextlib.suppress(OSError):  # the child has ended already
+                os.write(self._stop_fd, f"{PACE}{min_cut_s:.3f}\n".encode())
 
     @property
     def endpos(self) -> Lsn | None:
@@ -234,10 +243,16 @@ def _die_with(parent: int) -> None:
 
 
 def _stops_from(fd: int, follower: Follower) -> None:
-    """Each line from the parent is a stop; its end (the parent closed it, or died) too."""
+    """Each line from the parent is a stop, or a pace (:data:`PACE`); its end (the parent
+    closed it, or died) is a stop too."""
     with open(fd, "rb") as pipe:
         for line in pipe:
-            follower.stop(line.decode(errors="replace").strip() or "stopped")
+            said = line.decode(errors="replace").strip()
+            if said.startswith(PACE):
+                with contextlib.suppress(ValueError):
+                    follower.pace(float(said.removeprefix(PACE)))
+                continue
+            follower.stop(said or "stopped")
     follower.stop("the command ended")
 
 

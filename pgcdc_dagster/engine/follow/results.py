@@ -136,6 +136,11 @@ class Following(Protocol):
 
     def stop(self, reason: str) -> None: ...
 
+    def pace(self, min_cut_s: float) -> None:
+        """Cut a range when the applier is ready only once ``min_cut_s`` went by since the
+        last cut (0: at once): fewer ranges while the run's records trail the applies."""
+        ...
+
     def close(self, reason: str) -> None: ...
 
 

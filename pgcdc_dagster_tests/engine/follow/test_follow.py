@@ -1108,3 +1108,55 @@ def test_a_stream_cuts_when_the_applier_is_ready_not_when_the_cut_interval_ends(
     results = [store.get(r).manifest.result for r in store.chain_ranges()]
     assert [r.transactions for r in results if r.transactions][-3:] == [1, 1, 10]
     assert equal(settings)
+
+
+def test_a_paced_stream_cuts_no_sooner_than_its_pace_and_at_once_when_let_go(settings):
+    """A follow run whose records trail asks its follower for a pace (``RecordPace``): while
+    paced, the commits that come within the pace of the last cut wait and go into one range;
+    let go, each COMMIT is cut as soon as the applier is free again."""
+    settings = settings.model_copy(update={"follow_cut_ms": 60_000})
+
+    def arrived(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while count(settings.target_dsn, "log") < n:
+            assert time.monotonic() < deadline, f"row {n} not applied in 20 s"
+            time.sleep(0.05)
+
+    with following(settings) as follower:
+        follower.pace(3.0)
+        run_sql(settings.source_dsn, "INSERT INTO log VALUES (1, 'cut at once: no cut yet')")
+        arrived(1)
+        paced_at = time.monotonic()
+        for n in range(2, 7):
+            run_sql(settings.source_dsn, f"INSERT INTO log VALUES ({n}, 'within the pace')")
+        assert time.monotonic() - paced_at < 2.5, "the commits took longer than the pace"
+        arrived(6)
+        assert time.monotonic() - paced_at > 2.0  # they waited for the pace
+        follower.pace(0.0)
+        run_sql(settings.source_dsn, "INSERT INTO log VALUES (7, 'let go')")
+        arrived(7)
+    store = pipeline.store_of(settings)
+    results = [store.get(r).manifest.result for r in store.chain_ranges()]
+    assert [r.transactions for r in results if r.transactions][-3:] == [1, 5, 1]
+    assert equal(settings)
+
+
+def test_a_pace_reaches_a_follower_in_its_own_process_down_its_stop_pipe(settings):
+    """The parent of a forked follower paces it with a line down the pipe its stops take
+    (``ProcessFollower.pace``); the child tells the two apart: a pace is not a stop."""
+    from pgcdc_dagster.engine.follow.process import PACE, _stops_from
+
+    follower = Follower(settings)
+    down_r, down_w = os.pipe()
+    reader = threading.Thread(target=_stops_from, args=(down_r, follower))
+    reader.start()
+    os.write(down_w, f"{PACE}0.250\n".encode())
+    deadline = time.monotonic() + 10
+    while follower._min_cut_s != 0.25:
+        assert time.monotonic() < deadline, "the pace did not arrive"
+        time.sleep(0.01)
+    assert not follower.stopping
+    os.write(down_w, b"stopped by the test\n")
+    os.close(down_w)
+    reader.join(timeout=10)
+    assert follower.stopping and follower._min_cut_s == 0.25
