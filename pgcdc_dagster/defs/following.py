@@ -352,8 +352,8 @@ class RecordPace:
     :data:`PACE_AFTER_S` (the recording short of CPU: each range is a few of its events), the
     follower cuts its ranges at most every ``cut_s`` (:data:`PACED_CUT_S`) instead of whenever
     its applier is free (:meth:`~.follower.Follower.pace`), until they trail by less than
-    :data:`PACE_UNTIL_S`. Fewer, bigger ranges then cost the run fewer
-    events, and the follower's apply less time, so the trail does not grow however long the
+    :data:`PACE_UNTIL_S`. Fewer, bigger ranges then cost the run fewer events, and the
+    follower's apply less time, so the trail does not grow however long the
     follow runs (see ``benchmarks/HISTORY.md``, "Freshness: the recording at a lower
     priority")."""
 
@@ -361,8 +361,6 @@ class RecordPace:
         self.follower = follower
         self.cut_s = cut_s
         self.paced = False
-        self.times = 0
-        """How often the follower was paced."""
 
     def note(self, followed: Followed) -> None:
         """``followed`` is being recorded now: pace the follower, or let it go, by how far the
@@ -372,7 +370,6 @@ class RecordPace:
         behind = time.monotonic() - followed.applied_at
         if not self.paced and behind > PACE_AFTER_S:
             self.paced = True
-            self.times += 1
             self.follower.pace(self.cut_s)
         elif self.paced and behind < PACE_UNTIL_S:
             self.paced = False
