@@ -4,8 +4,7 @@ durable and removed. One place for the layout's rules (see :mod:`.output_store`)
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..lsn import Lsn, LsnRange
@@ -56,31 +55,6 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def fsync_paths(paths: Sequence[Path]) -> None:
-    """:func:`fsync_path` of each of ``paths`` at the same time (one thread each but the
-    first): the file system flushes them together, where one after the other each waits for
-    the disk (a range's files and its folder, before the rename that publishes them; see
-    ``benchmarks/HISTORY.md``, "Freshness: the apply's commit and a range's round trips").
-    Returns once every one is on disk; the first error is raised."""
-    errors: list[BaseException] = []
-
-    def sync(path: Path) -> None:
-        try:
-            fsync_path(path)
-        except BaseException as exc:  # raised below, in the caller's thread
-            errors.append(exc)
-
-    helpers = [threading.Thread(target=sync, args=(path,)) for path in paths[1:]]
-    for helper in helpers:
-        helper.start()
-    if paths:
-        sync(paths[0])
-    for helper in helpers:
-        helper.join()
-    if errors:
-        raise errors[0]
 
 
 def remove_folder(path: str) -> int:

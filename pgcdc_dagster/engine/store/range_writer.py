@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from ..failpoints import failpoint
 from ..lsn import LsnRange
 from .errors import OUT_OF_SPACE, StoreError, StoreFullError
-from .layout import fsync_path, fsync_paths
+from .layout import fsync_path
 from .range_format import CHANGE_SCHEMA, MANIFEST, RangeManifest, StoredRange
 
 if TYPE_CHECKING:
@@ -145,7 +145,9 @@ class RangeWriter:
         """Make the written range visible, whole, in one step (here: the folder's rename; on
         an object store, the manifest's conditional put, :mod:`.object_store`)."""
         (self.tmp / MANIFEST).write_text(manifest.to_json())
-        fsync_paths([*self.tmp.iterdir(), self.tmp])
+        for f in self.tmp.iterdir():
+            fsync_path(f)
+        fsync_path(self.tmp)
         if self.store.holds(self.range):
             where = self.store.range_path(self.range)
             raise StoreError(f"range {self.range.key} is already stored at {where}")

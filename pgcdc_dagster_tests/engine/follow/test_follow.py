@@ -1079,6 +1079,14 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
     assert_chain_records(store, pipeline.origin_progress(settings))
 
 
+def log_rows_applied(settings: ReplicationSettings, n: int) -> None:
+    """Wait (20 s at most) until the target's ``log`` holds ``n`` rows."""
+    deadline = time.monotonic() + 20
+    while count(settings.target_dsn, "log") < n:
+        assert time.monotonic() < deadline, f"row {n} not applied in 20 s"
+        time.sleep(0.05)
+
+
 def test_a_stream_cuts_when_the_applier_is_ready_not_when_the_cut_interval_ends(
     settings, monkeypatch
 ):
@@ -1090,20 +1098,14 @@ def test_a_stream_cuts_when_the_applier_is_ready_not_when_the_cut_interval_ends(
     monkeypatch.setattr(failpoints, "_armed", None)
     monkeypatch.setattr(failpoints, "_hits", {})
 
-    def arrived(n: int) -> None:
-        deadline = time.monotonic() + 20
-        while count(settings.target_dsn, "log") < n:
-            assert time.monotonic() < deadline, f"row {n} not applied in 20 s"
-            time.sleep(0.05)
-
     with following(settings):
         run_sql(settings.source_dsn, "INSERT INTO log VALUES (1, 'first')")
-        arrived(1)
+        log_rows_applied(settings, 1)
         run_sql(settings.source_dsn, "INSERT INTO log VALUES (2, 'the applier sleeps')")
         time.sleep(0.5)  # its range is being applied, slowly
         for n in range(3, 13):
             run_sql(settings.source_dsn, f"INSERT INTO log VALUES ({n}, 'meanwhile')")
-        arrived(12)
+        log_rows_applied(settings, 12)
     store = pipeline.store_of(settings)
     results = [store.get(r).manifest.result for r in store.chain_ranges()]
     assert [r.transactions for r in results if r.transactions][-3:] == [1, 1, 10]
@@ -1116,25 +1118,19 @@ def test_a_paced_stream_cuts_no_sooner_than_its_pace_and_at_once_when_let_go(set
     let go, each COMMIT is cut as soon as the applier is free again."""
     settings = settings.model_copy(update={"follow_cut_ms": 60_000})
 
-    def arrived(n: int) -> None:
-        deadline = time.monotonic() + 20
-        while count(settings.target_dsn, "log") < n:
-            assert time.monotonic() < deadline, f"row {n} not applied in 20 s"
-            time.sleep(0.05)
-
     with following(settings) as follower:
         follower.pace(3.0)
         run_sql(settings.source_dsn, "INSERT INTO log VALUES (1, 'cut at once: no cut yet')")
-        arrived(1)
+        log_rows_applied(settings, 1)
         paced_at = time.monotonic()
         for n in range(2, 7):
             run_sql(settings.source_dsn, f"INSERT INTO log VALUES ({n}, 'within the pace')")
         assert time.monotonic() - paced_at < 2.5, "the commits took longer than the pace"
-        arrived(6)
+        log_rows_applied(settings, 6)
         assert time.monotonic() - paced_at > 2.0  # they waited for the pace
         follower.pace(0.0)
         run_sql(settings.source_dsn, "INSERT INTO log VALUES (7, 'let go')")
-        arrived(7)
+        log_rows_applied(settings, 7)
     store = pipeline.store_of(settings)
     results = [store.get(r).manifest.result for r in store.chain_ranges()]
     assert [r.transactions for r in results if r.transactions][-3:] == [1, 5, 1]
