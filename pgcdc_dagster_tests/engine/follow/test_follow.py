@@ -1079,6 +1079,13 @@ def test_a_kill_while_a_transaction_streams_then_a_follow_converges_exactly_once
     assert_chain_records(store, pipeline.origin_progress(settings))
 
 
+def transactions_of_ranges(settings: ReplicationSettings) -> list[int]:
+    """Transactions in each stored range of the chain that holds any, in LSN order."""
+    store = pipeline.store_of(settings)
+    results = [store.get(r).manifest.result for r in store.chain_ranges()]
+    return [r.transactions for r in results if r.transactions]
+
+
 def log_rows_applied(settings: ReplicationSettings, n: int) -> None:
     """Wait (20 s at most) until the target's ``log`` holds ``n`` rows."""
     deadline = time.monotonic() + 20
@@ -1106,9 +1113,7 @@ def test_a_stream_cuts_when_the_applier_is_ready_not_when_the_cut_interval_ends(
         for n in range(3, 13):
             run_sql(settings.source_dsn, f"INSERT INTO log VALUES ({n}, 'meanwhile')")
         log_rows_applied(settings, 12)
-    store = pipeline.store_of(settings)
-    results = [store.get(r).manifest.result for r in store.chain_ranges()]
-    assert [r.transactions for r in results if r.transactions][-3:] == [1, 1, 10]
+    assert transactions_of_ranges(settings)[-3:] == [1, 1, 10]
     assert equal(settings)
 
 
@@ -1131,9 +1136,7 @@ def test_a_paced_stream_cuts_no_sooner_than_its_pace_and_at_once_when_let_go(set
         follower.pace(0.0)
         run_sql(settings.source_dsn, "INSERT INTO log VALUES (7, 'let go')")
         log_rows_applied(settings, 7)
-    store = pipeline.store_of(settings)
-    results = [store.get(r).manifest.result for r in store.chain_ranges()]
-    assert [r.transactions for r in results if r.transactions][-3:] == [1, 5, 1]
+    assert transactions_of_ranges(settings)[-3:] == [1, 5, 1]
     assert equal(settings)
 
 
