@@ -43,6 +43,10 @@ def text(value: object) -> MetadataValue:
 
 
 ROW_COUNT = "dagster/row_count"
+CONSISTENT_POINT = "consistent_point"
+"""A copy's consistent point: the snapshot's rows per table are exact there."""
+COPIED_TABLES = "tables"
+"""A copy's per-table table (:func:`copied_tables`)."""
 PARTITION_ROW_COUNT = "dagster/partition_row_count"
 COLUMN_SCHEMA = "dagster/column_schema"
 TABLE_NAME = "dagster/table_name"
@@ -266,12 +270,12 @@ def snapshot_metadata(result: BaseSnapshotResult) -> dict[str, Any]:
         **_loosened(result.not_null_dropped),
         "slot": text(result.slot_name),
         "snapshot_name": text(result.snapshot_name),
-        "consistent_point": text(result.consistent_point),
+        CONSISTENT_POINT: text(result.consistent_point),
         "origin": text(result.origin_name),
         "source_version": text(result.source_version),
         "target_version": text(result.target_version),
         "schema_tools": text(result.pre_data.tools),
-        "tables": copied_tables(result.tables, result.shapes),
+        COPIED_TABLES: copied_tables(result.tables, result.shapes),
         ROW_COUNT: number(result.rows),
         "rows": number(result.rows),
         "seconds": MetadataValue.float(round(float(result.seconds), 3)),

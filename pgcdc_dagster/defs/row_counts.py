@@ -6,8 +6,11 @@ the apply says what it did (rows inserted and deleted; after a TRUNCATE, what wa
 the count is exact at the origin's progress it was taken at (``pgcdc/applied_through``). When
 the last known count is not at the progress this apply started from (a range applied by a run
 that died before Dagster recorded it, or no count yet), the table is counted once, with a time
-limit, and carried on from there. These counts are for people to read; nothing is decided on
-them.
+limit, and carried on from there. The first apply after a base snapshot starts from the
+snapshot's rows per table, exact at its consistent point (where the origin starts): a
+``count(*)`` of every table of a freshly copied target would read it all again, on the server
+the catch-up applies to, while it applies (``benchmarks/HISTORY.md``). These counts are for
+people to read; nothing is decided on them.
 """
 
 from __future__ import annotations
@@ -15,15 +18,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import psycopg
-from dagster import DagsterInstance
+from dagster import DagsterInstance, EventLogEntry, TableMetadataValue
 
 from ..engine.apply.results import ApplyResult, ApplyStatus
 from ..engine.catalog import count_rows
 from ..engine.connect import ConnectError, connect
 from ..engine.identifiers import TableName
 from ..engine.settings import ReplicationSettings
-from .keys import target_key
-from .metadata import APPLIED_THROUGH, ROW_COUNT
+from .keys import BASE_SNAPSHOT_KEY, target_key
+from .metadata import APPLIED_THROUGH, CONSISTENT_POINT, COPIED_TABLES, ROW_COUNT
 
 COUNT_TIMEOUT_S = 5.0
 
@@ -46,7 +49,7 @@ class TargetRowCounts:
         start = applied.previous_lsn
         stale = []
         counts: dict[TableName, int | None] = {}
-        recorded = self._recorded([t for t in self.tables if t not in self.known])
+        recorded = self._recorded([t for t in self.tables if t not in self.known], start)
         for table in self.tables:
             known = self.known.get(table) or recorded.get(table)
             if known is None or known[1] != start:
@@ -72,22 +75,50 @@ class TargetRowCounts:
                 self.known.pop(table, None)
         return counts
 
-    def _recorded(self, tables: Sequence[TableName]) -> dict[TableName, tuple[int, str]]:
+    def _recorded(
+        self, tables: Sequence[TableName], start: str | None
+    ) -> dict[TableName, tuple[int, str]]:
         """The counts in the tables' latest materialisations, with the progress each is exact
-        at; one read of Dagster's storage for all of them: a read per table made the first
-        range's events slow with hundreds of tables (see ``benchmarks/HISTORY.md``,
-        ``benchmarks/many_tables.py`` and "Many tables")."""
+        at, or the base snapshot's where that is exact at ``start`` and theirs is not (the
+        first apply after it, a re-snapshot's included); one read of Dagster's storage for
+        all the tables: a read per table made the first range's events slow with hundreds of
+        tables (see ``benchmarks/HISTORY.md``, ``benchmarks/many_tables.py`` and "Many
+        tables")."""
         if not tables:
             return {}
-        events = self.instance.get_latest_materialization_events([target_key(t) for t in tables])
+        keys = [target_key(t) for t in tables]
+        events = self.instance.get_latest_materialization_events([*keys, BASE_SNAPSHOT_KEY])
+        snapshot = _snapshot_rows(events.get(BASE_SNAPSHOT_KEY), start)
         found: dict[TableName, tuple[int, str]] = {}
         for table in tables:
             event = events.get(target_key(table))
             materialization = event.asset_materialization if event else None
-            if materialization is None:
-                continue
-            rows = materialization.metadata.get(ROW_COUNT)
-            through = materialization.metadata.get(APPLIED_THROUGH)
+            rows = materialization.metadata.get(ROW_COUNT) if materialization else None
+            through = materialization.metadata.get(APPLIED_THROUGH) if materialization else None
             if rows is not None and through is not None:
                 found[table] = (int(rows.value), str(through.value))  # type: ignore[arg-type]
+            if table in snapshot and found.get(table, ("", ""))[1] != start:
+                found[table] = (snapshot[table], str(start))
         return found
+
+
+def _snapshot_rows(event: EventLogEntry | None, start: str | None) -> dict[TableName, int]:
+    """Each table's rows in the base snapshot ``event`` recorded, when its consistent point is
+    ``start``: the copy is then all the target holds of the table (a resumed copy's rows kept
+    from its killed attempt included)."""
+    materialization = event.asset_materialization if event else None
+    if materialization is None or start is None:
+        return {}
+    point = materialization.metadata.get(CONSISTENT_POINT)
+    copied = materialization.metadata.get(COPIED_TABLES)
+    if point is None or str(point.value) != start or not isinstance(copied, TableMetadataValue):
+        return {}
+    rows: dict[TableName, int] = {}
+    for record in copied.records:
+        data = record.data
+        if isinstance(data.get("table"), str) and isinstance(data.get("rows"), int):
+            kept = data.get("kept_rows")
+            rows[TableName.parse(data["table"])] = data["rows"] + (
+                kept if isinstance(kept, int) else 0
+            )
+    return rows
