@@ -1156,12 +1156,17 @@ def test_kill_during_the_sensors_partition_registration_then_a_plain_catchup_con
     assert all(store.get(LsnRange.from_partition_key(key)) is not None for key in keys)
 
 
-def _session_waiting(dsn: str, state: str, query_like: str = "%") -> bool:
+def _session_waiting(dsn: str, state: str, query_like: str = "%", for_s: float = 2.0) -> bool:
+    """A session of ``dsn``'s database in ``state`` for ``for_s`` seconds at least: a paused
+    failpoint's, not one passing through that state between two statements. (Once in a loaded
+    suite the target-crash test's catch-up went on and succeeded: a look that caught a session
+    in passing would crash the target before the pause, which a catch-up rides through.)"""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND state = %s AND query LIKE %s AND pid <> pg_backend_pid()",
-            (state, query_like),
+            "AND state = %s AND query LIKE %s AND pid <> pg_backend_pid() "
+            "AND state_change < now() - make_interval(secs => %s)",
+            (state, query_like, for_s),
         ).fetchone()
     return bool(row and row[0])
 
