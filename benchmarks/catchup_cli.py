@@ -7,7 +7,10 @@ process is started to its exit. The backlog, the snapshot, the cloned target dat
 native side are ``benchmarks/apply.py``'s, from ``benchmarks/harness.py``: pgbench TPC-B on
 scale ``--scale``, ``--transactions`` per client and 4 clients, a ``CREATE SUBSCRIPTION`` over
 a slot made right after our snapshot, timed from ``ENABLE`` until its slot confirms the
-backlog's end. The two sides alternate order between repeats.
+backlog's end. The two sides alternate order between repeats, and each starts from a
+``CHECKPOINT`` of both clusters and a ``sync`` (the side before must not leave its dirty
+buffers, or a checkpoint due to its WAL, to the next). The command's Dagster storage holds the
+base snapshot's materialisation, as ``pgcdc snapshot`` leaves it.
 
 Reported per run: both wall times, the ratio (native seconds / ours, > 1: we are faster), and
 from the follow run's own totals how long receive and apply were busy and how long they ran at
