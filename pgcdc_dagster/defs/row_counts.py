@@ -97,7 +97,7 @@ class TargetRowCounts:
             through = materialization.metadata.get(APPLIED_THROUGH) if materialization else None
             if rows is not None and through is not None:
                 found[table] = (int(rows.value), str(through.value))  # type: ignore[arg-type]
-            if table in snapshot and found.get(table, ("", ""))[1] != start:
+            if table in snapshot and (table not in found or found[table][1] != start):
                 found[table] = (snapshot[table], str(start))
         return found
 

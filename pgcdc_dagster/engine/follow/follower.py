@@ -236,9 +236,9 @@ class Follower:
         self._to_apply: queue.Queue[tuple[RangeResult, int] | None] = queue.Queue(QUEUE_RANGES)
         self._done = Backlog()
         self._applier_waits = threading.Event()
+        """Set while the applier waits for a range (see :meth:`_applier_ready`)."""
         self._min_cut_s = 0.0  # see pace()
         self._cut_at = 0.0  # when the stream last stored a range (time.monotonic())
-        """Set while the applier waits for a range (see :meth:`_applier_ready`)."""
         self._errors: list[BaseException] = []
         self._session_errors: list[BaseException] = []
         self._reached_servers = False
