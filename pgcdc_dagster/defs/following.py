@@ -153,7 +153,8 @@ def follow_summary_metadata(
     """How the run ended and where its time went: receive and apply busy seconds, how long
     both ran at once (the pipelining), the CPU each side spent in the follower itself, the
     outages it rode through (of its servers, and of Dagster's storage), and the time it made
-    way for ``pgcdc add-table``."""
+    way for ``pgcdc add-table``, and how often its kept target connection was lost and
+    replaced."""
     return {
         "stopped_by": summary.stopped_by,
         "ranges": summary.ranges,
@@ -163,6 +164,7 @@ def follow_summary_metadata(
         "receive_busy_s": summary.receive_busy_s,
         "apply_busy_s": summary.apply_busy_s,
         "overlap_s": summary.overlap_s,
+        "target_reconnects": summary.target_reconnects,
         "receive_cpu_s": summary.receive_cpu_s,
         "apply_cpu_s": summary.apply_cpu_s,
         "outages": summary.outages,
